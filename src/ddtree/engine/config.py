@@ -1,0 +1,42 @@
+"""``EngineConfig``: everything fixed when an engine is built (models, device, preallocated limits).
+
+Per-request knobs live in :class:`~ddtree.engine.api.TreeSettings` / :class:`~ddtree.engine.api.SamplingParams`;
+the limits here only bound them, because buffers are sized once at set-up and never grow while serving.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ddtree.engine.api import TreeSettings
+from ddtree.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    target: str | None = None  # local HF directory or hub id; None = the embedded demo target
+    draft: str | None = None  # z-lab DFlash directory or hub id; None = the demo drafter; "none" = AR only
+    device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:N"
+    dtype: str = "auto"  # "auto" (fp32 on CPU, bf16 on CUDA), "float32", "bfloat16", "float16"
+    max_batch: int = 16  # requests decoding at once (KV slots)
+    max_len: int = 4096  # tokens per request: prompt + completion
+    max_budget: int = 64  # largest tree budget a request may ask for
+    max_block_size: int | None = None  # largest block size a request may ask for; None = drafter's trained size
+    max_queue: int = 256  # requests waiting for a slot before new ones are refused
+    prefill_chunk: int = 512  # prompt tokens prefilled per engine step (long prompts are chunked)
+    kv_memory_fraction: float | None = None  # size max_batch from free device memory instead
+    default_tree: TreeSettings = field(default_factory=TreeSettings)
+    seed: int = 0
+
+    def validated(self) -> EngineConfig:
+        for name, lo in (("max_batch", 1), ("max_len", 16), ("max_budget", 1), ("max_queue", 0), ("prefill_chunk", 16)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+                raise ConfigError(f"{name} must be an integer >= {lo}, got {value!r}")
+        if self.max_block_size is not None and (not isinstance(self.max_block_size, int) or self.max_block_size < 2):
+            raise ConfigError(f"max_block_size must be an integer >= 2, got {self.max_block_size!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
+            raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.kv_memory_fraction is not None and not (0.0 < self.kv_memory_fraction < 1.0):
+            raise ConfigError(f"kv_memory_fraction must be in (0, 1), got {self.kv_memory_fraction!r}")
+        return self
