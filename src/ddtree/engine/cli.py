@@ -1,0 +1,86 @@
+"""``ddtree generate``: one prompt through the engine, printed as text or JSON."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import typer
+
+from ddtree.engine.api import METHODS, GenerationRequest, SamplingParams, TreeSettings
+from ddtree.engine.config import EngineConfig
+
+
+def _parse_window(value: str | None) -> int | None:
+    if value is None or value.lower() in ("none", "all", "0"):
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise typer.BadParameter(f"--draft-window must be an integer or 'none', got {value!r}") from None
+
+
+def generate(
+    prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text (with --chat: the user message)."),
+    target: Optional[str] = typer.Option(None, help="Target model directory or hub id (default: the demo target)."),
+    draft: Optional[str] = typer.Option(None, help="DFlash drafter directory or hub id; 'none' for AR only."),
+    method: str = typer.Option("ddtree", help=f"One of {', '.join(METHODS)}."),
+    budget: int = typer.Option(16, help="Draft nodes verified per round (ddtree)."),
+    topk: Optional[int] = typer.Option(None, help="Most candidates per draft depth (default: no cap)."),
+    block_size: Optional[int] = typer.Option(None, "--block-size", help="Draft positions per pass (default: trained)."),
+    draft_window: Optional[str] = typer.Option(None, "--draft-window", help="Drafter context window, or 'none'."),
+    temperature: float = typer.Option(0.0, help="0 = greedy."),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    top_k: int = typer.Option(0, "--top-k"),
+    seed: Optional[int] = typer.Option(None),
+    max_tokens: int = typer.Option(256, "--max-tokens"),
+    stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos"),
+    chat: bool = typer.Option(False, "--chat", help="Apply the tokenizer's chat template to the prompt."),
+    as_json: bool = typer.Option(False, "--json", help="Print text, token ids and stats as JSON."),
+    device: str = typer.Option("auto"),
+    dtype: str = typer.Option("auto"),
+    max_len: int = typer.Option(16384, "--max-len", help="Context limit (prompt + completion)."),
+) -> None:
+    """Generate a completion for one prompt with AR, the DFlash chain or a DDTree tree."""
+    tree = TreeSettings(method=method, budget=budget, topk=topk, block_size=block_size,  # type: ignore[arg-type]
+                        draft_window=_parse_window(draft_window))
+    config = EngineConfig(
+        target=target, draft=draft, device=device, dtype=dtype, max_batch=1, max_len=max_len,
+        max_budget=max(budget, 1), max_block_size=block_size, default_tree=tree,
+    )
+    from ddtree.engine.engine import Engine
+
+    engine = Engine(config)
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                              max_tokens=max_tokens, stop=tuple(stop), ignore_eos=ignore_eos)
+    if chat:
+        request = GenerationRequest(prompt_token_ids=engine.encode_chat([{"role": "user", "content": prompt}]),
+                                    tree=tree, sampling=sampling)
+    else:
+        request = GenerationRequest(prompt=prompt, tree=tree, sampling=sampling)
+    engine.validate(request)
+    engine.start()
+    try:
+        (out,) = engine.generate([request])
+    finally:
+        engine.shutdown(drain_timeout=0)
+    if as_json:
+        typer.echo(json.dumps({
+            "text": out.text, "token_ids": out.token_ids, "prompt_tokens": len(out.prompt_token_ids),
+            "finish_reason": out.finish_reason, "error": out.error, "stats": out.stats.to_dict(),
+        }, indent=2))
+    else:
+        typer.echo(out.text)
+        s = out.stats
+        typer.secho(
+            f"[{out.finish_reason}] {s.completion_tokens} tokens, {s.verify_rounds} rounds, "
+            f"acceptance {s.accept_length:.2f}, {s.completion_tokens / max(s.latency_s or 1e-9, 1e-9):.1f} tok/s",
+            err=True, fg=typer.colors.BLUE,
+        )
+    if out.finish_reason == "error":
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("generate")(generate)

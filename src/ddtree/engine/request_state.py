@@ -1,0 +1,113 @@
+"""Host-side state of one request while the engine runs it.
+
+Everything here is plain Python on the host: token ids, counters, the detokenizer and stop logic. Device tensors
+for a round are gathered from these objects once per round (see :mod:`ddtree.engine.batch`), and results come back
+through the one host copy at the end of the round.
+
+Positions: a request with ``n`` committed tokens (prompt + generated) has target KV for positions ``0 .. n - 2``;
+its last committed token (the *root* of the next tree) sits at position ``n - 1`` and has no KV yet. The drafter's
+context cache holds features for the same positions ``0 .. n - 2``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+
+from ddtree.engine.api import FinishReason, RequestStats, SamplingParams, StreamChunk, TreeSettings
+from ddtree.engine.detok import IncrementalDetokenizer
+
+
+class Phase(Enum):
+    WAITING = "waiting"  # queued, no slot
+    PREFILL = "prefill"  # has a slot, prompt partly in the cache
+    DECODE = "decode"  # speculative rounds
+    DONE = "done"
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt_ids: list[int]
+    tree: TreeSettings  # resolved (block_size concrete)
+    sampling: SamplingParams
+    seed: int
+    on_chunk: Callable[[StreamChunk], None]
+    detok: IncrementalDetokenizer
+    eos_ids: frozenset[int]
+    max_len: int
+    phase: Phase = Phase.WAITING
+    slot: int = -1
+    prefilled: int = 0  # prompt tokens whose KV is in the cache
+    output_ids: list[int] = field(default_factory=list)
+    cancelled: bool = False
+    stats: RequestStats = field(default_factory=RequestStats)
+    arrival: float = field(default_factory=time.perf_counter)
+    admitted_at: float | None = None
+
+    # ---- derived positions -------------------------------------------------------------------------------
+    @property
+    def num_committed(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def root_position(self) -> int:
+        """Position of the last committed token (the next tree's root); also the committed KV length."""
+        return self.num_committed - 1
+
+    @property
+    def root_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
+    def budget(self) -> int:
+        """Draft nodes per round: 0 for AR, the chain depth for DFlash, the budget for DDTree."""
+        if self.tree.method == "ar":
+            return 0
+        if self.tree.method == "dflash":
+            return self.depth_limit
+        return self.tree.budget
+
+    @property
+    def topk(self) -> int:
+        """Per-depth cap passed to build_trees (0 = none); the chain is top-1."""
+        if self.tree.method == "dflash":
+            return 1
+        return self.tree.topk or 0
+
+    @property
+    def depth_limit(self) -> int:
+        return 0 if self.tree.method == "ar" else int(self.tree.block_size) - 1
+
+    # ---- committing ----------------------------------------------------------------------------------------
+    def commit(self, tokens: list[int]) -> tuple[list[int], str, FinishReason | None]:
+        """Append tokens from one round (or the prefill's first token), honouring every stop rule.
+
+        Returns the ids actually kept, the text delta and the finish reason (None while running)."""
+        kept: list[int] = []
+        reason: FinishReason | None = None
+        for tok in tokens:
+            kept.append(tok)
+            self.output_ids.append(tok)
+            if not self.sampling.ignore_eos and tok in self.eos_ids:
+                reason = "stop"
+                break
+            if tok in self.sampling.stop_token_ids:
+                reason = "stop"
+                break
+            if len(self.output_ids) >= self.sampling.max_tokens or self.num_committed >= self.max_len:
+                reason = "length"
+                break
+        text_ids = kept
+        if reason == "stop" and kept and (kept[-1] in self.eos_ids or kept[-1] in self.sampling.stop_token_ids):
+            text_ids = kept[:-1]  # a stop token is reported in ids but not rendered as text
+        text = self.detok.add(text_ids)
+        if self.detok.stopped:
+            reason = "stop"
+        if reason is not None:
+            text += self.detok.finish()
+            if self.detok.stopped:  # a stop string completed by the flushed tail
+                reason = "stop"
+        return kept, text, reason

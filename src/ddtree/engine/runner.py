@@ -1,0 +1,238 @@
+"""The device side of the engine: a prefill chunk and one speculative round, as fixed sequences of tensor ops.
+
+One round for R requests (rows) that may each use a different method, budget, top-k, block size and window::
+
+    draft   drafter.draft_logits         [R] roots            -> [R, L, V]   (L = batch max block size - 1)
+    tree    spec.build_trees             [R, L, V]            -> Trees, N = batch max budget + 1 nodes
+            spec.tree_positions / build_attention_mask        -> positions [R, N], mask [R, N, kv_len]
+    verify  target.forward (tree tokens, ancestor visibility) -> logits [R, N, V], features [R, N, F]
+            argmax or spec.sample_choices                     -> choices [R, N]
+    commit  spec.walk_trees                                   -> path [R, L + 1], num_accepted [R]
+            spec.compact_cache (target K and V)                  accepted nodes -> start .. start + n - 1
+            drafter.append_context (features of accepted nodes)  drafter context grows by n
+    host    to_host(new_tokens, num_accepted)                 the one place results cross to the host
+
+AR rows have budget 0 (a tree of the root alone); DFlash rows have top-k 1 and budget = depth, which makes
+``build_trees`` return exactly the drafter's top-1 chain. Nothing inside a round reads a device value on the host:
+every size (N, L, kv_len) is known on the host from the requests' settings and committed lengths.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ddtree import spec
+from ddtree.models import DFlashDrafter, KVCache, TargetModel
+
+
+@dataclass
+class RoundInputs:
+    """Device tensors for one round plus the host-known sizes that shape it."""
+
+    slots: Tensor  # [R] long
+    root_tokens: Tensor  # [R] long
+    start: Tensor  # [R] long, position of each root (= committed KV length)
+    budget: Tensor  # [R] long, 0 for AR
+    topk: Tensor  # [R] long, 0 = no cap
+    depth_limit: Tensor  # [R] long, block_size - 1 (0 for AR)
+    window: Tensor  # [R] long, drafter context window
+    temperature: Tensor  # [R] float
+    top_p: Tensor  # [R] float
+    top_k: Tensor  # [R] long
+    seed: Tensor  # [R] long
+    step: Tensor  # [R] long, tokens generated so far (sampling counter)
+    max_budget: int  # N - 1
+    block_size: int  # batch max block size (L + 1); 1 when no row drafts
+    kv_len: int  # cache positions the attention reads: max(start) + N
+    greedy: bool  # every row has temperature 0
+    contiguous: bool  # every row is AR or DFlash: accepted nodes are already contiguous
+
+
+@dataclass
+class PrefillInputs:
+    ids: Tensor  # [R, T] long, prompt chunk (padded)
+    slots: Tensor  # [R] long
+    start: Tensor  # [R] long, prompt tokens already in the cache
+    valid_len: Tensor  # [R] long, real tokens in this chunk
+    last_index: Tensor  # [R] long, valid_len - 1
+    kv_len: int
+
+
+class StageTimer:
+    """Wall time per stage. On CUDA it records events and reads them only after the round's one host sync."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._marks: list[tuple[str, object, object]] = []
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        if self.cuda:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            yield
+            end.record()
+        else:
+            begin = time.perf_counter()
+            yield
+            end = time.perf_counter()
+        self._marks.append((name, begin, end))
+
+    def collect(self) -> dict[str, float]:
+        """Seconds per stage; call after the host sync (events are complete by then)."""
+        out: dict[str, float] = {}
+        for name, begin, end in self._marks:
+            secs = begin.elapsed_time(end) / 1e3 if self.cuda else end - begin  # type: ignore[union-attr,operator]
+            out[name] = out.get(name, 0.0) + secs
+        self._marks.clear()
+        return out
+
+
+def root_only_trees(root_tokens: Tensor) -> spec.Trees:
+    """The tree of an AR round: the root alone (N = 1)."""
+    r = root_tokens.shape[0]
+    dev = root_tokens.device
+    return spec.Trees(
+        tokens=root_tokens.view(r, 1),
+        parents=torch.full((r, 1), -1, dtype=torch.long, device=dev),
+        depths=torch.zeros((r, 1), dtype=torch.long, device=dev),
+        valid=torch.ones((r, 1), dtype=torch.bool, device=dev),
+        visibility=torch.ones((r, 1, 1), dtype=torch.bool, device=dev),
+        scores=torch.zeros((r, 1), dtype=torch.float32, device=dev),
+    )
+
+
+class ModelRunner:
+    """Owns the models and their KV caches; runs prefill chunks and speculative rounds."""
+
+    def __init__(
+        self,
+        target: TargetModel,
+        drafter: DFlashDrafter | None,
+        *,
+        slots: int,
+        cache_len: int,
+    ) -> None:
+        self.target = target
+        self.drafter = drafter
+        param = next(target.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.target_cache: KVCache = target.allocate_cache(slots, cache_len)
+        self.drafter_cache: KVCache | None = drafter.allocate_cache(slots, cache_len) if drafter is not None else None
+        self.feature_layers: tuple[int, ...] = (
+            tuple(drafter.config.target_layer_ids) if drafter is not None else ()
+        )
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.target_cache.nbytes + (self.drafter_cache.nbytes if self.drafter_cache is not None else 0)
+
+    # ---- prefill ----------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, inp: PrefillInputs) -> Tensor:
+        """Write a causal prompt chunk into both caches; return the target's logits at each row's last token.
+
+        Returns ``[R, V]`` float logits."""
+        r, t = inp.ids.shape
+        positions = inp.start[:, None] + torch.arange(t, device=self.device)
+        visibility = spec.causal_visibility(t, inp.valid_len)
+        mask = spec.build_attention_mask(inp.start, positions, visibility, inp.kv_len)
+        out = self.target(
+            inp.ids,
+            positions,
+            self.target_cache,
+            inp.slots,
+            positions,
+            mask,
+            logits_at=inp.last_index[:, None],
+            hidden_layers=self.feature_layers,
+        )
+        if self.drafter is not None:
+            # Padding columns write features past the prompt; they stay invisible (beyond every ctx_len) and are
+            # overwritten when those positions are committed.
+            self.drafter.append_context(out.hidden, positions, self.drafter_cache, inp.slots, positions)
+        return out.logits[:, 0]
+
+    # ---- one speculative round --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def round(self, inp: RoundInputs, timer: StageTimer) -> tuple[Tensor, Tensor]:
+        """Draft, build trees, verify, walk and commit for every row. Returns device tensors
+        ``new_tokens [R, L + 1]`` and ``num_accepted [R]`` (tokens committed this round, bonus included)."""
+        drafting = self.drafter is not None and inp.block_size > 1
+        with timer.stage("draft"):
+            if drafting:
+                draft_logits = self.drafter.draft_logits(
+                    self.target,
+                    inp.root_tokens,
+                    inp.start,
+                    self.drafter_cache,
+                    inp.slots,
+                    inp.block_size,
+                    block_len=inp.depth_limit + 1,
+                    window=inp.window,
+                )
+        with timer.stage("tree"):
+            if drafting:
+                trees = spec.build_trees(
+                    draft_logits,
+                    inp.budget,
+                    inp.topk,
+                    max_budget=inp.max_budget,
+                    depth_limit=inp.depth_limit,
+                    root_tokens=inp.root_tokens,
+                )
+            else:
+                trees = root_only_trees(inp.root_tokens)
+            n = trees.tokens.shape[1]
+            positions = spec.tree_positions(inp.start, trees.depths)
+            write_pos = spec.tree_write_positions(inp.start, n)
+            mask = spec.build_attention_mask(inp.start, write_pos, trees.visibility, inp.kv_len)
+        with timer.stage("verify"):
+            out = self.target(
+                trees.tokens,
+                positions,
+                self.target_cache,
+                inp.slots,
+                write_pos,
+                mask,
+                hidden_layers=self.feature_layers,
+            )
+            if inp.greedy:
+                choices = out.logits.argmax(dim=-1)
+            else:
+                choices = spec.sample_choices(
+                    out.logits, inp.temperature, inp.top_p, inp.top_k, inp.seed, inp.step
+                )
+        with timer.stage("commit"):
+            max_depth = inp.block_size - 1 if drafting else 0
+            walk = spec.walk_trees(trees, choices, max_depth)
+            spec.compact_cache(self.target_cache.k, inp.slots, inp.start, walk.path, contiguous=inp.contiguous)
+            spec.compact_cache(self.target_cache.v, inp.slots, inp.start, walk.path, contiguous=inp.contiguous)
+            if self.drafter is not None:
+                path = walk.path  # [R, L + 1]
+                feats = torch.gather(
+                    out.hidden, 1, path[:, :, None].expand(-1, -1, out.hidden.shape[-1])
+                )  # [R, L + 1, F]
+                ctx_pos = inp.start[:, None] + torch.arange(path.shape[1], device=self.device)
+                self.drafter.append_context(feats, ctx_pos, self.drafter_cache, inp.slots, ctx_pos)
+        return walk.new_tokens, walk.num_accepted
+
+    @torch.inference_mode()
+    def sample_first(self, logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, seed: Tensor,
+                     greedy: bool) -> Tensor:
+        """The first completion token of each row from its prefill logits ``[R, V]`` -> ``[R]``."""
+        if greedy:
+            return logits.argmax(dim=-1)
+        step = torch.zeros_like(seed)
+        return spec.sample_choices(logits[:, None, :], temperature, top_p, top_k, seed, step)[:, 0]
+
+
+def to_host(*tensors: Tensor) -> list[list]:
+    """The one place a round's results cross to the host (a single synchronising copy per tensor)."""
+    return [t.tolist() for t in tensors]

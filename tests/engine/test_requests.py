@@ -1,0 +1,217 @@
+"""Request handling: bad input fails alone before taking a slot, faults stay confined, cancel frees the slot,
+stop rules, streaming and statistics."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from ddtree.engine import GenerationRequest, SamplingParams, TreeSettings
+from ddtree.errors import InvalidRequestError
+
+
+def _req(prompt="def f(x):\n", tree=None, **sampling):
+    sampling.setdefault("max_tokens", 16)
+    return GenerationRequest(prompt=prompt, tree=tree, sampling=SamplingParams(**sampling))
+
+
+@pytest.mark.parametrize(
+    "request_kwargs,param",
+    [
+        (dict(prompt=""), "prompt"),
+        (dict(prompt="x" * 10, max_tokens=10_000), "max_tokens"),
+        (dict(tree=TreeSettings(method="ddtree", budget=0)), "budget"),
+        (dict(tree=TreeSettings(method="ddtree", budget=10_000)), "budget"),
+        (dict(tree=TreeSettings(method="ddtree", topk=0)), "topk"),
+        (dict(tree=TreeSettings(method="ddtree", block_size=1)), "block_size"),
+        (dict(tree=TreeSettings(method="ddtree", block_size=64)), "block_size"),
+        (dict(tree=TreeSettings(method="ddtree", draft_window=4)), "draft_window"),
+        (dict(tree=TreeSettings(method="beam")), "method"),  # type: ignore[arg-type]
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+    ],
+)
+def test_bad_requests_fail_alone_before_taking_a_slot(tiny_engine_factory, request_kwargs, param):
+    engine = tiny_engine_factory()
+    tree = request_kwargs.pop("tree", None)
+    prompt = request_kwargs.pop("prompt", "def f(x):\n")
+    with pytest.raises(InvalidRequestError) as err:
+        engine.submit(_req(prompt, tree, **request_kwargs), lambda ch: None)
+    assert err.value.param == param
+    assert str(err.value)
+    snap = engine.snapshot()
+    assert snap.running == 0 and snap.queued == 0
+    # the engine still serves the next valid request
+    (out,) = engine.generate([_req()])
+    assert out.finish_reason in ("length", "stop") and out.token_ids
+
+
+def test_prompt_token_ids_out_of_vocab_rejected(tiny_engine_factory):
+    engine = tiny_engine_factory()
+    with pytest.raises(InvalidRequestError, match="token ids"):
+        engine.submit(GenerationRequest(prompt_token_ids=[1, 10**9]), lambda ch: None)
+
+
+def test_ar_only_engine_rejects_speculative_methods(tiny_engine_factory):
+    engine = tiny_engine_factory(drafter=False)
+    assert engine.defaults.method == "ar"
+    with pytest.raises(InvalidRequestError, match="drafter"):
+        engine.validate(_req(tree=TreeSettings(method="ddtree")))
+    (out,) = engine.generate([_req(ignore_eos=True)])
+    assert len(out.token_ids) == 16
+
+
+def test_a_fault_in_one_request_leaves_the_others_running(tiny_engine_factory, monkeypatch):
+    engine = tiny_engine_factory(oracle=True)
+    real_round = engine.runner.round
+    poisoned_slot = []
+
+    def faulty_round(inp, timer):
+        if poisoned_slot and poisoned_slot[0] in inp.slots.tolist():
+            raise RuntimeError("injected fault")
+        return real_round(inp, timer)
+
+    monkeypatch.setattr(engine.runner, "round", faulty_round)
+    reqs = [_req(p, TreeSettings(method="ddtree", budget=8), max_tokens=24, ignore_eos=True)
+            for p in ("a = 1\n", "def g():\n", "import os\n")]
+    alone = [engine.generate([r])[0].token_ids for r in reqs]
+
+    # poison the slot the second request will take: slots are handed out from 0 upward
+    poisoned_slot.append(1)
+    outs = engine.generate(reqs)
+    assert outs[1].finish_reason == "error" and "injected fault" in outs[1].error
+    assert outs[0].token_ids == alone[0] and outs[2].token_ids == alone[2]
+    poisoned_slot.clear()
+    assert engine.generate([reqs[1]])[0].token_ids == alone[1]
+
+
+def test_a_consumer_that_raises_only_cancels_its_own_request(tiny_engine_factory):
+    engine = tiny_engine_factory()
+    done = threading.Event()
+    good = []
+
+    def bad(chunk):
+        raise ValueError("consumer bug")
+
+    def ok(chunk):
+        good.extend(chunk.token_ids)
+        if chunk.finished:
+            done.set()
+
+    engine.submit(_req(max_tokens=30, ignore_eos=True), bad)
+    engine.submit(_req(max_tokens=30, ignore_eos=True), ok)
+    assert done.wait(30)
+    assert len(good) == 30
+    assert engine.snapshot().requests_total.get("cancelled", 0) == 1
+
+
+def test_cancel_frees_the_slot_within_a_round(tiny_engine_factory):
+    engine = tiny_engine_factory(max_batch=1)
+    started = threading.Event()
+    finished = threading.Event()
+    reasons = []
+
+    def on_chunk(chunk):
+        started.set()
+        if chunk.finished:
+            reasons.append(chunk.finish_reason)
+            finished.set()
+
+    rid = engine.submit(_req(max_tokens=400, ignore_eos=True, tree=TreeSettings(method="ar")), on_chunk)
+    assert started.wait(30)
+    engine.cancel(rid)
+    assert finished.wait(5)
+    assert reasons == ["cancelled"]
+    t0 = time.perf_counter()
+    (out,) = engine.generate([_req(max_tokens=4, ignore_eos=True)])  # the single slot is free again
+    assert len(out.token_ids) == 4 and time.perf_counter() - t0 < 30
+
+
+def test_stop_rules(tiny_engine_factory, tiny_tokenizer):
+    engine = tiny_engine_factory(oracle=True)
+    (free,) = engine.generate([_req(max_tokens=40, ignore_eos=True)])
+    stop_id = free.token_ids[5]
+    (by_id,) = engine.generate([_req(max_tokens=40, ignore_eos=True, stop_token_ids=(stop_id,))])
+    first = free.token_ids.index(stop_id)
+    assert by_id.token_ids == free.token_ids[: first + 1] and by_id.finish_reason == "stop"
+    text = free.text
+    needle = text[len(text) // 2 : len(text) // 2 + 3]
+    (by_str,) = engine.generate([_req(max_tokens=40, ignore_eos=True, stop=(needle,))])
+    assert by_str.finish_reason == "stop"
+    assert by_str.text == text[: text.index(needle)]
+    (by_len,) = engine.generate([_req(max_tokens=7, ignore_eos=True)])
+    assert len(by_len.token_ids) == 7 and by_len.finish_reason == "length"
+
+
+def test_eos_stops_unless_ignored(tiny_engine_factory, tiny_pair, tiny_tokenizer, monkeypatch):
+    engine = tiny_engine_factory(oracle=True)
+    (free,) = engine.generate([_req(max_tokens=30, ignore_eos=True)])
+    # pretend the 4th generated token is the end-of-text token
+    monkeypatch.setattr(engine, "eos_ids", frozenset({free.token_ids[3]}))
+    (out,) = engine.generate([_req(max_tokens=30)])
+    assert out.token_ids == free.token_ids[: free.token_ids.index(free.token_ids[3]) + 1]
+    assert out.finish_reason == "stop"
+    (ignored,) = engine.generate([_req(max_tokens=30, ignore_eos=True)])
+    assert ignored.token_ids == free.token_ids
+
+
+def test_stream_equals_generate_and_carries_stats(tiny_engine_factory):
+    engine = tiny_engine_factory(oracle=True)
+    req = _req(max_tokens=32, ignore_eos=True, tree=TreeSettings(method="ddtree", budget=16))
+    (blocking,) = engine.generate([req])
+
+    async def consume():
+        chunks = []
+        async for chunk in engine.stream(req):
+            chunks.append(chunk)
+        return chunks
+
+    chunks = asyncio.run(consume())
+    assert [t for c in chunks for t in c.token_ids] == blocking.token_ids
+    assert "".join(c.text for c in chunks) == blocking.text
+    final = chunks[-1]
+    assert final.finished and final.stats is not None
+    st = final.stats
+    assert st.completion_tokens == 32
+    assert st.verify_rounds == sum(st.accept_hist)
+    assert st.accept_length == pytest.approx(32 / st.verify_rounds)
+    # every round commits at least one token; the first token came from the prefill
+    assert 1 + sum(k * c for k, c in enumerate(st.accept_hist)) >= 32
+    assert st.ttft_s is not None and st.ttft_s > 0
+    assert {"draft", "tree", "verify", "commit"} <= set(st.stage_s)
+
+
+def test_stream_closed_early_cancels(tiny_engine_factory):
+    engine = tiny_engine_factory(max_batch=1)
+
+    async def consume_two():
+        it = engine.stream(_req(max_tokens=400, ignore_eos=True, tree=TreeSettings(method="ar")))
+        n = 0
+        async for _ in it:
+            n += 1
+            if n == 2:
+                break
+        await it.aclose()
+
+    asyncio.run(consume_two())
+    deadline = time.time() + 5
+    while engine.snapshot().running and time.time() < deadline:
+        time.sleep(0.01)
+    assert engine.snapshot().running == 0
+
+
+def test_long_prompt_is_prefilled_in_chunks_while_others_decode(tiny_engine_factory, tiny_tokenizer):
+    engine = tiny_engine_factory(prefill_chunk=16, max_len=512)
+    long_prompt = "def f(x):\n    return x\n" * 20
+    ids = tiny_tokenizer.encode(long_prompt)
+    assert len(ids) > 48
+    short = _req(max_tokens=30, ignore_eos=True)
+    (short_alone,) = engine.generate([short])
+    (long_alone,) = engine.generate([_req(long_prompt, max_tokens=8, ignore_eos=True)])
+    outs = engine.generate([_req(long_prompt, max_tokens=8, ignore_eos=True), short])
+    assert outs[0].token_ids == long_alone.token_ids
+    assert outs[1].token_ids == short_alone.token_ids
+    assert outs[0].stats.stage_s["prefill"] > 0
