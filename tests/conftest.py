@@ -153,7 +153,8 @@ class OracleDrafter(torch.nn.Module):
         self.inner.append_context(*args, **kwargs)
 
     @torch.inference_mode()
-    def draft_logits(self, target, root_tokens, ctx_len, cache, slots, block_size, *, block_len=None, window=None):
+    def draft_logits(self, target, root_tokens, ctx_len, cache, slots, block_size, *, block_len=None, window=None,
+                     kv_len=None):
         from ddtree import spec
 
         r = root_tokens.shape[0]

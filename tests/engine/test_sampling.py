@@ -108,8 +108,9 @@ def test_seeded_requests_reproduce(tiny_engine_factory, tiny_tokenizer):
     # the same request again, now sharing its rounds with others
     others = [GenerationRequest(prompt="import re\n", sampling=SamplingParams(temperature=1.0, max_tokens=30))
               for _ in range(3)]
-    b = engine.generate([*others, req])[-1].token_ids
-    assert a == b
+    outs = engine.generate([*others, req])
+    assert outs[-1].finish_reason == "length", outs[-1].error
+    assert a == outs[-1].token_ids and len(a) == 24
 
 
 def test_seeded_sampling_is_identical_across_methods(tiny_engine_factory, tiny_tokenizer):
@@ -125,4 +126,5 @@ def test_seeded_sampling_is_identical_across_methods(tiny_engine_factory, tiny_t
             for t in trees
         ])
         for t, out in zip(trees, outs):
+            assert out.finish_reason == "length" and len(out.token_ids) == 30, out.error
             assert out.token_ids == outs[0].token_ids, f"seed {seed}: {t} differs from AR"

@@ -25,6 +25,7 @@ class EngineConfig:
     max_queue: int = 256  # requests waiting for a slot before new ones are refused
     prefill_chunk: int = 512  # prompt tokens prefilled per engine step (long prompts are chunked)
     kv_memory_fraction: float | None = None  # size max_batch from free device memory instead
+    cuda_graphs: bool = True  # capture decode rounds as CUDA graphs (CUDA devices only)
     default_tree: TreeSettings = field(default_factory=TreeSettings)
     seed: int = 0
 

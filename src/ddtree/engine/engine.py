@@ -143,6 +143,11 @@ class Engine:
         self.config = replace(config, max_batch=max_batch, max_block_size=max_block)
         self.cache_len = config.max_len + headroom
         self.runner = ModelRunner(target, drafter, slots=max_batch, cache_len=self.cache_len)
+        self.graphs = None
+        if config.cuda_graphs and self.device.type == "cuda":
+            from ddtree.engine.cuda_graphs import RoundGraphs
+
+            self.graphs = RoundGraphs(self.runner, max_rows=max_batch, cache_len=self.cache_len)
         default_tree = config.default_tree if drafter is not None else TreeSettings(method="ar")
         self._defaults = self._validate_tree(default_tree)
         self.eos_ids = _eos_ids(target, tokenizer)
@@ -544,11 +549,15 @@ class Engine:
             max_budget=max_budget,
             block_size=block,
             kv_len=max(s.root_position for s in states) + max_budget + 1,
+            draft_kv_len=max(1, max(s.root_position for s in states)),
             greedy=all(s.sampling.greedy for s in states),
             contiguous=all(s.tree.method != "ddtree" for s in states),
         )
         timer = StageTimer(dev)
-        new_tokens, num_accepted = self.runner.round(inp, timer)
+        if self.graphs is not None and self.graphs.can_run(inp):
+            new_tokens, num_accepted = self.graphs.run(inp, timer)
+        else:
+            new_tokens, num_accepted = self.runner.round(inp, timer)
         tokens, counts = to_host(new_tokens, num_accepted)
         stages = timer.collect()
         with self._lock:

@@ -49,7 +49,8 @@ class RoundInputs:
     step: Tensor  # [R] long, tokens generated so far (sampling counter)
     max_budget: int  # N - 1
     block_size: int  # batch max block size (L + 1); 1 when no row drafts
-    kv_len: int  # cache positions the attention reads: max(start) + N
+    kv_len: int  # target cache positions the verify reads: >= max(start) + N
+    draft_kv_len: int  # drafter cache positions the draft reads: >= max(start)
     greedy: bool  # every row has temperature 0
     contiguous: bool  # every row is AR or DFlash: accepted nodes are already contiguous
 
@@ -159,69 +160,86 @@ class ModelRunner:
             self.drafter.append_context(out.hidden, positions, self.drafter_cache, inp.slots, positions)
         return out.logits[:, 0]
 
-    # ---- one speculative round --------------------------------------------------------------------------------
+    # ---- one speculative round, as four stages ------------------------------------------------------------------
+    # Each stage reads the previous stage's outputs from `work` and writes its own there, so the CUDA-graph runner
+    # (ddtree.engine.cuda_graphs) can capture each stage as its own graph and time it with events between replays.
+
+    def stage_draft(self, inp: RoundInputs, work: dict) -> None:
+        if self.drafter is not None and inp.block_size > 1:
+            work["draft_logits"] = self.drafter.draft_logits(
+                self.target,
+                inp.root_tokens,
+                inp.start,
+                self.drafter_cache,
+                inp.slots,
+                inp.block_size,
+                block_len=inp.depth_limit + 1,
+                window=inp.window,
+                kv_len=inp.draft_kv_len,
+            )
+
+    def stage_tree(self, inp: RoundInputs, work: dict) -> None:
+        if "draft_logits" in work:
+            trees = spec.build_trees(
+                work["draft_logits"],
+                inp.budget,
+                inp.topk,
+                max_budget=inp.max_budget,
+                depth_limit=inp.depth_limit,
+                root_tokens=inp.root_tokens,
+            )
+        else:
+            trees = root_only_trees(inp.root_tokens)
+        n = trees.tokens.shape[1]
+        work["trees"] = trees
+        work["positions"] = spec.tree_positions(inp.start, trees.depths)
+        work["write_pos"] = spec.tree_write_positions(inp.start, n)
+        work["mask"] = spec.build_attention_mask(inp.start, work["write_pos"], trees.visibility, inp.kv_len)
+
+    def stage_verify(self, inp: RoundInputs, work: dict) -> None:
+        trees = work["trees"]
+        out = self.target(
+            trees.tokens,
+            work["positions"],
+            self.target_cache,
+            inp.slots,
+            work["write_pos"],
+            work["mask"],
+            hidden_layers=self.feature_layers,
+        )
+        work["hidden"] = out.hidden
+        if inp.greedy:
+            work["choices"] = out.logits.argmax(dim=-1)
+        else:
+            depth_steps = inp.step[:, None] + trees.depths  # output index each node's draw would commit
+            work["choices"] = spec.sample_choices(
+                out.logits, inp.temperature, inp.top_p, inp.top_k, inp.seed, depth_steps
+            )
+
+    def stage_commit(self, inp: RoundInputs, work: dict) -> None:
+        max_depth = inp.block_size - 1 if "draft_logits" in work else 0
+        walk = spec.walk_trees(work["trees"], work["choices"], max_depth)
+        spec.compact_cache(self.target_cache.k, inp.slots, inp.start, walk.path, contiguous=inp.contiguous)
+        spec.compact_cache(self.target_cache.v, inp.slots, inp.start, walk.path, contiguous=inp.contiguous)
+        if self.drafter is not None:
+            hidden = work["hidden"]  # [R, N, F]
+            feats = torch.gather(hidden, 1, walk.path[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [R, L+1, F]
+            ctx_pos = inp.start[:, None] + torch.arange(walk.path.shape[1], device=self.device)
+            self.drafter.append_context(feats, ctx_pos, self.drafter_cache, inp.slots, ctx_pos)
+        work["new_tokens"] = walk.new_tokens
+        work["num_accepted"] = walk.num_accepted
+
+    STAGES = ("draft", "tree", "verify", "commit")
+
     @torch.inference_mode()
     def round(self, inp: RoundInputs, timer: StageTimer) -> tuple[Tensor, Tensor]:
-        """Draft, build trees, verify, walk and commit for every row. Returns device tensors
+        """Draft, build trees, verify, walk and commit for every row (eager). Returns device tensors
         ``new_tokens [R, L + 1]`` and ``num_accepted [R]`` (tokens committed this round, bonus included)."""
-        drafting = self.drafter is not None and inp.block_size > 1
-        with timer.stage("draft"):
-            if drafting:
-                draft_logits = self.drafter.draft_logits(
-                    self.target,
-                    inp.root_tokens,
-                    inp.start,
-                    self.drafter_cache,
-                    inp.slots,
-                    inp.block_size,
-                    block_len=inp.depth_limit + 1,
-                    window=inp.window,
-                )
-        with timer.stage("tree"):
-            if drafting:
-                trees = spec.build_trees(
-                    draft_logits,
-                    inp.budget,
-                    inp.topk,
-                    max_budget=inp.max_budget,
-                    depth_limit=inp.depth_limit,
-                    root_tokens=inp.root_tokens,
-                )
-            else:
-                trees = root_only_trees(inp.root_tokens)
-            n = trees.tokens.shape[1]
-            positions = spec.tree_positions(inp.start, trees.depths)
-            write_pos = spec.tree_write_positions(inp.start, n)
-            mask = spec.build_attention_mask(inp.start, write_pos, trees.visibility, inp.kv_len)
-        with timer.stage("verify"):
-            out = self.target(
-                trees.tokens,
-                positions,
-                self.target_cache,
-                inp.slots,
-                write_pos,
-                mask,
-                hidden_layers=self.feature_layers,
-            )
-            if inp.greedy:
-                choices = out.logits.argmax(dim=-1)
-            else:
-                choices = spec.sample_choices(
-                    out.logits, inp.temperature, inp.top_p, inp.top_k, inp.seed, inp.step
-                )
-        with timer.stage("commit"):
-            max_depth = inp.block_size - 1 if drafting else 0
-            walk = spec.walk_trees(trees, choices, max_depth)
-            spec.compact_cache(self.target_cache.k, inp.slots, inp.start, walk.path, contiguous=inp.contiguous)
-            spec.compact_cache(self.target_cache.v, inp.slots, inp.start, walk.path, contiguous=inp.contiguous)
-            if self.drafter is not None:
-                path = walk.path  # [R, L + 1]
-                feats = torch.gather(
-                    out.hidden, 1, path[:, :, None].expand(-1, -1, out.hidden.shape[-1])
-                )  # [R, L + 1, F]
-                ctx_pos = inp.start[:, None] + torch.arange(path.shape[1], device=self.device)
-                self.drafter.append_context(feats, ctx_pos, self.drafter_cache, inp.slots, ctx_pos)
-        return walk.new_tokens, walk.num_accepted
+        work: dict = {}
+        for name in self.STAGES:
+            with timer.stage(name):
+                getattr(self, f"stage_{name}")(inp, work)
+        return work["new_tokens"], work["num_accepted"]
 
     @torch.inference_mode()
     def sample_first(self, logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, seed: Tensor,
@@ -229,7 +247,7 @@ class ModelRunner:
         """The first completion token of each row from its prefill logits ``[R, V]`` -> ``[R]``."""
         if greedy:
             return logits.argmax(dim=-1)
-        step = torch.zeros_like(seed)
+        step = torch.zeros_like(seed)[:, None]  # the first completion token is output index 0
         return spec.sample_choices(logits[:, None, :], temperature, top_p, top_k, seed, step)[:, 0]
 
 
