@@ -23,7 +23,8 @@ _PARTS: tuple[str, ...] = (
     "ddtree.engine.cli",  # generate
     "ddtree.server.cli",  # serve
     "ddtree.lab.cli",  # bench, eval, sweep, report, replay
-    "ddtree.train.cli",  # train tokenizer|target|drafter, standin
+    "ddtree.train.cli",  # train tokenizer|target|drafter
+    "ddtree.models.cli",  # standin
 )
 
 for _module in _PARTS:

@@ -125,7 +125,7 @@ class Engine:
     def _init(self, target, drafter, tokenizer, config: EngineConfig, *, model_name: str) -> None:
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
         self.model_name = model_name
-        self.trained_block_size = int(drafter.config.block_size) if drafter is not None else 2
+        self.trained_block_size = int(drafter.trained_block_size) if drafter is not None else 2
         max_block = config.max_block_size or self.trained_block_size
         if drafter is not None and max_block > self.trained_block_size:
             warnings.warn(

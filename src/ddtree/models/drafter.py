@@ -1,0 +1,253 @@
+"""The DFlash block-diffusion drafter (z-lab format), with a per-request cache of projected context.
+
+Terms
+-----
+context features
+    The target's hidden states after decoder layers ``target_layer_ids``, concatenated ``[.., n * H_target]``,
+    then ``hidden_norm(fc(.))``. Every drafter layer turns them into context K/V (``k_norm`` + RoPE on K) without
+    ``input_layernorm``; these never change once written, so they are cached (:meth:`DFlashDrafter.append_context`).
+block
+    ``[anchor, mask x (block_size - 1)]`` at absolute positions ``ctx_len .. ctx_len + block_size - 1``, where the
+    anchor is the last committed token (whose target features do not exist yet). Position ``k`` predicts the token
+    *at* ``k``; depths ``1 .. block_size - 1`` are the drafter's marginals ``q_1 .. q_L``.
+visibility
+    A block sees the context strictly before its anchor (within the draft window ``W``: positions
+    ``ctx_len - W .. ctx_len - 1``) and its own block; full layers see the whole block, sliding layers are causal
+    inside it and see only the last ``sliding_window`` positions (self included). For block_size 4, context length
+    3 and a sliding window of 3, a sliding layer's query at depth 1 (position 4) sees::
+
+        context 0 1 2 | block 3 4 5 6
+                . . 1 |       1 1 . .
+
+The drafter cache is indexed by absolute position (``write_pos == positions`` when appending context), so cache
+index ``s`` is position ``s``. Blocks are recomputed each round and never cached.
+
+:meth:`DFlashDrafter.draft_logits` (engine, one block per request, context from the cache) and
+:meth:`DFlashDrafter.forward_train` (training, every anchored block of a sequence, context recomputed) share the
+layer code and the mask rule (:func:`draft_visibility`), so a trained drafter drafts exactly as it was trained.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ddtree.errors import ConfigError
+from ddtree.models.config import DrafterConfig
+from ddtree.models.kv_cache import KVCache
+from ddtree.models.layers import Attend, DecoderLayer, RMSNorm, Rotary, masked_attention
+from ddtree.models.target import TargetModel
+
+
+def draft_visibility(anchor: Tensor, depth: Tensor, query_block: Tensor, context_len: int, key_depth: Tensor,
+                     key_block: Tensor, *, causal: bool, sliding_window: int | None,
+                     window: Tensor | int | None = None, block_len: Tensor | None = None) -> Tensor:
+    """Which keys each block query sees -> bool [R, Q, context_len + K] (True = attend).
+
+    anchor [R, Q] position of the query's block anchor (= its context length); depth [Q] query depth in its
+    block; query_block [Q] / key_block [K] block index of each query / block key; key_depth [K]; keys are the
+    context positions ``0 .. context_len - 1`` followed by the K block keys. ``window`` ([R] or int) limits the
+    context to the last ``window`` positions before the anchor; ``block_len`` [R] hides block keys at depth
+    ``>= block_len`` from queries at depth ``< block_len`` (a shorter block drafts as if alone)."""
+    qpos = anchor + depth  # [R, Q]
+    s = torch.arange(context_len, device=anchor.device)
+    ctx = s < anchor[..., None]  # [R, Q, S]
+    if window is not None:
+        lo = anchor - (window[:, None] if isinstance(window, Tensor) else window)
+        ctx = ctx & (s >= lo[..., None])
+    if sliding_window is not None:
+        ctx = ctx & (qpos[..., None] - s < sliding_window)
+    same = query_block[:, None] == key_block[None, :]  # [Q, K]
+    diff = depth[:, None] - key_depth[None, :]  # query depth - key depth
+    blk = same & (diff >= 0) if causal else same
+    if sliding_window is not None:
+        blk = blk & (diff < sliding_window) & (-diff < sliding_window)
+    blk = blk.expand(anchor.shape[0], -1, -1)
+    if block_len is not None:
+        hidden_key = key_depth[None, None, :] >= block_len[:, None, None]
+        live_query = depth[None, :, None] < block_len[:, None, None]
+        blk = blk & ~(hidden_key & live_query)
+    return torch.cat([ctx, blk], dim=-1)
+
+
+def attend_with_context(q: Tensor, k: Tensor, v: Tensor, ctx_k: Tensor, ctx_v: Tensor, mask: Tensor) -> Tensor:
+    """Block queries q [R, H, Q, D] over ``[context ; block]`` keys: ctx_k/ctx_v [R, KV, S, D] then the block's
+    k/v [R, KV, Q, D], under mask [R, 1, Q, S + Q] -> [R, H, Q, D]. The drafter's one attention entry point."""
+    keys = torch.cat([ctx_k.to(k.dtype), k], dim=2)
+    values = torch.cat([ctx_v.to(v.dtype), v], dim=2)
+    return masked_attention(q, keys, values, mask)
+
+
+class DFlashDrafter(nn.Module):
+    """Parameter names equal the z-lab checkpoint's (``fc``, ``hidden_norm``, ``norm``, ``layers.N.*``)."""
+
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        self.config = config
+        c = config
+        self.fc = nn.Linear(c.feature_size, c.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            DecoderLayer(i, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                         c.rms_norm_eps, qkv_bias=c.attention_bias, o_bias=c.attention_bias, qk_norm=True)
+            for i in range(c.num_layers)
+        )
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.rotary = Rotary(c.head_dim, c.rope_theta, c.rope_scaling)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def trained_block_size(self) -> int:
+        return self.config.trained_block_size
+
+    def allocate_cache(self, slots: int, max_len: int, *, dtype: torch.dtype | None = None,
+                       device: torch.device | str | None = None) -> KVCache:
+        """Context K/V for every drafter layer: ``[layers, slots + 1, kv_heads, max_len, head_dim]``."""
+        c = self.config
+        return KVCache.allocate(c.num_layers, slots, c.num_kv_heads, max_len, c.head_dim,
+                                dtype=dtype or self.dtype, device=device or self.device)
+
+    def check_target(self, target: TargetModel) -> None:
+        """Raise ConfigError unless this drafter can run on ``target`` (shared embedding and LM head)."""
+        t, c = target.config, self.config
+        if t.hidden_size != c.hidden_size:
+            raise ConfigError(
+                f"drafter hidden_size {c.hidden_size} differs from the target's {t.hidden_size}; the drafter "
+                "uses the target's embedding and LM head, so they must match"
+            )
+        if c.mask_token_id >= t.vocab_size:
+            raise ConfigError(f"drafter mask_token_id {c.mask_token_id} >= target vocab_size {t.vocab_size}")
+        if max(c.target_layer_ids) >= t.num_layers:
+            raise ConfigError(
+                f"drafter target_layer_ids {c.target_layer_ids} reach past the target's {t.num_layers} layers"
+            )
+        if len(c.target_layer_ids) * t.hidden_size != c.feature_size:
+            raise ConfigError(
+                f"drafter fc expects {c.feature_size} feature columns, the target gives "
+                f"{len(c.target_layer_ids)} x {t.hidden_size}"
+            )
+
+    def context(self, target_hidden: Tensor) -> Tensor:
+        """Target features [..., n * H_target] -> projected context [..., H] (``hidden_norm(fc(.))``)."""
+        return self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
+
+    def append_context(self, target_hidden: Tensor, positions: Tensor, cache: KVCache, slots: Tensor,
+                       write_pos: Tensor) -> None:
+        """Project new context features and write every layer's context K/V into the cache.
+
+        target_hidden [R, N, n * H_target]; positions [R, N] absolute positions of those tokens; slots [R];
+        write_pos [R, N] cache indices (equal to ``positions`` in the standard layout)."""
+        ctx = self.context(target_hidden)  # [R, N, H]
+        cos, sin = self.rotary(positions, ctx.dtype)
+        for layer in self.layers:
+            k, v = layer.self_attn.project_kv(ctx, cos, sin)
+            cache.write(layer.index, slots, write_pos, k, v)
+
+    def head(self, target: TargetModel, normed: Tensor) -> Tensor:
+        """Drafter hidden (after ``norm``) [..., H] -> logits [..., V]: the target's LM head, then z-lab's
+        optional output multiplier and tanh soft-cap."""
+        logits = target.lm_logits(normed.to(target.dtype))
+        c = self.config
+        if c.output_multiplier != 1.0:
+            logits = logits * c.output_multiplier
+        if c.final_logit_softcapping is not None:
+            logits = torch.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
+        return logits
+
+    def _layer_masks(self, build) -> dict[int, Tensor]:
+        """One [R, 1, Q, K] mask per distinct (causal, sliding window) among the layers, indexed by layer."""
+        by_kind: dict[tuple[bool, int | None], Tensor] = {}
+        masks: dict[int, Tensor] = {}
+        for i in range(self.config.num_layers):
+            kind = (self.config.layer_is_causal(i), self.config.layer_window(i))
+            if kind not in by_kind:
+                by_kind[kind] = build(*kind)[:, None]
+            masks[i] = by_kind[kind]
+        return masks
+
+    def _run_blocks(self, target: TargetModel, ids: Tensor, positions: Tensor, attend: Attend) -> Tensor:
+        """Block tokens [R, Q] at positions [R, Q] through every layer -> final-normed hidden [R, Q, H]."""
+        h = target.embed(ids).to(self.dtype)
+        if self.config.input_embedding_scale != 1.0:
+            h = h * self.config.input_embedding_scale
+        cos, sin = self.rotary(positions, h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin, attend)
+        return self.norm(h)
+
+    def draft_logits(self, target: TargetModel, root_tokens: Tensor, ctx_len: Tensor, cache: KVCache,
+                     slots: Tensor, block_size: int, *, block_len: Tensor | None = None,
+                     window: Tensor | None = None, kv_len: int | None = None) -> Tensor:
+        """Draft one block per request -> logits [R, block_size - 1, V] for depths 1 .. block_size - 1.
+
+        root_tokens [R] last committed token (the anchor, at position ``ctx_len``); ctx_len [R] context
+        positions ``0 .. ctx_len - 1`` are in the cache; slots [R]; block_size the static block length of this
+        call; block_len [R] per-request block size <= block_size (outputs past it are meaningless); window [R]
+        draft window (None = all context); kv_len static number of cache positions read (a bound on every
+        ``ctx_len``; None = the whole cache)."""
+        c = self.config
+        length = cache.max_len if kv_len is None else kv_len
+        device = root_tokens.device
+        depth = torch.arange(block_size, device=device)
+        ids = torch.where(depth == 0, root_tokens[:, None], c.mask_token_id)  # [R, bs]
+        positions = ctx_len[:, None] + depth  # [R, bs]
+        zeros = torch.zeros_like(depth)
+        anchor = ctx_len[:, None].expand(-1, block_size)
+        masks = self._layer_masks(lambda causal, sliding: draft_visibility(
+            anchor, depth, zeros, length, depth, zeros, causal=causal, sliding_window=sliding,
+            window=window, block_len=block_len))
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            ck, cv = cache.read(layer, slots, length)
+            return attend_with_context(q, k, v, ck, cv, masks[layer])
+
+        h = self._run_blocks(target, ids, positions, attend)
+        return self.head(target, h[:, 1:])
+
+    def forward_train(self, target: TargetModel, input_ids: Tensor, target_hidden: Tensor, anchors: Tensor, *,
+                      block_size: int | None = None, window: int | None = None,
+                      return_hidden: bool = False) -> Tensor:
+        """Every anchored block of each training sequence in one pass (the training objective's forward).
+
+        input_ids [B, T] the sequence; target_hidden [B, T, n * H_target] the target's features for it
+        (``target.forward_train(input_ids, self.config.target_layer_ids).hidden``); anchors [B, A] block anchor
+        positions, each in ``0 .. T - 1`` (a block's context is positions ``< anchor``; its tokens sit at
+        ``anchor .. anchor + block_size - 1``); block_size defaults to the drafter's; window limits the context
+        to the last ``window`` positions before each anchor.
+
+        Returns logits [B, A, block_size - 1, V] for depths 1.. (the token predicted at depth j is
+        ``input_ids[b, anchor + j]``, when that is < T), or with ``return_hidden`` the final-normed hidden
+        [B, A, block_size - 1, H] so a caller can apply :meth:`head` in chunks to save memory."""
+        c = self.config
+        bs = block_size or c.block_size
+        batch, seq = input_ids.shape
+        n_blocks = anchors.shape[1]
+        device = input_ids.device
+        depth = torch.arange(bs, device=device).repeat(n_blocks)  # [A * bs]
+        block = torch.arange(n_blocks, device=device).repeat_interleave(bs)  # [A * bs]
+        anchor = anchors.repeat_interleave(bs, dim=1)  # [B, A * bs]
+        ids = torch.where(depth == 0, torch.gather(input_ids, 1, anchor), c.mask_token_id)
+        positions = anchor + depth
+        masks = self._layer_masks(lambda causal, sliding: draft_visibility(
+            anchor, depth, block, seq, depth, block, causal=causal, sliding_window=sliding, window=window))
+        ctx = self.context(target_hidden)  # [B, T, H]
+        ctx_cos, ctx_sin = self.rotary(torch.arange(seq, device=device).expand(batch, -1), ctx.dtype)
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            ck, cv = self.layers[layer].self_attn.project_kv(ctx, ctx_cos, ctx_sin)
+            return attend_with_context(q, k, v, ck, cv, masks[layer])
+
+        h = self._run_blocks(target, ids, positions, attend)
+        h = h.unflatten(1, (n_blocks, bs))[:, :, 1:]
+        return h if return_hidden else self.head(target, h)

@@ -1,0 +1,149 @@
+"""The target model (Qwen3 / Qwen2 / Llama) with a static KV cache, explicit positions and explicit visibility.
+
+One forward serves every engine step: prefill chunks, plain decoding, chain and tree verification. The caller
+says, for each request row ``r`` and new token ``t``, which RoPE position it has (``positions``, a tree node's is
+``start + depth``), where its K/V goes in the cache (``write_pos``) and which cache positions it may see
+(``attn_mask[r, t, s]``). New tokens are written into the cache *before* attention, so a token sees itself and any
+earlier new token through the cache like any committed token. Example: a prefix of 5 committed tokens and a tree
+root(0) -> a(1), root -> b(2), a -> c(3) written at cache indices 5..8 with positions 5, 6, 6, 7:
+
+    node  sees cache 0..4  5  6  7  8
+    root      all          1  .  .  .
+    a         all          1  1  .  .
+    b         all          1  .  1  .
+    c         all          1  1  .  1
+
+Returns logits only at ``logits_at`` and the hidden states after the decoder layers in ``hidden_layers``
+(DFlash context features) without keeping every layer's output.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from ddtree.errors import ConfigError
+from ddtree.models.config import TargetConfig
+from ddtree.models.kv_cache import KVCache
+from ddtree.models.layers import DecoderLayer, RMSNorm, Rotary, masked_attention
+
+
+def attend_over_cache(cache: KVCache, layer: int, q: Tensor, k: Tensor, v: Tensor, slots: Tensor,
+                      write_pos: Tensor, attn_mask: Tensor) -> Tensor:
+    """Write the new tokens' K/V (k, v [R, KV, T, D]) at ``write_pos`` [R, T] of ``slots`` [R], then attend
+    q [R, H, T, D] over cache positions ``0 .. S - 1`` under attn_mask [R, T, S] -> [R, H, T, D].
+
+    The only place the target touches cache layout and visibility: a flex_attention or paged kernel replaces
+    this function (and reads the same boolean mask)."""
+    cache.write(layer, slots, write_pos, k, v)
+    k_all, v_all = cache.read(layer, slots, attn_mask.shape[-1])
+    return masked_attention(q, k_all.to(q.dtype), v_all.to(q.dtype), attn_mask[:, None])
+
+
+class TargetOutput(NamedTuple):
+    logits: Tensor | None  # [R, N, V]
+    hidden: Tensor | None  # [R, T, len(hidden_layers) * H]
+
+
+class TargetModel(nn.Module):
+    """Parameter names equal transformers' with the ``model.`` prefix dropped (``lm_head`` absent when tied)."""
+
+    def __init__(self, config: TargetConfig) -> None:
+        super().__init__()
+        self.config = config
+        c = config
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(i, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                         c.rms_norm_eps, qkv_bias=c.attention_bias, o_bias=c.o_bias, qk_norm=c.qk_norm)
+            for i in range(c.num_layers)
+        )
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.rotary = Rotary(c.head_dim, c.rope_theta, c.rope_scaling)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def embed(self, ids: Tensor) -> Tensor:
+        """ids [R, T] -> [R, T, H]."""
+        return self.embed_tokens(ids)
+
+    def lm_logits(self, normed_hidden: Tensor) -> Tensor:
+        """[..., H] (after the final norm) -> [..., V], through the tied embedding or the separate head."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(normed_hidden, weight)
+
+    def allocate_cache(self, slots: int, max_len: int, *, dtype: torch.dtype | None = None,
+                       device: torch.device | str | None = None) -> KVCache:
+        c = self.config
+        return KVCache.allocate(c.num_layers, slots, c.num_kv_heads, max_len, c.head_dim,
+                                dtype=dtype or self.dtype, device=device or self.device)
+
+    def _check_hidden_layers(self, hidden_layers: tuple[int, ...]) -> None:
+        for i in hidden_layers:
+            if not 0 <= i < self.config.num_layers:
+                raise ConfigError(
+                    f"hidden layer {i} is out of range for a target with {self.config.num_layers} layers"
+                )
+
+    def forward(self, input_ids: Tensor, positions: Tensor, cache: KVCache, slots: Tensor, write_pos: Tensor,
+                attn_mask: Tensor, *, logits_at: Tensor | None = None,
+                hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
+        """One step for a batch of requests.
+
+        input_ids [R, T]; positions [R, T] (RoPE); slots [R] (padding rows: ``cache.scratch_slot``);
+        write_pos [R, T] cache index of each new token; attn_mask [R, T, S] bool over cache positions
+        ``0..S-1`` (True = attend; each row must allow at least one position, its own included);
+        logits_at [R, N] indices into T (None = all T, ``[R, 0]`` = none); hidden_layers: decoder layer ids
+        whose outputs are returned concatenated (after layer i = transformers' ``hidden_states[i + 1]``, which
+        for the last layer is the final-normed state)."""
+        self._check_hidden_layers(hidden_layers)
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            return attend_over_cache(cache, layer, q, k, v, slots, write_pos, attn_mask)
+
+        return self._run(input_ids, positions, attend, logits_at, hidden_layers)
+
+    def forward_train(self, input_ids: Tensor, hidden_layers: tuple[int, ...] = (), *,
+                      with_logits: bool = True) -> TargetOutput:
+        """Plain causal forward without a cache (training, feature extraction): input_ids [B, T] ->
+        logits [B, T, V] (None unless ``with_logits``) and hidden [B, T, len(hidden_layers) * H]."""
+        self._check_hidden_layers(hidden_layers)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            return masked_attention(q, k, v, None, causal=True)
+
+        none = input_ids.new_zeros((input_ids.shape[0], 0))
+        return self._run(input_ids, positions, attend, None if with_logits else none, hidden_layers)
+
+    def _run(self, input_ids: Tensor, positions: Tensor, attend, logits_at: Tensor | None,
+             hidden_layers: tuple[int, ...]) -> TargetOutput:
+        h = self.embed(input_ids)  # [R, T, H]
+        cos, sin = self.rotary(positions, h.dtype)
+        wanted = set(hidden_layers)
+        kept: dict[int, Tensor] = {}
+        last = self.config.num_layers - 1
+        for layer in self.layers:
+            h = layer(h, cos, sin, attend)
+            if layer.index in wanted and layer.index != last:
+                kept[layer.index] = h
+        if last in wanted:
+            kept[last] = self.norm(h)
+        hidden = torch.cat([kept[i] for i in hidden_layers], dim=-1) if hidden_layers else None
+        if logits_at is None:
+            logits = self.lm_logits(self.norm(h))
+        elif logits_at.shape[1] == 0:
+            logits = None
+        else:
+            picked = torch.gather(h, 1, logits_at[..., None].expand(-1, -1, h.shape[-1]))  # [R, N, H]
+            logits = self.lm_logits(self.norm(picked))
+        return TargetOutput(logits, hidden)
