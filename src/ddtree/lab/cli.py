@@ -1,0 +1,184 @@
+"""The lab's commands: ``ddtree bench`` and ``ddtree eval humaneval`` (plus the sweep's ``sweep``, ``report``
+and ``replay``, registered by :mod:`ddtree.lab.sweep.cli`).
+
+Each command only parses flags into the library's frozen configs (:class:`BenchTarget`, :class:`Workload`) and
+calls the library function the sweep also calls, so the CLI and the sweep measure the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from ddtree.errors import ConfigError
+
+eval_app = typer.Typer(help="Quality gates against a running server.", no_args_is_help=True)
+
+
+def register(app: typer.Typer) -> None:
+    """``bench`` and ``eval`` from here; ``sweep``, ``report`` and ``replay`` from the sweep's own module."""
+    from ddtree.lab.sweep.cli import register as register_sweep
+
+    app.command("bench")(bench)
+    app.add_typer(eval_app, name="eval")
+    register_sweep(app)
+    register_sweep(app)
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+def parse_ints(text: str, *, what: str) -> tuple[int, ...]:
+    """``"60,1024,4096"`` -> ``(60, 1024, 4096)``; a readable error naming the flag otherwise."""
+    try:
+        values = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ConfigError(f"{what} must be comma-separated integers, got {text!r}") from None
+    if not values:
+        raise ConfigError(f"{what} needs at least one value, got {text!r}")
+    return values
+
+
+def parse_json_object(text: str | None, *, what: str) -> dict[str, Any]:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"{what} must be a JSON object, got {text!r}: {exc}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{what} must be a JSON object, got {text!r}")
+    return value
+
+
+def _stamp() -> str:
+    return datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def _target(url: str, engine: str, model: str | None, endpoint: str, extra_body: str | None,
+            tokenizer: str | None, api_key: str | None, timeout: float):
+    from ddtree.lab.client import BenchTarget
+
+    return BenchTarget(url=url, engine=engine, model=model, endpoint=endpoint,  # type: ignore[arg-type]
+                       extra_body=parse_json_object(extra_body, what="--extra-body"), tokenizer=tokenizer,
+                       api_key=api_key, timeout_s=timeout).validated()
+
+
+# -------------------------------------------------------------------------------------------------- bench
+
+
+def bench(
+    url: str = typer.Option(..., help="OpenAI-compatible server root, e.g. http://127.0.0.1:8000."),
+    engine: str = typer.Option("auto", help="ddtree | sglang | vllm | openai; auto-detected by default."),
+    model: str | None = typer.Option(None, help="Model name to send (default: the first of /v1/models)."),
+    endpoint: str = typer.Option("completions", help="completions (token-id prompts, exact) or chat."),
+    extra_body: str | None = typer.Option(None, help='JSON merged into every request, e.g. \'{"ddtree": {"budget": 8}}\'.'),
+    tokenizer: str | None = typer.Option(None, help="The served model's tokenizer (dir or hub id); default: the demo target's."),
+    contexts: str = typer.Option("60,1024", help="Prompt lengths in tokens, comma-separated."),
+    concurrency: str = typer.Option("1,8", help="Requests in flight, comma-separated."),
+    output_tokens: int = typer.Option(128, help="Tokens generated per request (ignore_eos)."),
+    num_requests: int | None = typer.Option(None, help="Requests per run (default: max(2 x concurrency, 8))."),
+    repeats: int = typer.Option(1, help="Runs per cell; the spread of output tok/s is reported."),
+    seed: int = typer.Option(0, help="Seed of the prompts."),
+    warmup: bool = typer.Option(True, help="Warm up at each cell's concurrency before measuring."),
+    config: str | None = typer.Option(None, help="JSON recorded as the cells' 'config' (what is being measured)."),
+    out: Path | None = typer.Option(None, help="Directory for the cell JSON files (default: results/bench-<time>)."),
+    api_key: str | None = typer.Option(None, help="Bearer token, if the server wants one."),
+    timeout: float = typer.Option(600.0, help="Per-request timeout in seconds."),
+    progress: bool = typer.Option(True, help="Show a progress bar."),
+) -> None:
+    """Benchmark a server on a context x concurrency matrix; one JSON file per cell and a summary table."""
+    from rich.console import Console
+
+    from ddtree.lab.bench import Workload, run_bench, summary_table
+
+    target = _target(url, engine, model, endpoint, extra_body, tokenizer, api_key, timeout)
+    workload = Workload(contexts=parse_ints(contexts, what="--contexts"),
+                        concurrency=parse_ints(concurrency, what="--concurrency"), output_tokens=output_tokens,
+                        num_requests=num_requests, repeats=repeats, seed=seed, warmup=warmup).validated()
+    out_dir = out if out is not None else Path("results") / f"bench-{_stamp()}"
+    cells = asyncio.run(run_bench(target, workload, out_dir=out_dir,
+                                  config=parse_json_object(config, what="--config"), progress=progress))
+    console = Console()
+    console.print(summary_table(cells))
+    console.print(f"cells written to {out_dir}/")
+
+
+# ---------------------------------------------------------------------------------------------------- eval
+
+
+@eval_app.command("humaneval")
+def humaneval(
+    url: str | None = typer.Option(None, help="Server root (not needed with --responses)."),
+    engine: str = typer.Option("auto", help="ddtree | sglang | vllm | openai; auto-detected by default."),
+    model: str | None = typer.Option(None, help="Model name to send (default: the first of /v1/models)."),
+    endpoint: str = typer.Option("completions", help="completions (prompt as is) or chat (instruction + block)."),
+    extra_body: str | None = typer.Option(None, help='JSON merged into every request, e.g. \'{"chat_template_kwargs": {"enable_thinking": false}}\'.'),
+    tasks: str | None = typer.Option(None, help="Task ids or numbers, comma-separated (e.g. 0,12,HumanEval/23)."),
+    gate: bool = typer.Option(False, help="Run the fixed 5-task gate subset (GATE_TASKS)."),
+    limit: int | None = typer.Option(None, help="Only the first N of the selected tasks."),
+    max_tokens: int = typer.Option(512, help="Token limit per answer (answers cut by it count as truncated)."),
+    responses: Path | None = typer.Option(None, help="Score answers from a JSONL file (task_id + text) instead."),
+    baseline: Path | None = typer.Option(None, help="A previous result JSON: report byte-identical outputs."),
+    out: Path | None = typer.Option(None, help="Result JSON path (default: results/humaneval-<time>.json)."),
+    concurrency: int = typer.Option(4, help="Requests in flight."),
+    api_key: str | None = typer.Option(None, help="Bearer token, if the server wants one."),
+    timeout: float = typer.Option(600.0, help="Per-request timeout in seconds."),
+) -> None:
+    """HumanEval pass@1 (greedy) with sandboxed execution; optionally the lossless check against a baseline."""
+    from ddtree.lab.humaneval import GATE_TASKS, run_humaneval, score_responses_file
+
+    if gate and tasks:
+        raise ConfigError("give either --gate or --tasks, not both")
+    selected = list(GATE_TASKS) if gate else ([t.strip() for t in tasks.split(",") if t.strip()] if tasks else None)
+    out_path = out if out is not None else Path("results") / f"humaneval-{_stamp()}.json"
+    if responses is not None:
+        result = score_responses_file(responses, tasks=selected, limit=limit, endpoint=endpoint, out=out_path,
+                                      baseline=baseline)
+    else:
+        if url is None:
+            raise ConfigError("--url is required (or --responses FILE.jsonl to score saved answers)")
+        target = _target(url, engine, model, endpoint, extra_body, None, api_key, timeout)
+        result = run_humaneval(target, tasks=selected, limit=limit, max_tokens=max_tokens, out=out_path,
+                               baseline=baseline, concurrency=concurrency)
+    _print_eval(result, out_path)
+
+
+def _print_eval(result: dict, out_path: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    failed = [t for t in result["tasks"] if not t["passed"]]
+    if failed:
+        table = Table(title="failed tasks")
+        for column in ("task", "finish", "reason"):
+            table.add_column(column)
+        for task in failed:
+            table.add_row(task["task_id"], str(task["finish_reason"]), task["reason"][:120])
+        console.print(table)
+    console.print(
+        f"pass@1 {result['pass_at_1']:.3f}  ({result['passed']}/{result['total']} passed, "
+        f"{result['truncated']} truncated, {result['wrong']} wrong, {result['errors']} request errors)"
+    )
+    lossless = result.get("lossless")
+    if lossless is not None:
+        console.print(f"lossless: {lossless['identical']}/{lossless['compared']} byte-identical to "
+                      f"{lossless['baseline']}" + (f"; differing: {', '.join(lossless['differing_tasks'])}"
+                                                   if lossless["differing_tasks"] else ""))
+    console.print(f"result written to {out_path}")
+
+
+# ------------------------------------------------------------------------------------ sweep, report, replay
+
+
+def register_sweep(app: typer.Typer) -> None:
+    """``sweep``, ``report`` and ``replay``: they live in :mod:`ddtree.lab.sweep.cli` and :mod:`ddtree.lab.replay.cli`."""
+    from ddtree.lab.sweep.cli import register as register_sweep_commands
+
+    register_sweep_commands(app)

@@ -1,0 +1,50 @@
+"""The coding gate against a real ``ddtree`` server: answers are the engine's greedy outputs, and the lossless
+check holds between plain decoding and tree speculation."""
+
+from __future__ import annotations
+
+import json
+
+from ddtree.engine.api import GenerationRequest, SamplingParams, TreeSettings
+from ddtree.lab.client import BenchTarget
+from ddtree.lab.humaneval import GATE_TASKS, load_problems, run_humaneval
+
+TASKS = list(GATE_TASKS[:3])
+MAX_TOKENS = 24
+
+
+def test_gate_answers_are_the_engines_greedy_outputs_and_lossless(live_ddtree, tmp_path):
+    baseline = tmp_path / "ar.json"
+    ar = run_humaneval(BenchTarget(url=live_ddtree.url, extra_body={"ddtree": {"method": "ar"}}), tasks=TASKS,
+                       limit=None, max_tokens=MAX_TOKENS, out=baseline)
+    assert json.loads(baseline.read_text()) == ar
+    assert ar["engine"] == "ddtree" and ar["model"] == "tiny" and ar["total"] == 3 and ar["errors"] == 0
+    assert ar["passed"] + ar["truncated"] + ar["wrong"] == 3  # a random tiny model writes no working code
+    assert ar["lossless"] is None
+
+    problems = load_problems()
+    requests = [GenerationRequest(prompt=problems[t]["prompt"], tree=TreeSettings(method="ar"),
+                                  sampling=SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)) for t in TASKS]
+    direct = live_ddtree.engine.generate(requests)
+    assert [t["completion"] for t in ar["tasks"]] == [o.text for o in direct]
+    assert [t["finish_reason"] for t in ar["tasks"]] == [o.finish_reason for o in direct]
+
+    tree = run_humaneval(BenchTarget(url=live_ddtree.url), tasks=TASKS, limit=None, max_tokens=MAX_TOKENS, out=None,
+                         extra_body={"ddtree": {"method": "ddtree", "budget": 8}}, baseline=baseline)
+    assert tree["extra_body"] == {"ddtree": {"method": "ddtree", "budget": 8}}
+    assert tree["lossless"] == {"baseline": str(baseline), "identical": 3, "compared": 3, "differing_tasks": []}
+
+
+def test_gate_over_the_chat_endpoint(live_ddtree):
+    result = run_humaneval(BenchTarget(url=live_ddtree.url, endpoint="chat"), tasks=TASKS[:1], limit=None,
+                           max_tokens=MAX_TOKENS, out=None)
+    [task] = result["tasks"]
+    assert result["errors"] == 0 and result["endpoint"] == "chat"
+    assert task["finish_reason"] in ("length", "stop") and not task["reason"].startswith("error")
+
+
+def test_request_errors_are_their_own_bucket(live_ddtree):
+    result = run_humaneval(BenchTarget(url=live_ddtree.url), tasks=TASKS[:2], limit=None, max_tokens=MAX_TOKENS,
+                           out=None, extra_body={"ddtree": {"budget": 0}})
+    assert result["errors"] == 2 and result["passed"] == result["wrong"] == result["truncated"] == 0
+    assert all(t["reason"].startswith("error: HTTP 400") for t in result["tasks"])
