@@ -138,6 +138,7 @@ class OracleDrafter(torch.nn.Module):
         super().__init__()
         self.inner = inner
         self.config = inner.config
+        self.trained_block_size = inner.trained_block_size
         self.target_ref = [target]
         self.noise = noise
         self.seed = seed

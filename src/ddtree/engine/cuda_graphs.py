@@ -54,6 +54,7 @@ class GraphKey:
     kv_len: int
     draft_kv_len: int
     greedy: bool
+    filtered: bool
     contiguous: bool
 
 
@@ -90,6 +91,7 @@ class RoundGraphs:
             kv_len=bucket_length(inp.kv_len - inp.max_budget + nodes, self.cache_len),
             draft_kv_len=bucket_length(inp.draft_kv_len, self.cache_len),
             greedy=inp.greedy,
+            filtered=inp.filtered,
             contiguous=inp.contiguous,
         )
 
@@ -123,7 +125,8 @@ class RoundGraphs:
             slots=longs(self.scratch), root_tokens=longs(0), start=longs(0), budget=longs(0), topk=longs(0),
             depth_limit=longs(0), window=longs(1 << 30), temperature=floats(0.0), top_p=floats(1.0),
             top_k=longs(0), seed=longs(0), step=longs(0), max_budget=key.max_budget, block_size=key.block_size,
-            kv_len=key.kv_len, draft_kv_len=key.draft_kv_len, greedy=key.greedy, contiguous=key.contiguous,
+            kv_len=key.kv_len, draft_kv_len=key.draft_kv_len, greedy=key.greedy, filtered=key.filtered,
+            contiguous=key.contiguous,
         )
 
     def _load(self, static: RoundInputs, inp: RoundInputs, rows: int) -> None:

@@ -510,7 +510,8 @@ class Engine:
             finished = [rows[i][0] for i in done]
             temp, top_p, top_k, seed = self._sampling_tensors(finished)
             greedy = all(s.sampling.greedy for s in finished)
-            (first,) = to_host(self.runner.sample_first(logits[sel], temp, top_p, top_k, seed, greedy))
+            (first,) = to_host(self.runner.sample_first(logits[sel], temp, top_p, top_k, seed, greedy,
+                                                        _any_filter(finished)))
         elapsed = time.perf_counter() - t0
         for state, take in rows:
             state.prefilled += take
@@ -551,6 +552,7 @@ class Engine:
             kv_len=max(s.root_position for s in states) + max_budget + 1,
             draft_kv_len=max(1, max(s.root_position for s in states)),
             greedy=all(s.sampling.greedy for s in states),
+            filtered=_any_filter(states),
             contiguous=all(s.tree.method != "ddtree" for s in states),
         )
         timer = StageTimer(dev)
@@ -646,6 +648,10 @@ class Engine:
             log.warning("request %s: the consumer raised; cancelling it", state.request_id, exc_info=True)
             if not final:
                 self._finish(state, "cancelled")
+
+
+def _any_filter(states: list[RequestState]) -> bool:
+    return any(s.sampling.top_p < 1.0 or s.sampling.top_k > 0 for s in states if not s.sampling.greedy)
 
 
 def _describe_current_exception() -> str:

@@ -52,6 +52,7 @@ class RoundInputs:
     kv_len: int  # target cache positions the verify reads: >= max(start) + N
     draft_kv_len: int  # drafter cache positions the draft reads: >= max(start)
     greedy: bool  # every row has temperature 0
+    filtered: bool  # some row uses top-p < 1 or top-k > 0 (else sampling skips the vocabulary sort)
     contiguous: bool  # every row is AR or DFlash: accepted nodes are already contiguous
 
 
@@ -213,7 +214,7 @@ class ModelRunner:
         else:
             depth_steps = inp.step[:, None] + trees.depths  # output index each node's draw would commit
             work["choices"] = spec.sample_choices(
-                out.logits, inp.temperature, inp.top_p, inp.top_k, inp.seed, depth_steps
+                out.logits, inp.temperature, inp.top_p, inp.top_k, inp.seed, depth_steps, any_filter=inp.filtered
             )
 
     def stage_commit(self, inp: RoundInputs, work: dict) -> None:
@@ -243,12 +244,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample_first(self, logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, seed: Tensor,
-                     greedy: bool) -> Tensor:
+                     greedy: bool, filtered: bool = True) -> Tensor:
         """The first completion token of each row from its prefill logits ``[R, V]`` -> ``[R]``."""
         if greedy:
             return logits.argmax(dim=-1)
         step = torch.zeros_like(seed)[:, None]  # the first completion token is output index 0
-        return spec.sample_choices(logits[:, None, :], temperature, top_p, top_k, seed, step)[:, 0]
+        return spec.sample_choices(logits[:, None, :], temperature, top_p, top_k, seed, step,
+                                   any_filter=filtered)[:, 0]
 
 
 def to_host(*tensors: Tensor) -> list[list]:
