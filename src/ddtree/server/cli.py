@@ -1,0 +1,148 @@
+"""``ddtree serve``: build an :class:`EngineConfig` from flags and run the OpenAI server under uvicorn.
+
+The flags mirror :class:`~ddtree.engine.config.EngineConfig` (engine limits) and
+:class:`~ddtree.engine.api.TreeSettings` (the default tree, which requests override per request and
+``POST /server_config`` changes live). The server listens at once and loads the models in the background, so
+``GET /health`` answers 503 until the engine is warm.
+
+SIGTERM stops the server gracefully: uvicorn stops accepting connections while the engine refuses new work and
+lets in-flight requests finish for up to ``--drain-timeout`` seconds; what is still running then is aborted
+(a stream gets an error event and ``[DONE]``, a plain request a 503), and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import threading
+from typing import TYPE_CHECKING
+
+import typer
+import uvicorn
+
+from ddtree.engine.api import TreeSettings
+from ddtree.engine.config import EngineConfig
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from ddtree.server.app import EngineHost
+
+logger = logging.getLogger("ddtree.server")
+
+EXIT_OK = 0
+EXIT_ENGINE_FAILED = 1
+
+
+def serve_app(
+    app: FastAPI, *, host: str = "127.0.0.1", port: int = 8000, drain_timeout: float = 30.0, log_level: str = "info"
+) -> int:
+    """Run ``app`` (from :func:`~ddtree.server.app.create_app`) under uvicorn until SIGTERM/SIGINT; the exit code.
+
+    Returns 0 after a graceful stop (SIGTERM included) and 1 when the engine failed to load or start."""
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=log_level == "debug",
+        # A backstop only: the engine's own drain ends every request by drain_timeout (see _DrainingServer).
+        timeout_graceful_shutdown=drain_timeout + _GRACE_AFTER_DRAIN_S,
+    )
+    server = _DrainingServer(config, app.state.host)
+    failures: list[BaseException] = []
+
+    def engine_failed(exc: BaseException) -> None:
+        failures.append(exc)
+        server.should_exit = True  # read by uvicorn's main loop every 0.1 s
+
+    app.state.host.on_startup_failure = engine_failed
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    # uvicorn re-raises the signal that stopped it once it has restored the previous handler; with the default
+    # handler that would kill the process by SIGTERM after a clean drain. A no-op handler turns it into exit 0.
+    previous = signal.signal(signal.SIGTERM, _stopped_by_sigterm) if in_main_thread else None
+    try:
+        server.run()
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+    return EXIT_ENGINE_FAILED if failures else EXIT_OK
+
+
+_GRACE_AFTER_DRAIN_S = 5.0
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn whose shutdown drains the engine at the same time as it waits for open connections.
+
+    Plain uvicorn stops only after every connection has finished and then runs the app's lifespan shutdown;
+    a stream still running at its graceful timeout would be cut off mid-body. Draining the engine at once
+    instead ends each leftover request through the normal path (an error event and ``[DONE]`` for a stream, a
+    503 for a plain request), so every client gets a well-formed answer before its connection closes."""
+
+    def __init__(self, config: uvicorn.Config, host: EngineHost) -> None:
+        super().__init__(config)
+        self.host = host
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        draining = asyncio.ensure_future(asyncio.to_thread(self.host.stop))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            await draining
+
+
+def _stopped_by_sigterm(signum: int, frame: object) -> None:
+    logger.info("stopped by SIGTERM")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve")(serve)
+
+
+def serve(
+    target: str | None = typer.Option(None, help="Target model: a local Hugging Face directory or a hub id (default: the demo target)."),
+    draft: str | None = typer.Option(None, help="DFlash drafter directory or hub id (default: the demo drafter; 'none': plain decoding only)."),
+    device: str = typer.Option("auto", help="auto (cuda when available), cpu, cuda or cuda:N."),
+    dtype: str = typer.Option("auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16 or float16."),
+    max_batch: int = typer.Option(16, help="Requests decoding at once (KV slots)."),
+    max_len: int = typer.Option(4096, help="Tokens per request, prompt plus completion."),
+    max_budget: int = typer.Option(64, help="Largest tree budget a request may ask for."),
+    max_block_size: int | None = typer.Option(None, help="Largest block size a request may ask for (default: the drafter's trained size)."),
+    max_queue: int = typer.Option(256, help="Requests waiting for a slot before new ones get 503."),
+    prefill_chunk: int = typer.Option(512, help="Prompt tokens prefilled per engine step."),
+    kv_memory_fraction: float | None = typer.Option(None, help="Size max_batch from this fraction of free device memory instead."),
+    seed: int = typer.Option(0, help="Engine seed."),
+    method: str = typer.Option("ddtree", help="Default method: ar, dflash or ddtree."),
+    budget: int = typer.Option(16, help="Default tree budget (draft nodes verified per round)."),
+    topk: int | None = typer.Option(None, help="Default cap on candidates per depth (default: none)."),
+    block_size: int | None = typer.Option(None, help="Default block size (default: the drafter's trained size)."),
+    draft_window: int | None = typer.Option(None, help="Default drafter context window in tokens (default: all)."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0 exposes the server to the network)."),
+    port: int = typer.Option(8000, help="Port to listen on."),
+    drain_timeout: float = typer.Option(30.0, help="Seconds to let in-flight requests finish after SIGTERM."),
+    log_level: str = typer.Option("info", help="critical, error, warning, info or debug (debug adds an access log)."),
+) -> None:
+    """Serve the OpenAI API (/v1/completions, /v1/chat/completions) with per-request tree settings."""
+    from ddtree.server.app import create_app
+
+    tree = TreeSettings(method=method, budget=budget, topk=topk, block_size=block_size,  # type: ignore[arg-type]
+                        draft_window=draft_window)
+    config = EngineConfig(
+        target=target, draft=draft, device=device, dtype=dtype, max_batch=max_batch, max_len=max_len,
+        max_budget=max_budget, max_block_size=max_block_size, max_queue=max_queue, prefill_chunk=prefill_chunk,
+        kv_memory_fraction=kv_memory_fraction, default_tree=tree, seed=seed,
+    ).validated()
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def build_engine():  # runs in the server's loading thread, after the port is open
+        from ddtree.engine import Engine
+
+        return Engine(config)
+
+    app = create_app(engine_factory=build_engine, drain_timeout=drain_timeout)
+    code = serve_app(app, host=host, port=port, drain_timeout=drain_timeout, log_level=log_level)
+    if code != EXIT_OK:
+        raise typer.Exit(code)
