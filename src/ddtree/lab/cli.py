@@ -27,7 +27,6 @@ def register(app: typer.Typer) -> None:
     app.command("bench")(bench)
     app.add_typer(eval_app, name="eval")
     register_sweep(app)
-    register_sweep(app)
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -172,13 +171,3 @@ def _print_eval(result: dict, out_path: Path) -> None:
                       f"{lossless['baseline']}" + (f"; differing: {', '.join(lossless['differing_tasks'])}"
                                                    if lossless["differing_tasks"] else ""))
     console.print(f"result written to {out_path}")
-
-
-# ------------------------------------------------------------------------------------ sweep, report, replay
-
-
-def register_sweep(app: typer.Typer) -> None:
-    """``sweep``, ``report`` and ``replay``: they live in :mod:`ddtree.lab.sweep.cli` and :mod:`ddtree.lab.replay.cli`."""
-    from ddtree.lab.sweep.cli import register as register_sweep_commands
-
-    register_sweep_commands(app)

@@ -1,0 +1,207 @@
+"""Read a sweep's run directory into plain records the analysis can rank.
+
+Only finished files count: a benchmark cell is read from ``bench/ctx{c}-c{n}.json`` (schema
+``ddtree.bench.cell/1``), the gate from ``humaneval.json``; failure records are kept beside them so the report can
+say what is missing and why. Configs are ordered as the manifest's grid lists them (baselines first); a directory
+without a manifest (results copied by hand) is still readable, with configs in name order.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ddtree.errors import ConfigError
+from ddtree.lab.sweep.layout import BENCH_SCHEMA, EVAL_SCHEMA, RunLayout, read_json
+
+_CELL_FILE = re.compile(r"^ctx(\d+)-c(\d+)\.json$")
+_TREE_KEYS = ("method", "budget", "topk", "block_size", "draft_window")
+
+
+@dataclass(frozen=True)
+class CellResult:
+    """One benchmark cell's summary numbers (averaged over repeats, with their spread)."""
+
+    context: int
+    concurrency: int
+    tok_s: float | None  # aggregate output tokens/s
+    tok_s_min: float | None
+    tok_s_max: float | None
+    tok_s_std: float | None
+    runs: int  # repeats behind the spread (1 = no spread measured)
+    accept_length: float | None
+    decode_tok_s: float | None  # per-request decode speed (mean)
+    ttft_s: float | None
+    itl_p50_s: float | None
+    errors: int
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], context: int, concurrency: int) -> CellResult:
+        summary = data.get("summary") or {}
+        spread = summary.get("output_tok_s_spread") or {}
+        runs = int(spread.get("n") or len(data.get("runs") or []) or 1)
+        return cls(
+            context=context,
+            concurrency=concurrency,
+            tok_s=_num(summary.get("output_tok_s")),
+            tok_s_min=_num(spread.get("min")),
+            tok_s_max=_num(spread.get("max")),
+            tok_s_std=_num(spread.get("std")),
+            runs=runs,
+            accept_length=_num(summary.get("accept_length")),
+            decode_tok_s=_num(summary.get("decode_tok_s_mean")),
+            ttft_s=_num(summary.get("ttft_s_mean")),
+            itl_p50_s=_num(summary.get("itl_s_p50")),
+            errors=int(summary.get("errors") or 0),
+        )
+
+
+@dataclass(frozen=True)
+class GateResult:
+    passed: int
+    total: int
+    truncated: int
+    wrong: int
+    errors: int
+    truncated_tasks: tuple[str, ...]
+    wrong_tasks: tuple[str, ...]
+    lossless_identical: int | None  # None: no baseline compared (the AR config itself, or AR's gate missing)
+    lossless_compared: int | None
+    differing_tasks: tuple[str, ...]
+
+    @property
+    def lossless(self) -> bool | None:
+        if self.lossless_compared is None or self.lossless_compared == 0:
+            return None
+        return self.lossless_identical == self.lossless_compared
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> GateResult:
+        tasks = data.get("tasks") or []
+        truncated = tuple(t["task_id"] for t in tasks if not t.get("passed") and _is_truncation(t))
+        wrong = tuple(t["task_id"] for t in tasks if not t.get("passed") and not _is_truncation(t))
+        lossless = data.get("lossless") or None
+        return cls(
+            passed=int(data.get("passed", 0)),
+            total=int(data.get("total", len(tasks))),
+            truncated=int(data.get("truncated", len(truncated))),
+            wrong=int(data.get("wrong", len(wrong))),
+            errors=int(data.get("errors", 0) or 0),
+            truncated_tasks=truncated,
+            wrong_tasks=wrong,
+            lossless_identical=None if lossless is None else int(lossless.get("identical", 0)),
+            lossless_compared=None if lossless is None else int(lossless.get("compared", 0)),
+            differing_tasks=tuple(lossless.get("differing_tasks") or ()) if lossless else (),
+        )
+
+
+def _is_truncation(task: dict[str, Any]) -> bool:
+    return task.get("finish_reason") == "length" or task.get("reason") == "truncated"
+
+
+@dataclass
+class ConfigResult:
+    """Everything measured for one config."""
+
+    config_id: str
+    settings: dict[str, Any]  # method, budget, topk, block_size, draft_window, dims
+    cells: dict[tuple[int, int], CellResult] = field(default_factory=dict)
+    gate: GateResult | None = None
+    failures: dict[str, Any] = field(default_factory=dict)
+    launch: dict[str, Any] | None = None  # the launcher's record (load-to-ready time...)
+
+    @property
+    def method(self) -> str:
+        return str(self.settings.get("method", "?"))
+
+    @property
+    def dims(self) -> dict[str, str]:
+        return dict(self.settings.get("dims") or {})
+
+    def cell(self, context: int, concurrency: int) -> CellResult | None:
+        return self.cells.get((context, concurrency))
+
+    def tok_s(self, context: int, concurrency: int) -> float | None:
+        cell = self.cell(context, concurrency)
+        return cell.tok_s if cell else None
+
+    @property
+    def accept_length(self) -> float | None:
+        """Mean acceptance length over the config's cells (under greedy decoding it depends on the text, not on
+        concurrency, so the mean is the config's acceptance)."""
+        values = [c.accept_length for c in self.cells.values() if c.accept_length is not None]
+        return sum(values) / len(values) if values else None
+
+
+@dataclass
+class RunResults:
+    root: Path
+    manifest: dict[str, Any] | None
+    configs: list[ConfigResult]
+    contexts: list[int]
+    concurrency: list[int]
+
+    def by_id(self, config_id: str) -> ConfigResult | None:
+        return next((c for c in self.configs if c.config_id == config_id), None)
+
+    def baseline(self, method: str, dims: dict[str, str]) -> list[ConfigResult]:
+        """Configs of ``method`` measured with the same extra dimensions (AR for ``tp=8`` is AR-tp8)."""
+        return [c for c in self.configs if c.method == method and c.dims == dims]
+
+    @property
+    def output_tokens(self) -> int | None:
+        grid = (self.manifest or {}).get("grid") or {}
+        return grid.get("output_tokens")
+
+
+def load_run(root: str | Path) -> RunResults:
+    """Read every finished cell, gate result and failure record under ``root``."""
+    layout = RunLayout(Path(root))
+    if not layout.root.is_dir():
+        raise ConfigError(f"{layout.root} is not a directory; give the run directory a sweep wrote (results/<run>)")
+    manifest = read_json(layout.manifest_path)
+    manifest = manifest if isinstance(manifest, dict) else None
+    points: dict[str, dict[str, Any]] = {}
+    for point in (manifest or {}).get("points") or []:
+        points[point["config_id"]] = point
+    order = list(points) + [cid for cid in layout.config_ids() if cid not in points]
+    if not order:
+        raise ConfigError(f"{layout.root} holds no configs/ results; run `ddtree sweep` first")
+    configs = []
+    for config_id in order:
+        config_json = read_json(layout.config_path(config_id)) or {}
+        settings = points.get(config_id) or config_json.get("point") or {"method": config_id.split("-")[0]}
+        result = ConfigResult(
+            config_id=config_id,
+            settings={k: settings.get(k) for k in (*_TREE_KEYS, "dims")},
+            failures=layout.failures(config_id),
+            launch=config_json.get("launch"),
+        )
+        bench_dir = layout.config_dir(config_id) / "bench"
+        if bench_dir.is_dir():
+            for path in sorted(bench_dir.iterdir()):
+                match = _CELL_FILE.match(path.name)
+                data = read_json(path) if match else None
+                if match and isinstance(data, dict) and data.get("schema") == BENCH_SCHEMA:
+                    ctx, conc = int(match.group(1)), int(match.group(2))
+                    result.cells[(ctx, conc)] = CellResult.from_json(data, ctx, conc)
+        gate = read_json(layout.eval_path(config_id))
+        if isinstance(gate, dict) and gate.get("schema") == EVAL_SCHEMA:
+            result.gate = GateResult.from_json(gate)
+        configs.append(result)
+    grid = (manifest or {}).get("grid") or {}
+    contexts = sorted(set(grid.get("contexts") or []) | {k[0] for c in configs for k in c.cells})
+    concurrency = sorted(set(grid.get("concurrency") or []) | {k[1] for c in configs for k in c.cells})
+    return RunResults(layout.root, manifest, configs, contexts, concurrency)
+
+
+def _num(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+__all__ = ["CellResult", "ConfigResult", "GateResult", "RunResults", "load_run"]
