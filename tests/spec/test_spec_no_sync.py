@@ -28,8 +28,10 @@ def _round(logits, target_logits, budget, topk, depth_limit, root, cache, slots,
     mask = spec.build_attention_mask(start, write, trees.visibility, cache.shape[3])
     positions = spec.tree_positions(start, trees.depths)
     rows = logits.shape[0]
-    temperature = torch.linspace(0.0, 1.0, rows)
-    choices = spec.sample_choices(target_logits, temperature, torch.full((rows,), 0.9), torch.full((rows,), 3),
+    dev = logits.device
+    temperature = torch.linspace(0.0, 1.0, rows, device=dev)
+    choices = spec.sample_choices(target_logits, temperature, torch.full((rows,), 0.9, device=dev),
+                                  torch.full((rows,), 3, device=dev),
                                   seed, step.unsqueeze(1) + trees.depths)
     result = spec.walk_trees(trees, choices, logits.shape[1])
     spec.compact_cache(cache, slots, start, result.path)

@@ -111,17 +111,35 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, ca
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=grouped)
 
 
-def folded_gqa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+# Attention runs as two cuBLAS matmuls instead of SDPA's fused kernel while the folded query rows per KV head stay
+# at most MATMUL_ATTENTION_MAX_ROWS and the fp32 scores under MATMUL_ATTENTION_MAX_SCORES elements: with few query
+# rows the fused kernels launch one thread block per (row, KV head) and walk every key serially, while a matmul
+# parallelises over the keys (measured on the H200: AR at 8k context 47.7 -> 63.9 tok/s); with many query rows
+# (large trees) the fused kernel wins again (docs/benchmarks/gpu.md).
+MATMUL_ATTENTION_MAX_ROWS = 64
+MATMUL_ATTENTION_MAX_SCORES = 1 << 25
+
+
+def folded_gqa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, *, matmul: bool | None = None) -> Tensor:
     """Grouped-query attention as plain attention: the G query heads that share a KV head are folded into the
     query axis (q [R, H, T, D] -> [R, KV, G * T, D], mask rows repeated G times), which is exact (each query row's
-    softmax is over the same keys) and lets SDPA use its fused masked kernel without copying K/V per head.
-    mask [R, 1, T, S] bool -> [R, H, T, D]."""
+    softmax is over the same keys) and needs no copy of K/V per head.
+    mask [R, 1, T, S] bool -> [R, H, T, D]. ``matmul`` forces (True) or forbids (False) the matmul path; by
+    default it is used while the scores stay under ``MATMUL_ATTENTION_MAX_SCORES`` elements."""
     r, h, t, d = q.shape
     kv = k.shape[1]
     g = h // kv
+    s = k.shape[2]
     qf = q.reshape(r, kv, g * t, d)  # head j*G + i -> group j, rows i*T .. i*T + T - 1
-    mf = mask[:, :, None].expand(r, 1, g, t, mask.shape[-1]).reshape(r, 1, g * t, mask.shape[-1])
-    out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mf)
+    mf = mask[:, :, None].expand(r, 1, g, t, s).reshape(r, 1, g * t, s)
+    if matmul is None:
+        matmul = g * t <= MATMUL_ATTENTION_MAX_ROWS and r * kv * g * t * s <= MATMUL_ATTENTION_MAX_SCORES
+    if matmul:
+        scores = torch.matmul(qf, k.transpose(-1, -2)).float() * d**-0.5  # [R, KV, G*T, S]
+        probs = torch.softmax(scores.masked_fill(~mf, -torch.inf), dim=-1).to(v.dtype)
+        out = torch.matmul(probs, v)
+    else:
+        out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mf)
     return out.reshape(r, h, t, d)
 
 

@@ -1,0 +1,273 @@
+"""GPU benchmark of the engine on the cost-faithful Qwen3-8B stand-in (issue 9).
+
+One run (at most ~9 minutes on an H200, time-boxed: cells are run in priority order and any that would not fit are
+recorded as skipped) measures, greedy, 256 new tokens per request:
+
+- AR, the DFlash chain and DDTree at budgets 8 .. 512 for concurrency 1, 8, 32, 64 and contexts 60 .. 8192
+  (large budgets only where the verify batch stays within ``--max-verify-tokens``: past that the forward is
+  compute-bound and every extra node costs, see ``shared/docs/gpu-facts.md``);
+- tokens/s, acceptance length, speed-up over our AR, efficiency (speed-up / acceptance), stage split of a round,
+  peak memory; greedy outputs compared with AR's (bf16 divergence rate);
+- graph replay vs eager equality on a short run, and Hugging Face ``generate`` on the same target once.
+
+Writes ``OUT/gpu.json`` and ``OUT/gpu.md``; prints the markdown table.
+
+    python benchmarks/gpu.py --out $OUT              # stand-in (Qwen3-8B body) built from the demo pair
+    python benchmarks/gpu.py --out /tmp/x --shape none --quick   # the demo pair itself, a few cells
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ddtree.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, TreeSettings
+
+BUDGETS = (8, 16, 32, 64, 128, 256, 512)
+
+
+def held_out_token_stream(tokenizer, min_tokens: int) -> list[int]:
+    """Held-out stdlib source (never trained on), tokenized, concatenated to at least ``min_tokens`` tokens."""
+    from ddtree.train.corpus import load_corpus
+
+    corpus = load_corpus()
+    ids: list[int] = []
+    for f in corpus.held_out:
+        ids.extend(tokenizer.encode(f.text, add_special_tokens=False))
+        if len(ids) >= min_tokens:
+            break
+    while len(ids) < min_tokens:  # small held-out split: wrap around (prompts still differ by offset)
+        ids = ids + ids
+    return ids
+
+
+def prompts_for(stream: list[int], context: int, count: int, salt: int) -> list[list[int]]:
+    """``count`` prompts of exactly ``context`` tokens, each from a different offset of the held-out stream."""
+    step = max(1, (len(stream) - context) // max(count, 1))
+    out = []
+    for i in range(count):
+        off = (salt * 7919 + i * step) % max(1, len(stream) - context)
+        out.append(stream[off : off + context])
+    return out
+
+
+def run_cell(engine, prompts, tree: TreeSettings, new_tokens: int) -> dict:
+    reqs = [GenerationRequest(prompt_token_ids=p, tree=tree,
+                              sampling=SamplingParams(max_tokens=new_tokens, ignore_eos=True)) for p in prompts]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = engine.generate(reqs)
+    wall = time.perf_counter() - t0
+    errors = [o.error for o in outs if o.finish_reason == "error"]
+    completion = sum(len(o.token_ids) for o in outs)
+    rounds = sum(o.stats.verify_rounds for o in outs)
+    stage = {}
+    for o in outs:
+        for k, v in o.stats.stage_s.items():
+            stage[k] = stage.get(k, 0.0) + v
+    per_round = {k: 1e3 * v / max(rounds, 1) for k, v in stage.items() if k != "prefill"}
+    decode = [(len(o.token_ids) - 1) / max(o.stats.latency_s - o.stats.ttft_s, 1e-9) for o in outs]
+    return {
+        "tok_s": completion / wall,
+        "decode_tok_s_per_request": statistics.mean(decode),
+        "accept_length": completion / max(rounds, 1),
+        "wall_s": wall,
+        "ttft_s_mean": statistics.mean(o.stats.ttft_s or 0.0 for o in outs),
+        "stage_ms_per_round": per_round,
+        "errors": errors,
+        "tokens": [o.token_ids for o in outs],
+    }
+
+
+def plan_cells(contexts, concurrency, budgets, max_verify_tokens):
+    """Cells in priority order: the headline (C=1, 1k) first, then C=1 everywhere, then higher concurrency."""
+    cells = []
+    for conc in concurrency:
+        for ctx in contexts:
+            methods = [("ar", 0), ("dflash", 0)] + [
+                ("ddtree", b) for b in budgets if conc * (b + 1) <= max_verify_tokens
+            ]
+            cells.append((conc, ctx, methods))
+    cells.sort(key=lambda c: (c[0] != 1 or c[1] != 1024, c[0], c[1]))
+    return cells
+
+
+def hf_generate_reference(target, tokenizer_len: int, context: int, new_tokens: int, device) -> dict:
+    """Hugging Face ``generate`` (default cache) on the same weights, batch 1, greedy."""
+    import transformers
+
+    cfg = transformers.Qwen3Config(**{k: v for k, v in target.config.to_hf_dict().items()
+                                      if k not in ("architectures", "torch_dtype", "dtype")})
+    with torch.device(device):
+        hf = transformers.Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+    missing, unexpected = hf.load_state_dict(target.state_dict(), strict=False)
+    hf.eval()
+    ids = torch.randint(0, tokenizer_len, (1, context), device=device)
+    hf.generate(ids, max_new_tokens=4, do_sample=False)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = hf.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    del hf
+    torch.cuda.empty_cache()
+    return {"tok_s": (out.shape[1] - context) / wall, "context": context, "new_tokens": new_tokens,
+            "missing_keys": len(missing), "unexpected_keys": len(unexpected)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    ap.add_argument("--shape", default="qwen3-8b", help="stand-in shape, or 'none' for the demo pair as is")
+    ap.add_argument("--contexts", default="60,1024,4096,8192")
+    ap.add_argument("--concurrency", default="1,8,32,64")
+    ap.add_argument("--budgets", default=",".join(map(str, BUDGETS)))
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--max-verify-tokens", type=int, default=4096)
+    ap.add_argument("--time-budget", type=float, default=500.0, help="seconds for the matrix")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script")
+    args = ap.parse_args()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    device = torch.device(args.device)
+    if device.type != "cuda":  # dry run: make the CUDA-only calls no-ops
+        torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+        torch.cuda.reset_peak_memory_stats = lambda *a, **k: None  # type: ignore[assignment]
+        torch.cuda.max_memory_allocated = lambda *a, **k: 0  # type: ignore[assignment]
+        torch.cuda.get_device_name = lambda *a, **k: "cpu"  # type: ignore[assignment]
+
+    from ddtree.assets import demo_drafter_path, demo_target_path
+    from ddtree.models import load_drafter, load_target, load_tokenizer
+
+    tokenizer = load_tokenizer(demo_target_path())
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    target = load_target(demo_target_path(), dtype=dtype, device=device)
+    drafter = load_drafter(demo_drafter_path(), dtype=dtype, device=device)
+    t_build = time.perf_counter()
+    if args.shape != "none":
+        from ddtree.models.standin import build_standin, standin_shape
+
+        target, drafter = build_standin(target, drafter, standin_shape(args.shape))
+    torch.cuda.synchronize()
+    build_s = time.perf_counter() - t_build
+    contexts = [int(x) for x in args.contexts.split(",")]
+    concurrency = [int(x) for x in args.concurrency.split(",")]
+    budgets = [int(x) for x in args.budgets.split(",")]
+    if args.quick:
+        contexts, concurrency, budgets = [60, 1024], [1, 8], [16, 64]
+    max_len = max(contexts) + args.new_tokens + 16
+    config = EngineConfig(max_batch=max(concurrency), max_len=max_len, max_budget=max(budgets),
+                          prefill_chunk=2048, max_queue=4096, cuda_graphs=True)
+    engine = Engine.from_models(target, drafter, tokenizer, config, model_name=f"standin-{args.shape}")
+    engine.start()
+    eager = Engine.from_models(target, drafter, tokenizer, EngineConfig(**{**config.__dict__, "cuda_graphs": False,
+                                                                            "max_batch": 2}), model_name="eager")
+    eager.start()
+    stream = held_out_token_stream(tokenizer, max(contexts) * 2 + 4096)
+    report = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "shape": args.shape,
+              "standin_build_s": build_s, "params_target": sum(p.numel() for p in target.parameters()),
+              "params_drafter": sum(p.numel() for p in drafter.parameters()), "cells": [], "skipped": []}
+
+    # 1. graph replay == eager on a short greedy run (bf16; reported, not asserted)
+    probe = prompts_for(stream, 1024, 2, salt=99)
+    tree = TreeSettings(method="ddtree", budget=32)
+    g = run_cell(engine, probe, tree, min(64, args.new_tokens))
+    e = run_cell(eager, probe, tree, min(64, args.new_tokens))
+    report["graph_vs_eager_identical"] = g["tokens"] == e["tokens"]
+    eager.shutdown(drain_timeout=0)
+    del eager
+
+    # 2. the matrix
+    deadline = t_start + args.time_budget
+    for conc, ctx, methods in plan_cells(contexts, concurrency, budgets, args.max_verify_tokens):
+        prompts = prompts_for(stream, ctx, conc, salt=ctx + conc)
+        ar_tokens = None
+        ar_tok_s = None
+        for method, budget in methods:
+            name = method if method != "ddtree" else f"ddtree-b{budget}"
+            if time.perf_counter() > deadline:
+                report["skipped"].append({"concurrency": conc, "context": ctx, "method": name})
+                continue
+            tree = TreeSettings(method=method, budget=max(budget, 1))
+            run_cell(engine, prompts, tree, args.new_tokens if ctx <= 60 else 24)  # warm-up: captures graphs
+            torch.cuda.reset_peak_memory_stats()
+            cell = run_cell(engine, prompts, tree, args.new_tokens)
+            if method == "ar":
+                ar_tokens, ar_tok_s = cell["tokens"], cell["tok_s"]
+            same = [a == b for a, b in zip(ar_tokens or [], cell["tokens"], strict=False)]
+            speedup = cell["tok_s"] / ar_tok_s if ar_tok_s else None
+            row = {
+                "concurrency": conc, "context": ctx, "method": name, "budget": budget,
+                "tok_s": round(cell["tok_s"], 1), "accept_length": round(cell["accept_length"], 3),
+                "speedup_vs_ar": round(speedup, 3) if speedup else None,
+                "efficiency": round(speedup / cell["accept_length"], 3) if speedup else None,
+                "decode_tok_s_per_request": round(cell["decode_tok_s_per_request"], 1),
+                "ttft_s_mean": round(cell["ttft_s_mean"], 4),
+                "stage_ms_per_round": {k: round(v, 3) for k, v in cell["stage_ms_per_round"].items()},
+                "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                "identical_to_ar": sum(same), "compared": len(same), "errors": cell["errors"][:3],
+            }
+            report["cells"].append(row)
+            print(json.dumps(row), flush=True)
+            _write(out_dir, report)
+    report["graph_captures"] = engine.graphs.captures if engine.graphs is not None else 0
+    engine.shutdown(drain_timeout=0)
+    del engine
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    if not args.no_hf and time.perf_counter() < t_start + args.time_budget + 60:
+        try:
+            report["hf_generate"] = hf_generate_reference(target, len(tokenizer), 1024, 64, device)
+        except Exception as exc:  # the reference is optional; record why it did not run
+            report["hf_generate"] = {"error": f"{type(exc).__name__}: {exc}"}
+    report["total_s"] = time.perf_counter() - t_start
+    _write(out_dir, report)
+    print(render_markdown(report))
+
+
+def _write(out_dir: Path, report: dict) -> None:
+    tmp = out_dir / "gpu.json.tmp"
+    tmp.write_text(json.dumps(report, indent=1))
+    tmp.replace(out_dir / "gpu.json")
+    (out_dir / "gpu.md").write_text(render_markdown(report))
+
+
+def render_markdown(report: dict) -> str:
+    lines = [
+        f"Device: {report['device']}, torch {report['torch']}, stand-in shape `{report['shape']}` "
+        f"(target {report['params_target'] / 1e9:.2f} B params, drafter {report['params_drafter'] / 1e9:.2f} B), "
+        f"built in {report['standin_build_s']:.1f} s; graph replay == eager: {report.get('graph_vs_eager_identical')}",
+        "",
+        "| C | ctx | method | tok/s | accept | speed-up | efficiency | draft / tree / verify / commit ms | peak GiB | =AR |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for c in report["cells"]:
+        st = c["stage_ms_per_round"]
+        split = " / ".join(f"{st.get(k, 0):.2f}" for k in ("draft", "tree", "verify", "commit"))
+        lines.append(
+            f"| {c['concurrency']} | {c['context']} | {c['method']} | {c['tok_s']} | {c['accept_length']} | "
+            f"{c['speedup_vs_ar']} | {c['efficiency']} | {split} | {c['peak_mem_gib']} | "
+            f"{c['identical_to_ar']}/{c['compared']} |"
+        )
+    if report.get("skipped"):
+        lines += ["", f"Skipped (time box): {len(report['skipped'])} cells: "
+                  + ", ".join(f"C{s['concurrency']}/{s['context']}/{s['method']}" for s in report["skipped"][:40])]
+    if "hf_generate" in report:
+        lines += ["", f"Hugging Face generate (same target, batch 1): {report['hf_generate']}"]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
