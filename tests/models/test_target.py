@@ -199,4 +199,6 @@ def test_folded_gqa_attention_equals_grouped_sdpa():
     mask = torch.rand(3, 1, 5, 11, generator=gen) > 0.4
     mask[..., 0] = True
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    torch.testing.assert_close(folded_gqa_attention(q, k, v, mask), want, rtol=1e-5, atol=1e-6)
+    for matmul in (False, True):
+        got = folded_gqa_attention(q, k, v, mask, matmul=matmul)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

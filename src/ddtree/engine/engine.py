@@ -236,7 +236,7 @@ class Engine:
             raise QueueFullError("the engine is shutting down and accepts no new requests")
         ids, tree = self.validate(request)
         with self._lock:
-            if len(self._waiting) + self._inbox.qsize() >= self.config.max_queue + self.config.max_batch:
+            if len(self._waiting) + self._inbox.qsize() - len(self._free_slots) >= self.config.max_queue:
                 raise QueueFullError(
                     f"the request queue is full ({self.config.max_queue} waiting); retry later"
                 )
@@ -438,6 +438,7 @@ class Engine:
             if not worked:
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
+        self._drain_inbox()  # deliver the final chunks of cancellations queued by shutdown()
 
     def _drain_inbox(self) -> None:
         while True:
