@@ -22,19 +22,13 @@ app = typer.Typer(
 _PARTS: tuple[str, ...] = (
     "ddtree.engine.cli",  # generate
     "ddtree.server.cli",  # serve
-    "ddtree.lab.cli",  # bench, eval, sweep, report, replay
+    "ddtree.lab.cli",  # bench, eval humaneval, sweep, report, replay
     "ddtree.train.cli",  # train tokenizer|target|drafter
     "ddtree.models.cli",  # standin
 )
 
 for _module in _PARTS:
-    try:
-        _part = importlib.import_module(_module)
-    except ModuleNotFoundError as _exc:  # DEV-ONLY: parts still being written; removed before release
-        if _exc.name != _module:
-            raise
-        continue
-    _part.register(app)
+    importlib.import_module(_module).register(app)
 
 
 @app.command()

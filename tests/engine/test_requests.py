@@ -215,3 +215,15 @@ def test_long_prompt_is_prefilled_in_chunks_while_others_decode(tiny_engine_fact
     assert outs[0].token_ids == long_alone.token_ids
     assert outs[1].token_ids == short_alone.token_ids
     assert outs[0].stats.stage_s["prefill"] > 0
+
+
+def test_queue_limit_counts_waiting_requests_only(tiny_engine_factory):
+    """max_queue=0: a request is accepted while a slot is free and refused once it would have to wait."""
+    from ddtree.errors import QueueFullError
+
+    engine = tiny_engine_factory(max_batch=1, max_queue=0)
+    started = threading.Event()
+    engine.submit(_req(max_tokens=400, ignore_eos=True, tree=TreeSettings(method="ar")), lambda ch: started.set())
+    assert started.wait(30)
+    with pytest.raises(QueueFullError, match="queue"):
+        engine.submit(_req(), lambda ch: None)

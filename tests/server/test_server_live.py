@@ -32,8 +32,8 @@ async def wait_until(predicate, timeout: float = 20.0) -> None:
 
 @pytest.fixture
 def one_slot(tiny_engine_factory):
-    """An engine with one KV slot and no waiting room beyond it, served by uvicorn on loopback."""
-    engine = tiny_engine_factory(max_batch=1, max_queue=0, max_len=2048, max_budget=16)
+    """An engine with one KV slot and room for one waiting request, served by uvicorn on loopback."""
+    engine = tiny_engine_factory(max_batch=1, max_queue=1, max_len=2048, max_budget=16)
     with ThreadedServer(create_app(engine)) as server:
         yield engine, server.url
 
