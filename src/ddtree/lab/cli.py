@@ -84,6 +84,7 @@ def bench(
     num_requests: int | None = typer.Option(None, help="Requests per run (default: max(2 x concurrency, 8))."),
     repeats: int = typer.Option(1, help="Runs per cell; the spread of output tok/s is reported."),
     seed: int = typer.Option(0, help="Seed of the prompts."),
+    text: str = typer.Option("words", help="Prompt filler: 'words' (English) or 'code' (held-out stdlib Python)."),
     warmup: bool = typer.Option(True, help="Warm up at each cell's concurrency before measuring."),
     config: str | None = typer.Option(None, help="JSON recorded as the cells' 'config' (what is being measured)."),
     out: Path | None = typer.Option(None, help="Directory for the cell JSON files (default: results/bench-<time>)."),
@@ -99,7 +100,8 @@ def bench(
     target = _target(url, engine, model, endpoint, extra_body, tokenizer, api_key, timeout)
     workload = Workload(contexts=parse_ints(contexts, what="--contexts"),
                         concurrency=parse_ints(concurrency, what="--concurrency"), output_tokens=output_tokens,
-                        num_requests=num_requests, repeats=repeats, seed=seed, warmup=warmup).validated()
+                        num_requests=num_requests, repeats=repeats, seed=seed, warmup=warmup,
+                        text=text).validated()
     out_dir = out if out is not None else Path("results") / f"bench-{_stamp()}"
     cells = asyncio.run(run_bench(target, workload, out_dir=out_dir,
                                   config=parse_json_object(config, what="--config"), progress=progress))

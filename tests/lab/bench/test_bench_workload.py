@@ -114,3 +114,20 @@ def test_default_is_the_demo_tokenizer_and_prompts_are_exact():
     assert name == str(default_tokenizer_path())
     for p in build_prompts(tokenizer, 100, 4, phase="r0-", seed=0, context=100, concurrency=2):
         assert len(tokenizer(p.text)["input_ids"]) == 100 == len(p.ids)
+
+
+def test_code_prompts_are_exact_unique_and_come_from_the_held_out_split(tiny_tokenizer):
+    from ddtree.lab.bench.workload import build_prompts, held_out_code
+    from ddtree.train.corpus import load_corpus
+
+    prompts = build_prompts(tiny_tokenizer, 200, 4, phase="r0-", seed=1, context=200, concurrency=4, text="code")
+    assert all(len(p.ids) == 200 and tiny_tokenizer(p.text)["input_ids"] == p.ids for p in prompts)
+    assert len({tuple(p.ids[:12]) for p in prompts}) == 4
+    body = prompts[0].text.split("\n", 1)[1][:80]
+    assert body in held_out_code()
+    assert not any(body in f.text for f in load_corpus().train)
+
+
+def test_unknown_text_source_is_rejected():
+    with pytest.raises(ConfigError, match="text"):
+        Workload(contexts=(8,), concurrency=(1,), output_tokens=4, text="poetry").validated()

@@ -9,7 +9,7 @@ Acceptance counters are read after the warm-up and after each run, so their diff
 Cell file ``ctx{context}-c{concurrency}.json`` (schema ``ddtree.bench.cell/1``)::
 
     {"schema", "config": {...as given...}, "engine": "ddtree|sglang|vllm|openai",
-     "workload": {"context", "concurrency", "output_tokens", "num_requests", "repeats", "seed", "endpoint",
+     "workload": {"context", "concurrency", "output_tokens", "num_requests", "repeats", "seed", "text", "endpoint",
                   "warmup", "tokenizer", "prompt_lengths": [exact token counts sent, one per measured request]},
      "runs": [{"requests": [{"prompt_tokens", "prompt_tokens_sent", "completion_tokens", "ttft_s", "latency_s",
                              "itl_s": [per token], "itl_source", "chunks", "spec_verify_ct", "accept_length",
@@ -98,7 +98,7 @@ async def _run_cell(client: OpenAIClient, engine: str, workload: Workload, conte
                     tokenizer: Any, tokenizer_name: str, config: dict, env: dict,
                     advance: Callable[[], None]) -> dict:
     n = workload.requests_for(concurrency)
-    key = {"seed": workload.seed, "context": context, "concurrency": concurrency}
+    key = {"seed": workload.seed, "context": context, "concurrency": concurrency, "text": workload.text}
     if workload.warmup:
         warm = build_prompts(tokenizer, context, concurrency, phase="w", **key)
         await run_requests(client, engine, warm, concurrency, min(workload.output_tokens, WARMUP_MAX_TOKENS))
@@ -123,6 +123,7 @@ async def _run_cell(client: OpenAIClient, engine: str, workload: Workload, conte
         "config": config,
         "engine": engine,
         "workload": {"context": context, "concurrency": concurrency, "output_tokens": workload.output_tokens,
+                     "text": workload.text,
                      "num_requests": n, "repeats": workload.repeats, "seed": workload.seed,
                      "endpoint": client.target.endpoint, "warmup": workload.warmup, "tokenizer": tokenizer_name,
                      "prompt_lengths": lengths},

@@ -18,6 +18,7 @@ the user message, so the chat template adds its own tokens (the request records 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import random
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from typing import Any
 
 from ddtree.errors import ConfigError
 
+TEXT_SOURCES = ("words", "code")
 MIN_REQUESTS = 8  # requests per run when num_requests is not given: max(2 x concurrency, MIN_REQUESTS)
 WARMUP_MAX_TOKENS = 16
 
@@ -54,8 +56,11 @@ class Workload:
     repeats: int = 1
     seed: int = 0
     warmup: bool = True
+    text: str = "words"  # filler: "words" (English) or "code" (held-out stdlib Python source)
 
     def validated(self) -> Workload:
+        if self.text not in TEXT_SOURCES:
+            raise ConfigError(f"text must be one of {', '.join(TEXT_SOURCES)}, got {self.text!r}")
         if not self.contexts or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in self.contexts):
             raise ConfigError(f"contexts must be positive token counts, got {self.contexts!r}")
         if not self.concurrency or any(isinstance(c, bool) or not isinstance(c, int) or c < 1
@@ -114,16 +119,35 @@ def _decode(tokenizer: Any, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def build_prompt(tokenizer: Any, length: int, tag: str, rng: random.Random) -> Prompt:
+@functools.lru_cache(maxsize=1)
+def held_out_code() -> str:
+    """The held-out split of the stdlib corpus (the demo pair never trained on it), concatenated once."""
+    from ddtree.train.corpus import load_corpus
+
+    return "\n\n".join(f.text for f in load_corpus().held_out)
+
+
+def build_prompt(tokenizer: Any, length: int, tag: str, rng: random.Random, text_source: str = "words") -> Prompt:
     """A prompt of exactly ``length`` tokens starting with ``tag`` (see the module doc)."""
-    words: list[str] = []
-    text = tag + ":"
-    ids = _encode(tokenizer, text)
-    while len(ids) < length + 8:  # enough filler to cut from; grows geometrically
-        need = max(16, 2 * (length + 8 - len(ids)))
-        words.extend(rng.choice(_WORDS) for _ in range(need))
-        text = tag + ": " + " ".join(words) + "."
+    if text_source == "code":
+        source = held_out_code()
+        start = rng.randrange(max(1, len(source) - 8 * (length + 64)))
+        span = 4 * (length + 8)
+        while True:  # grow the window until it tokenizes long enough (or the source runs out)
+            text = f"# {tag}\n" + source[start : start + span]
+            ids = _encode(tokenizer, text)
+            if len(ids) >= length + 8 or start + span >= len(source):
+                break
+            span *= 2
+    else:
+        words: list[str] = []
+        text = tag + ":"
         ids = _encode(tokenizer, text)
+        while len(ids) < length + 8:  # enough filler to cut from; grows geometrically
+            need = max(16, 2 * (length + 8 - len(ids)))
+            words.extend(rng.choice(_WORDS) for _ in range(need))
+            text = tag + ": " + " ".join(words) + "."
+            ids = _encode(tokenizer, text)
     cut = length
     for _ in range(64):
         candidate = _decode(tokenizer, ids[:cut])
@@ -146,10 +170,10 @@ def request_tag(seed: int, phase: str, index: int, context: int, concurrency: in
 
 
 def build_prompts(tokenizer: Any, length: int, count: int, *, phase: str, seed: int, context: int,
-                  concurrency: int) -> list[Prompt]:
+                  concurrency: int, text: str = "words") -> list[Prompt]:
     """``count`` prompts of ``length`` tokens with unique tags ``phase`` + index (deterministic given ``seed``)."""
     rng = random.Random(f"{seed}/{context}/{concurrency}/{phase}")
-    prompts = [build_prompt(tokenizer, length, request_tag(seed, phase, i, context, concurrency), rng)
+    prompts = [build_prompt(tokenizer, length, request_tag(seed, phase, i, context, concurrency), rng, text)
                for i in range(count)]
     if len({tuple(p.ids) for p in prompts}) != len(prompts):
         raise ConfigError(

@@ -185,6 +185,7 @@ class SweepConfig:
     num_requests: int | None = None  # per cell; None = the bench default (at least 2 x concurrency)
     repeats: int = 1
     seed: int = 0
+    prompt_text: str = "words"  # bench prompt filler: "words" or "code" (held-out stdlib Python)
     gate_tasks: tuple[str, ...] | None = None  # HumanEval task ids; None = the bench's GATE_TASKS; () = no gate
     gate_max_tokens: int = 512
     launch: LaunchSpec | None = None
@@ -222,7 +223,10 @@ class SweepConfig:
         for key in ("contexts", "concurrency", "output_tokens", "num_requests", "repeats", "seed"):
             if key in bench:
                 kwargs[key] = bench.pop(key)
-        _no_leftovers("bench", bench, ["contexts", "concurrency", "output_tokens", "num_requests", "repeats", "seed"])
+        if "text" in bench:
+            kwargs["prompt_text"] = bench.pop("text")
+        _no_leftovers("bench", bench, ["contexts", "concurrency", "output_tokens", "num_requests", "repeats", "seed",
+                                       "text"])
         gate = dict(_section(data, "gate"))
         if "tasks" in gate:
             kwargs["gate_tasks"] = gate.pop("tasks")
@@ -344,6 +348,8 @@ class SweepConfig:
         _check_ints("gate_max_tokens", (self.gate_max_tokens,), 1)
         if self.num_requests is not None:
             _check_ints("num_requests", (self.num_requests,), 1)
+        if self.prompt_text not in ("words", "code"):
+            raise ConfigError(f"prompt text must be 'words' or 'code', got {self.prompt_text!r}")
         for block, window in itertools.product(self.block_sizes, self.draft_windows):
             if block is not None and window is not None and window < block:
                 raise ConfigError(

@@ -43,6 +43,7 @@ PRESETS: dict[str, SweepConfig] = {
         output_tokens=16,
         num_requests=4,
         repeats=2,
+        prompt_text="code",
         gate_tasks=("HumanEval/0", "HumanEval/2"),
         gate_max_tokens=32,
     ),

@@ -310,6 +310,7 @@ def run_bench_cell(
         num_requests=config.num_requests,
         repeats=config.repeats,
         seed=config.seed,
+        text=config.prompt_text,
     )
     cells = asyncio.run(
         run_bench(
