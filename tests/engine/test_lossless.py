@@ -55,11 +55,11 @@ def _requests(tokenizer, tree, n=40):
 def test_every_setting_matches_the_plain_decoder(tiny_engine_factory, tiny_tokenizer, references, oracle):
     engine = tiny_engine_factory(oracle=oracle)
     ar = engine.generate(_requests(tiny_tokenizer, TreeSettings(method="ar")))
-    for out, p in zip(ar, PROMPTS):
+    for out, p in zip(ar, PROMPTS, strict=False):
         assert out.token_ids == references[p], "AR differs from the plain decoder"
     for tree in SETTINGS:
         outs = engine.generate(_requests(tiny_tokenizer, tree))
-        for out, p in zip(outs, PROMPTS):
+        for out, p in zip(outs, PROMPTS, strict=False):
             assert out.finish_reason == "length"
             assert out.token_ids == references[p], f"{tree} differs from the plain decoder on {p!r}"
 

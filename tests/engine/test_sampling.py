@@ -125,6 +125,6 @@ def test_seeded_sampling_is_identical_across_methods(tiny_engine_factory, tiny_t
                 temperature=1.0, top_p=0.95, seed=seed, max_tokens=30, ignore_eos=True))
             for t in trees
         ])
-        for t, out in zip(trees, outs):
+        for t, out in zip(trees, outs, strict=False):
             assert out.finish_reason == "length" and len(out.token_ids) == 30, out.error
             assert out.token_ids == outs[0].token_ids, f"seed {seed}: {t} differs from AR"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from typing import Optional
 
 import typer
 
@@ -22,17 +21,17 @@ def _parse_window(value: str | None) -> int | None:
 
 def generate(
     prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text (with --chat: the user message)."),
-    target: Optional[str] = typer.Option(None, help="Target model directory or hub id (default: the demo target)."),
-    draft: Optional[str] = typer.Option(None, help="DFlash drafter directory or hub id; 'none' for AR only."),
+    target: str | None = typer.Option(None, help="Target model directory or hub id (default: the demo target)."),
+    draft: str | None = typer.Option(None, help="DFlash drafter directory or hub id; 'none' for AR only."),
     method: str = typer.Option("ddtree", help=f"One of {', '.join(METHODS)}."),
     budget: int = typer.Option(16, help="Draft nodes verified per round (ddtree)."),
-    topk: Optional[int] = typer.Option(None, help="Most candidates per draft depth (default: no cap)."),
-    block_size: Optional[int] = typer.Option(None, "--block-size", help="Draft positions per pass (default: trained)."),
-    draft_window: Optional[str] = typer.Option(None, "--draft-window", help="Drafter context window, or 'none'."),
+    topk: int | None = typer.Option(None, help="Most candidates per draft depth (default: no cap)."),
+    block_size: int | None = typer.Option(None, "--block-size", help="Draft positions per pass (default: trained)."),
+    draft_window: str | None = typer.Option(None, "--draft-window", help="Drafter context window, or 'none'."),
     temperature: float = typer.Option(0.0, help="0 = greedy."),
     top_p: float = typer.Option(1.0, "--top-p"),
     top_k: int = typer.Option(0, "--top-k"),
-    seed: Optional[int] = typer.Option(None),
+    seed: int | None = typer.Option(None),
     max_tokens: int = typer.Option(256, "--max-tokens"),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos"),

@@ -105,7 +105,7 @@ class RoundGraphs:
             self.graphs.move_to_end(key)
         rows = inp.slots.shape[0]
         self._load(cap.static, inp, rows)
-        for name, graph in zip(ModelRunner.STAGES, cap.graphs):
+        for name, graph in zip(ModelRunner.STAGES, cap.graphs, strict=False):
             with timer.stage(name):
                 graph.replay()
         return cap.work["new_tokens"][:rows], cap.work["num_accepted"][:rows]

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ddtree.devices import resolve_device, resolve_dtype
 from ddtree.engine.api import (
     GenerationOutput,
     GenerationRequest,
@@ -74,26 +75,6 @@ class _Counters:
     stage_seconds_total: dict[str, float] = field(default_factory=dict)
 
 
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {name!r} requested but CUDA is not available; use --device cpu")
-    return dev
-
-
-def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    table = {
-        "float32": torch.float32, "fp32": torch.float32,
-        "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-        "float16": torch.float16, "fp16": torch.float16,
-    }
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return table[name]
-
-
 class Engine:
     """Continuous batching of AR, DFlash-chain and DDTree requests over one target and one drafter."""
 
@@ -101,8 +82,8 @@ class Engine:
         from ddtree.models import load_drafter, load_target, load_tokenizer
 
         config = config.validated()
-        device = _resolve_device(config.device)
-        dtype = _resolve_dtype(config.dtype, device)
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
         target_dir, draft_dir, name = _model_paths(config)
         target = load_target(target_dir, dtype=dtype, device=device)
         drafter = None
@@ -517,7 +498,7 @@ class Engine:
         for state, take in rows:
             state.prefilled += take
             state.stats.stage_s["prefill"] = state.stats.stage_s.get("prefill", 0.0) + elapsed
-        for i, tok in zip(done, first):
+        for i, tok in zip(done, first, strict=False):
             state = rows[i][0]
             state.phase = Phase.DECODE
             state.stats.ttft_s = time.perf_counter() - state.arrival
@@ -566,7 +547,7 @@ class Engine:
         with self._lock:
             for name, secs in stages.items():
                 self._counters.stage_seconds_total[name] = self._counters.stage_seconds_total.get(name, 0.0) + secs
-        for state, row, n in zip(states, tokens, counts):
+        for state, row, n in zip(states, tokens, counts, strict=False):
             st = state.stats
             st.verify_rounds += 1
             while len(st.accept_hist) <= n:

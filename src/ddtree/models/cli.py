@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import typer
 
+from ddtree.devices import resolve_device, resolve_dtype
 from ddtree.errors import ConfigError
 from ddtree.models.loading import save_drafter, save_target
 from ddtree.models.standin import (
@@ -36,27 +37,8 @@ _TOKENIZER_GLOBS: tuple[str, ...] = (
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "vocab.json",
     "merges.txt", "added_tokens.json", "chat_template.jinja", "*.tiktoken", "generation_config.json",
 )
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
-
-
 def register(app: typer.Typer) -> None:
     app.command("standin")(standin)
-
-
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {name!r} requested but CUDA is not available; use --device cpu")
-    return device
-
-
-def _dtype(name: str) -> torch.dtype:
-    if name not in _DTYPES:
-        raise ConfigError(f"dtype must be one of {', '.join(_DTYPES)}, got {name!r}")
-    return _DTYPES[name]
 
 
 def _check_outside_package(out: Path) -> None:
@@ -92,7 +74,8 @@ def standin(
 ) -> None:
     """Build a target/drafter with a big body (e.g. Qwen3-8B's) that computes a small pair's functions."""
     body = standin_shape(shape)
-    dev, dt = _device(device), _dtype(dtype)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
     _check_outside_package(out)
     small = load_small_pair(target, draft, device=dev)
     small_target, small_drafter = small.target, small.drafter

@@ -129,37 +129,50 @@ def held_out_code() -> str:
 
 def build_prompt(tokenizer: Any, length: int, tag: str, rng: random.Random, text_source: str = "words") -> Prompt:
     """A prompt of exactly ``length`` tokens starting with ``tag`` (see the module doc)."""
+    # Code rarely fails to re-encode at exactly `length` (runs of spaces merge differently after a cut); another
+    # window of the held-out source then usually works.
+    for _ in range(16 if text_source == "code" else 1):
+        ids = _filler_ids(tokenizer, length, tag, rng, text_source)
+        prompt = _exact_cut(tokenizer, ids, length)
+        if prompt is not None:
+            return prompt
+    raise ConfigError(
+        f"could not build a prompt of exactly {length} tokens with this tokenizer (re-encoding keeps changing "
+        "the length); try another context length"
+    )
+
+
+def _filler_ids(tokenizer: Any, length: int, tag: str, rng: random.Random, text_source: str) -> list[int]:
+    """Token ids of ``tag`` plus filler, at least ``length + 8`` long (when the source allows)."""
     if text_source == "code":
         source = held_out_code()
         start = rng.randrange(max(1, len(source) - 8 * (length + 64)))
         span = 4 * (length + 8)
         while True:  # grow the window until it tokenizes long enough (or the source runs out)
-            text = f"# {tag}\n" + source[start : start + span]
-            ids = _encode(tokenizer, text)
+            ids = _encode(tokenizer, f"# {tag}\n" + source[start : start + span])
             if len(ids) >= length + 8 or start + span >= len(source):
-                break
+                return ids
             span *= 2
-    else:
-        words: list[str] = []
-        text = tag + ":"
-        ids = _encode(tokenizer, text)
-        while len(ids) < length + 8:  # enough filler to cut from; grows geometrically
-            need = max(16, 2 * (length + 8 - len(ids)))
-            words.extend(rng.choice(_WORDS) for _ in range(need))
-            text = tag + ": " + " ".join(words) + "."
-            ids = _encode(tokenizer, text)
+    words: list[str] = []
+    ids = _encode(tokenizer, tag + ":")
+    while len(ids) < length + 8:  # enough filler to cut from; grows geometrically
+        need = max(16, 2 * (length + 8 - len(ids)))
+        words.extend(rng.choice(_WORDS) for _ in range(need))
+        ids = _encode(tokenizer, tag + ": " + " ".join(words) + ".")
+    return ids
+
+
+def _exact_cut(tokenizer: Any, ids: list[int], length: int) -> Prompt | None:
+    """Cut ``ids`` so that the decoded text re-encodes to exactly ``length`` tokens; None when no cut does."""
     cut = length
     for _ in range(64):
         candidate = _decode(tokenizer, ids[:cut])
         encoded = _encode(tokenizer, candidate)
         if len(encoded) == length:
             return Prompt(ids=encoded, text=candidate)
-        cut += length - len(encoded) if len(encoded) != length else 0
+        cut += length - len(encoded)
         cut = max(1, min(cut, len(ids)))
-    raise ConfigError(
-        f"could not build a prompt of exactly {length} tokens with this tokenizer (re-encoding keeps changing "
-        "the length); try another context length"
-    )
+    return None
 
 
 def request_tag(seed: int, phase: str, index: int, context: int, concurrency: int) -> str:
