@@ -17,6 +17,8 @@ from ddtree.train.drafter import (
     block_labels,
     depth_weights,
     drafter_loss,
+    init_from_target,
+    replay_chain,
     sample_anchors,
     target_features,
 )
@@ -94,7 +96,8 @@ def test_drafter_config_follows_the_target_and_the_z_lab_rule() -> None:
 
 
 def _leading_matches_via_engine_api(target, drafter, ids: torch.Tensor, anchor: int) -> int:
-    """Reference: the engine's cached path (append_context + draft_logits) for one block, counted in a loop."""
+    """Reference: the engine's cached path (append_context + draft_logits) for one block, counted in a loop;
+    depths past the row end count as matches (the replay never stops a run there)."""
     bs = drafter.config.block_size
     cache = drafter.allocate_cache(1, ids.shape[1])
     feats = target_features(target, drafter, ids)
@@ -104,20 +107,20 @@ def _leading_matches_via_engine_api(target, drafter, ids: torch.Tensor, anchor: 
     logits = drafter.draft_logits(target, ids[:, anchor], torch.tensor([anchor]), cache, slots, bs)
     matched = 0
     for k in range(1, bs):
-        if int(logits[0, k - 1].argmax()) != int(ids[0, anchor + k]):
+        if anchor + k < ids.shape[1] and int(logits[0, k - 1].argmax()) != int(ids[0, anchor + k]):
             break
         matched += 1
     return matched
 
 
 @torch.no_grad()
-def test_block_acceptance_equals_the_engine_path_anchor_by_anchor() -> None:
+def test_block_acceptance_replays_the_chain_like_the_engine_path() -> None:
     target, drafter = _tiny_pair(seed=3)
     prompt_len, seq = 6, 30
-    # Rows whose generated part is the drafter's own greedy chain in places, so matches are not all zero.
     ids = torch.randint(2, 50, (2, seq), generator=torch.Generator().manual_seed(4))
+    # Plant the drafter's own proposals in places so that rounds accept several tokens.
     for b in range(2):
-        for anchor in (prompt_len - 1, 14):
+        for anchor in (prompt_len, 14):
             cache = drafter.allocate_cache(1, seq)
             row = ids[b:b + 1]
             feats = target_features(target, drafter, row)
@@ -125,11 +128,51 @@ def test_block_acceptance_equals_the_engine_path_anchor_by_anchor() -> None:
             drafter.append_context(feats[:, :anchor], pos, cache, torch.tensor([0]), pos)
             draft = drafter.draft_logits(target, row[:, anchor], torch.tensor([anchor]), cache,
                                          torch.tensor([0]), 4).argmax(-1)
-            ids[b, anchor + 1:anchor + 3] = draft[0, :2]  # depths 1-2 right, depth 3 usually wrong
+            ids[b, anchor + 1:anchor + 3] = draft[0, :2]
     data = Continuations(tokens=ids, prompt_len=prompt_len)
     result = block_acceptance(drafter, target, data, anchors_per_pass=7, device=torch.device("cpu"))
-    anchors = range(prompt_len - 1, seq - 4 + 1)
-    matches = [_leading_matches_via_engine_api(target, drafter, ids[b:b + 1], a) for b in range(2) for a in anchors]
-    assert result["anchors"] == len(matches)
-    assert result["accept_length"] == pytest.approx(1 + sum(matches) / len(matches), abs=1e-4)
-    assert max(matches) >= 2  # the planted agreements are found
+
+    rounds_total, per_row, full_matches = 0, [], []
+    for b in range(2):
+        row = ids[b:b + 1]
+        anchor, rounds = prompt_len, 0  # prefill commits position prompt_len; rounds start from it
+        while anchor < seq - 1:
+            m = _leading_matches_via_engine_api(target, drafter, row, anchor)
+            anchor += min(m + 1, seq - 1 - anchor)
+            rounds += 1
+        rounds_total += rounds
+        per_row.append((seq - prompt_len) / rounds)
+        full_matches += [_leading_matches_via_engine_api(target, drafter, row, a)
+                         for a in range(prompt_len - 1, seq - 4 + 1)]
+    assert result["accept_length"] == pytest.approx(2 * (seq - prompt_len) / rounds_total, abs=1e-4)
+    assert result["accept_length_per_row_mean"] == pytest.approx(sum(per_row) / 2, abs=1e-4)
+    assert result["anchors"] == len(full_matches)
+    assert result["anchor_mean_accept"] == pytest.approx(1 + sum(full_matches) / len(full_matches), abs=1e-4)
+    assert result["accept_length"] > 1.05  # the planted agreements are found
+
+
+def test_replay_counts_plain_decoding_as_one_token_per_round() -> None:
+    assert replay_chain([0] * 40, prompt_len=10, seq_len=50) == 39  # 40 tokens: 1 from prefill + 39 rounds
+    assert replay_chain([15] * 40, prompt_len=10, seq_len=50) == 3  # 16 + 16 + 7 tokens after prefill
+
+
+@torch.no_grad()
+def test_init_from_target_gives_the_first_layer_the_targets_own_context_kv() -> None:
+    target, drafter = _tiny_pair(seed=5)  # 6 target layers, 2 drafter layers reading target layers (1, 3)
+    init_from_target(drafter, target)
+    ids = torch.randint(2, 50, (1, 12), generator=torch.Generator().manual_seed(6))
+    feats = target_features(target, drafter, ids)
+    positions = torch.arange(12)[None]
+    cos, sin = drafter.rotary(positions, feats.dtype)
+    k_draft, v_draft = drafter.layers[0].self_attn.project_kv(drafter.context(feats), cos, sin)
+    # The target's own layer 4 K/V: its input norm over the residual stream after layer 3.
+    h3 = target.forward_train(ids, (3,), with_logits=False).hidden
+    layer4 = target.layers[4]
+    k_ref, v_ref = layer4.self_attn.project_kv(layer4.input_layernorm(h3), cos, sin)
+    assert torch.allclose(k_draft, k_ref, atol=1e-5) and torch.allclose(v_draft, v_ref, atol=1e-5)
+    assert torch.equal(drafter.layers[1].mlp.up_proj.weight, target.layers[5].mlp.up_proj.weight)
+    assert torch.equal(drafter.norm.weight, target.norm.weight)
+    with pytest.raises(ConfigError, match="intermediate_size"):
+        bad = DFlashDrafter(DrafterTrainConfig(num_layers=2, intermediate_size=32, block_size=4)
+                            .drafter_config(target, mask_token_id=1))
+        init_from_target(bad, target)
