@@ -23,9 +23,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
+from ddtree.devices import resolve_device
 from ddtree.errors import ConfigError
 from ddtree.train.corpus import Corpus
-from ddtree.train.runtime import RunLog, resolve_device, seed_everything
+from ddtree.train.runtime import RunLog, seed_everything
 from ddtree.train.tokenizer import EOS_TOKEN, load_raw_tokenizer
 
 

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ddtree.devices import resolve_device
 from ddtree.errors import ConfigError
 from ddtree.models import (
     DFlashDrafter,
@@ -47,7 +48,7 @@ from ddtree.models import (
     save_drafter,
 )
 from ddtree.train.data import Continuations, load_continuations
-from ddtree.train.runtime import RunLog, StepPlan, lr_at, resolve_device, seed_everything
+from ddtree.train.runtime import RunLog, StepPlan, lr_at, seed_everything
 from ddtree.train.tokenizer import MASK_TOKEN, load_raw_tokenizer
 
 

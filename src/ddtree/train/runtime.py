@@ -20,18 +20,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from ddtree.errors import ConfigError
-
-
-def resolve_device(device: str) -> torch.device:
-    """``auto`` means the first CUDA device when there is one, else the CPU."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    resolved = torch.device(device)
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {device!r} asked for but CUDA is not available; use --device cpu or auto")
-    return resolved
-
 
 def seed_everything(seed: int) -> torch.Generator:
     """Seed Python, NumPy and torch (all devices); returns a CPU generator for the data sampler."""

@@ -25,10 +25,11 @@ from typing import Any
 
 import torch
 
+from ddtree.devices import resolve_device
 from ddtree.errors import ConfigError
 from ddtree.train.corpus import Corpus
 from ddtree.train.data import encode_documents, fixed_windows, sample_windows
-from ddtree.train.runtime import RunLog, StepPlan, lr_at, resolve_device, seed_everything
+from ddtree.train.runtime import RunLog, StepPlan, lr_at, seed_everything
 from ddtree.train.tokenizer import EOS_TOKEN, load_raw_tokenizer
 
 # Safetensors shards stay below the 15 MB per-file limit of the shipped package.
