@@ -3,37 +3,18 @@
 from __future__ import annotations
 
 import json
-import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import uvicorn
+from ddtree.server.threaded import ThreadedServer
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
-class ThreadedUvicorn:
+def ThreadedUvicorn(app):  # noqa: N802  (kept as the tests' name for the shared server)
     """uvicorn serving ``app`` on 127.0.0.1 (a free port) from a background thread."""
-
-    def __init__(self, app) -> None:
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> ThreadedUvicorn:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.01)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
+    return ThreadedServer(app, wait_for_health=False)
 
 
 def read_sse_fixture(name: str) -> list[str]:

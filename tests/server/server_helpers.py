@@ -9,13 +9,13 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
-import uvicorn
+
+from ddtree.server.threaded import ThreadedServer
 
 DONE = "[DONE]"
 
@@ -55,26 +55,9 @@ class SyncClient:
         return self.request("POST", path, **kwargs)
 
 
-class ThreadedServer:
-    """uvicorn serving ``app`` on 127.0.0.1 (a free port) from a background thread, for real-socket tests."""
-
-    def __init__(self, app, **config: Any) -> None:
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", **config))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> ThreadedServer:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.01)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
+def threaded_server(app, **uvicorn_config: Any) -> ThreadedServer:
+    """uvicorn serving ``app`` on 127.0.0.1 (a free port) from a thread; returns once it listens."""
+    return ThreadedServer(app, wait_for_health=False, **uvicorn_config)
 
 
 def free_port() -> int:

@@ -7,7 +7,7 @@ import time
 
 import httpx
 import pytest
-from server_helpers import ThreadedServer
+from server_helpers import threaded_server
 
 from ddtree.server.app import create_app
 
@@ -34,7 +34,7 @@ async def wait_until(predicate, timeout: float = 20.0) -> None:
 def one_slot(tiny_engine_factory):
     """An engine with one KV slot and room for one waiting request, served by uvicorn on loopback."""
     engine = tiny_engine_factory(max_batch=1, max_queue=1, max_len=2048, max_budget=16)
-    with ThreadedServer(create_app(engine)) as server:
+    with threaded_server(create_app(engine)) as server:
         yield engine, server.url
 
 
@@ -113,7 +113,7 @@ def test_health_is_503_until_the_engine_is_ready(tiny_engine_factory):
         return tiny_engine_factory(max_batch=2, max_len=64, max_budget=16)
 
     app = create_app(engine_factory=slow_factory)
-    with ThreadedServer(app) as server:
+    with threaded_server(app) as server:
         r = httpx.get(server.url + "/health")
         assert r.status_code == 503 and r.json()["status"] == "starting"
         r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
@@ -135,7 +135,7 @@ def test_failed_engine_start_is_reported(tiny_engine_factory):
         raise RuntimeError("no such checkpoint")
 
     app = create_app(engine_factory=broken_factory, on_startup_failure=failures.append)
-    with ThreadedServer(app) as server:
+    with threaded_server(app) as server:
         deadline = time.monotonic() + 10
         while not failures:
             assert time.monotonic() < deadline

@@ -228,12 +228,13 @@ def test_kill_mid_sweep_then_resume_loses_and_repeats_nothing(tiny_tokenizer_dir
 
 
 def test_url_mode_sweeps_a_running_server_with_settings_per_request(tiny_engine_factory, tmp_path, tiny_tokenizer_dir):
-    from ddtree.lab.sweep.inprocess import ThreadedServer
+    from ddtree.server.app import create_app
+    from ddtree.server.threaded import ThreadedServer
 
     engine = tiny_engine_factory(oracle=True, max_len=256)
     cfg = SweepConfig(name="url", budgets=(4,), contexts=(12,), concurrency=(2,), output_tokens=8, num_requests=2,
                       gate_tasks=())
-    with ThreadedServer(engine) as server:
+    with ThreadedServer(create_app(engine)) as server:
         outcome = run_sweep(cfg, SweepTarget(mode="url", url=server.url, tokenizer=str(tiny_tokenizer_dir)),
                             tmp_path / "run", report=False)
     assert outcome.status == "finished" and outcome.cells_run == 3

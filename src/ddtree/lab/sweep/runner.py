@@ -158,7 +158,8 @@ class _InProcessBackend:
     def _ensure(self) -> None:
         if self._server is not None:
             return
-        from ddtree.lab.sweep.inprocess import ThreadedServer
+        from ddtree.server.app import create_app
+        from ddtree.server.threaded import ThreadedServer
 
         if self._engine is None:
             from ddtree.engine import Engine
@@ -171,7 +172,7 @@ class _InProcessBackend:
             self.load_s = time.monotonic() - started
         elif not self._engine.ready:
             self._engine.start()
-        self._server = ThreadedServer(self._engine)
+        self._server = ThreadedServer(create_app(self._engine))
         self._server.start()
 
     @contextlib.contextmanager

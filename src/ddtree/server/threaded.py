@@ -1,9 +1,9 @@
-"""Serve an in-process :class:`~ddtree.engine.Engine` through the real HTTP app on a loopback port.
+"""Serve an ASGI app (usually ``create_app(engine)``) with uvicorn in a background thread on a loopback port.
 
 The sweep measures every engine the same way, over HTTP with ``run_bench`` / ``run_humaneval``; for the default
 in-process engine that means the real ``ddtree.server`` app under uvicorn in a background thread (uvicorn only
-installs signal handlers in the main thread, so the sweep keeps its own). The socket is bound before the thread
-starts, so there is no window in which another process could take the port.
+installs signal handlers in the main thread, so the caller keeps its own). Tests use it for real-socket checks.
+The socket is bound before the thread starts, so there is no window in which another process could take the port.
 """
 
 from __future__ import annotations
@@ -11,37 +11,36 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
 from ddtree.errors import EngineError
 
-if TYPE_CHECKING:
-    from ddtree.engine import Engine
-
 
 class ThreadedServer:
-    """``with ThreadedServer(engine) as server: server.url`` -- the OpenAI app over ``engine`` on 127.0.0.1.
+    """``with ThreadedServer(app) as server: server.url`` -- ``app`` served on 127.0.0.1 from a thread.
 
-    The engine must already be running (``engine.start()``); the app leaves it running at exit, because the sweep
-    owns it and serves it for the whole campaign."""
+    ``wait_for_health``: start() returns once ``/health`` answers 200 (an app over a running engine); otherwise as
+    soon as uvicorn listens (tests that watch ``/health`` change). An engine given to ``create_app`` running already
+    is left running at exit: its owner (e.g. the sweep, for the whole campaign) stops it."""
 
-    def __init__(self, engine: Engine, *, host: str = "127.0.0.1", ready_timeout_s: float = 60.0) -> None:
+    def __init__(self, app: Any, *, host: str = "127.0.0.1", ready_timeout_s: float = 60.0,
+                 wait_for_health: bool = True, **uvicorn_config: Any) -> None:
         import uvicorn
-
-        from ddtree.server.app import create_app
 
         self.host = host
         self.ready_timeout_s = ready_timeout_s
+        self.wait_for_health = wait_for_health
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, 0))
         self.port = int(self._sock.getsockname()[1])
-        config = uvicorn.Config(create_app(engine), log_level="warning", access_log=False, lifespan="on")
+        config = uvicorn.Config(app, **{"log_level": "warning", "access_log": False, "lifespan": "on",
+                                        **uvicorn_config})
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
-            target=self._server.run, kwargs={"sockets": [self._sock]}, name="ddtree-sweep-server", daemon=True
+            target=self._server.run, kwargs={"sockets": [self._sock]}, name="ddtree-http-server", daemon=True
         )
         self._error: BaseException | None = None
 
@@ -63,6 +62,8 @@ class ThreadedServer:
             while True:
                 if not self._thread.is_alive():
                     raise EngineError("the in-process server thread exited during start-up; see the log above")
+                if self._server.started and not self.wait_for_health:
+                    return
                 if self._server.started:
                     try:
                         if client.get("/health").status_code == 200:
