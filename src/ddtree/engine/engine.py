@@ -234,10 +234,10 @@ class Engine:
             detok=IncrementalDetokenizer(self.tokenizer, stop=sampling.stop),
             eos_ids=self.eos_ids,
             max_len=self.config.max_len,
+            counted=_count,
         )
         state.stats.prompt_tokens = len(ids)
         state.stats.tree = tree.to_dict()
-        state.counted = _count  # type: ignore[attr-defined]
         self._inbox.put(("submit", state))
         self._wake.set()
         return rid
@@ -503,7 +503,7 @@ class Engine:
             state.phase = Phase.DECODE
             state.stats.ttft_s = time.perf_counter() - state.arrival
             with self._lock:
-                if getattr(state, "counted", True):
+                if state.counted:
                     self._counters.prompt_tokens_total += len(state.prompt_ids)
             self._emit(state, [tok])
 
@@ -557,7 +557,7 @@ class Engine:
                 st.stage_s[name] = st.stage_s.get(name, 0.0) + secs
             with self._lock:
                 c = self._counters
-                if getattr(state, "counted", True):
+                if state.counted:
                     c.verify_rounds_total += 1
                     while len(c.accept_hist) <= n:
                         c.accept_hist.append(0)
@@ -583,7 +583,7 @@ class Engine:
             return
         state.stats.completion_tokens = len(state.output_ids)
         with self._lock:
-            if getattr(state, "counted", True):
+            if state.counted:
                 self._counters.generation_tokens_total += len(kept)
         if reason is not None:
             self._finish(state, reason, last_ids=kept, last_text=text)
@@ -610,7 +610,7 @@ class Engine:
         st.finish_reason = reason  # type: ignore[assignment]
         st.latency_s = time.perf_counter() - state.arrival
         with self._lock:
-            if getattr(state, "counted", True):
+            if state.counted:
                 self._counters.requests_total[reason] = self._counters.requests_total.get(reason, 0) + 1
         chunk = StreamChunk(
             request_id=state.request_id,

@@ -42,7 +42,7 @@ class RequestState:
     slot: int = -1
     prefilled: int = 0  # prompt tokens whose KV is in the cache
     output_ids: list[int] = field(default_factory=list)
-    cancelled: bool = False
+    counted: bool = True  # False for the engine's own warm-up: kept out of the metrics counters
     stats: RequestStats = field(default_factory=RequestStats)
     arrival: float = field(default_factory=time.perf_counter)
     admitted_at: float | None = None
