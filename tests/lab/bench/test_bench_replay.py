@@ -54,8 +54,9 @@ def test_vllm_cell_from_recorded_stream_and_counters(replay_server, tiny_tokeniz
         itl = r["itl_s"]
         assert len(itl) == 11
         assert itl[0] == itl[1] == itl[2] and itl[4] == itl[5] == itl[6] == itl[7] and itl[9] == itl[10]
-        # five gaps of at least the replay's 20 ms pause, all before the stream ended
-        assert 5 * 0.02 * 0.95 <= sum(itl) <= r["latency_s"] - r["ttft_s"]
+        # five gaps of at least the replay's 20 ms pause, all before the stream ended; a loaded machine may
+        # deliver two chunks together, which moves a pause from the gaps into TTFT but never loses it
+        assert 5 * 0.02 * 0.95 <= r["ttft_s"] + sum(itl) and sum(itl) <= r["latency_s"] - r["ttft_s"] + 1e-9
         assert r["ttft_s"] > 0 and r["finish_reason"] == "length"
     s = cell["summary"]
     assert s["accept_source"] == "prometheus"
