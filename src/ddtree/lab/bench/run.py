@@ -25,11 +25,8 @@ half-written cell behind.
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import platform
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
@@ -41,27 +38,13 @@ from ddtree.lab.bench.metrics import request_record, summarize_cell, summarize_r
 from ddtree.lab.bench.workload import WARMUP_MAX_TOKENS, Prompt, Workload, build_prompts, load_tokenizer
 from ddtree.lab.client import BenchTarget, Completion, OpenAIClient
 from ddtree.lab.engines import REQUEST_EXTRAS, CounterAcceptance, detect_engine, scrape, server_info
+from ddtree.lab.files import atomic_write_json
 
 CELL_SCHEMA = "ddtree.bench.cell/1"
 
 
 def cell_filename(context: int, concurrency: int) -> str:
     return f"ctx{context}-c{concurrency}.json"
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write ``obj`` as JSON to ``path`` so that readers see the old file or the new one, never a partial one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 async def run_bench(target: BenchTarget, workload: Workload, *, out_dir: Path | None, config: dict,
@@ -90,7 +73,7 @@ async def run_bench(target: BenchTarget, workload: Workload, *, out_dir: Path | 
                                        config, env, bar.advance)
                 cells.append(cell)
                 if out_dir is not None:
-                    write_json_atomic(Path(out_dir) / cell_filename(context, concurrency), cell)
+                    atomic_write_json(Path(out_dir) / cell_filename(context, concurrency), cell)
     return cells
 
 

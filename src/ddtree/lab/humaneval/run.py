@@ -32,9 +32,9 @@ from typing import Any
 
 from ddtree import __version__
 from ddtree.errors import ConfigError
-from ddtree.lab.bench.run import write_json_atomic
 from ddtree.lab.client import BenchTarget, OpenAIClient
 from ddtree.lab.engines import REQUEST_EXTRAS, detect_engine
+from ddtree.lab.files import atomic_write_json
 from ddtree.lab.humaneval.extract import build_program, extract_code
 from ddtree.lab.sandbox import ProgramResult, SandboxLimits, run_programs
 
@@ -270,7 +270,7 @@ def _finish(result: dict, baseline: Path | None, out: Path | None) -> dict:
     if baseline is not None:
         result["lossless"] = compare_with_baseline(result, baseline)
     if out is not None:
-        write_json_atomic(Path(out), result)
+        atomic_write_json(Path(out), result)
     return result
 
 

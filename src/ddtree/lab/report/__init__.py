@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ddtree.lab.files import atomic_write_text
 from ddtree.lab.report.collect import RunResults, load_run
-from ddtree.lab.sweep.layout import atomic_write_text
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen before pyplot is imported)
 
+from ddtree.lab.files import atomic_write_bytes  # noqa: E402
 from ddtree.lab.report.analysis import rank  # noqa: E402
 from ddtree.lab.report.collect import ConfigResult, RunResults  # noqa: E402
-from ddtree.lab.sweep.layout import atomic_write_bytes  # noqa: E402
 
 MAX_LINES = 8
 _BASELINE_COLORS = ("tab:gray", "tab:brown", "0.55", "sienna", "rosybrown")

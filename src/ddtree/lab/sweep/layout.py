@@ -23,43 +23,19 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ddtree.lab.files import atomic_write_bytes, atomic_write_json, atomic_write_text, finite_json
+
 BENCH_SCHEMA = "ddtree.bench.cell/1"
 EVAL_SCHEMA = "ddtree.eval.humaneval/1"
 MANIFEST_SCHEMA = "ddtree.sweep.manifest/1"
 FAILURE_SCHEMA = "ddtree.sweep.failure/1"
 GATE_CELL = "humaneval"
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that ``path`` is never observed half-written (temp + fsync + rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o644)  # mkstemp's 0600 would make results unreadable to colleagues
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
-
-
-def atomic_write_json(path: Path, obj: Any) -> None:
-    """Indented JSON (diff-friendly); NaN and infinities become ``null`` so strict readers accept the file."""
-    atomic_write_text(path, json.dumps(_finite(obj), indent=2, allow_nan=False) + "\n")
 
 
 def read_json(path: Path) -> Any | None:
@@ -72,16 +48,6 @@ def read_json(path: Path) -> Any | None:
 
 def bench_cell_name(context: int, concurrency: int) -> str:
     return f"ctx{context}-c{concurrency}"
-
-
-def _finite(obj: Any) -> Any:
-    if isinstance(obj, float) and (obj != obj or obj in (float("inf"), float("-inf"))):
-        return None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
 
 
 @dataclass(frozen=True)
@@ -164,7 +130,7 @@ class RunLayout:
         """Append one JSON line. Appends are not atomic: a line cut short by a kill is ended before the next one
         is written and skipped by :meth:`events`, so it never hides the complete lines around it."""
         self.root.mkdir(parents=True, exist_ok=True)
-        line = json.dumps(_finite({"time": time.time(), "event": event, **fields}), allow_nan=False)
+        line = json.dumps(finite_json({"time": time.time(), "event": event, **fields}), allow_nan=False)
         with self.events_path.open("a+b") as fh:
             if fh.tell() > 0:
                 fh.seek(-1, os.SEEK_END)
