@@ -64,27 +64,29 @@ def test_ar_only_engine_rejects_speculative_methods(tiny_engine_factory):
     assert len(out.token_ids) == 16
 
 
-def test_a_fault_in_one_request_leaves_the_others_running(tiny_engine_factory, monkeypatch):
+def test_a_fault_in_one_request_leaves_the_others_running(tiny_engine_factory, tiny_tokenizer, monkeypatch):
+    """A round that fails for one request (identified by its positions: the prompts have disjoint lengths, so
+    whatever slot it lands in) is isolated: that request errors, the others produce their usual tokens."""
     engine = tiny_engine_factory(oracle=True)
     real_round = engine.runner.round
-    poisoned_slot = []
+    poisoned = []  # [lo, hi): root positions of the poisoned request
 
     def faulty_round(inp, timer):
-        if poisoned_slot and poisoned_slot[0] in inp.slots.tolist():
+        if poisoned and any(poisoned[0] <= p < poisoned[1] for p in inp.start.tolist()):
             raise RuntimeError("injected fault")
         return real_round(inp, timer)
 
     monkeypatch.setattr(engine.runner, "round", faulty_round)
-    reqs = [_req(p, TreeSettings(method="ddtree", budget=8), max_tokens=24, ignore_eos=True)
-            for p in ("a = 1\n", "def g():\n", "import os\n")]
+    text = tiny_tokenizer.encode("def g(x):\n    return x + 1\n" * 40)
+    reqs = [GenerationRequest(prompt_token_ids=text[:n], tree=TreeSettings(method="ddtree", budget=8),
+                              sampling=SamplingParams(max_tokens=24, ignore_eos=True)) for n in (10, 60, 110)]
     alone = [engine.generate([r])[0].token_ids for r in reqs]
 
-    # poison the slot the second request will take: slots are handed out from 0 upward
-    poisoned_slot.append(1)
+    poisoned.extend([60, 60 + 24])  # the second request's root positions
     outs = engine.generate(reqs)
     assert outs[1].finish_reason == "error" and "injected fault" in outs[1].error
     assert outs[0].token_ids == alone[0] and outs[2].token_ids == alone[2]
-    poisoned_slot.clear()
+    poisoned.clear()
     assert engine.generate([reqs[1]])[0].token_ids == alone[1]
 
 
