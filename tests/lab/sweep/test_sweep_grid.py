@@ -242,3 +242,11 @@ def test_cli_launch_with_dims():
     assert cfg.launch is not None and len(cfg.points()) == 6
     with pytest.raises(ConfigError, match="need --launch"):
         build_config(launch_ar="x")
+
+
+def test_text_flag_sets_the_prompt_filler():
+    assert build_config(preset="demo").prompt_text == "code"
+    assert build_config(preset="demo", text="words").prompt_text == "words"
+    assert build_config().prompt_text == "words"
+    with pytest.raises(ConfigError, match="prompt text"):
+        build_config(text="poems")

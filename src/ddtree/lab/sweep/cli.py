@@ -35,6 +35,7 @@ def build_config(
     num_requests: int | None = None,
     repeats: int | None = None,
     seed: int | None = None,
+    text: str | None = None,
     gate_tasks: str | None = None,
     gate_max_tokens: int | None = None,
     launch: str | None = None,
@@ -69,7 +70,7 @@ def build_config(
         tasks = tuple(t.strip() for t in gate_tasks.split(",") if t.strip())
         changes["gate_tasks"] = () if tasks in ((), ("none",)) else tasks
     changes.update(output_tokens=output_tokens, num_requests=num_requests, repeats=repeats, seed=seed,
-                   gate_max_tokens=gate_max_tokens)
+                   gate_max_tokens=gate_max_tokens, prompt_text=text)
     spec = base.launch
     if launch is not None or (spec is not None and any(v is not None for v in (launch_ar, launch_dflash,
                                                                                  launch_timeout, stop_timeout, port))):
@@ -131,6 +132,7 @@ def sweep(
     num_requests: int | None = typer.Option(None, help="Requests per cell (default: the bench's, >= 2 x concurrency)."),
     repeats: int | None = typer.Option(None, help="Runs per cell; 2 or more measure the run-to-run spread."),
     seed: int | None = typer.Option(None, help="Workload seed."),
+    text: str | None = typer.Option(None, help="Prompt filler: words (English) or code (held-out stdlib Python)."),
     gate_tasks: str | None = typer.Option(None, help="HumanEval task ids for the coding gate, or none to skip it."),
     gate_max_tokens: int | None = typer.Option(None, help="Answer length limit of the coding gate."),
     url: str | None = typer.Option(None, help="A running ddtree server to sweep (settings per request)."),
@@ -162,12 +164,13 @@ def sweep(
     from ddtree.lab.sweep.runner import SweepTarget, run_sweep, sized_engine_config
 
     grid_flags = (preset, config, method, budget, topk, block_size, draft_window, dim, contexts, concurrency,
-                  output_tokens, num_requests, repeats, seed, gate_tasks, gate_max_tokens, launch, launch_ar,
+                  output_tokens, num_requests, repeats, seed, text, gate_tasks, gate_max_tokens, launch, launch_ar,
                   launch_dflash, launch_timeout, stop_timeout, port)
     cfg = build_config(
         preset=preset, config_file=config, methods=method, budgets=budget, topks=topk, block_sizes=block_size,
         draft_windows=draft_window, dims=dim, contexts=contexts, concurrency=concurrency,
-        output_tokens=output_tokens, num_requests=num_requests, repeats=repeats, seed=seed, gate_tasks=gate_tasks,
+        output_tokens=output_tokens, num_requests=num_requests, repeats=repeats, seed=seed, text=text,
+        gate_tasks=gate_tasks,
         gate_max_tokens=gate_max_tokens, launch=launch, launch_ar=launch_ar, launch_dflash=launch_dflash,
         launch_timeout=launch_timeout, stop_timeout=stop_timeout, port=port,
     )
