@@ -48,7 +48,7 @@ from ddtree.models import (
     save_drafter,
 )
 from ddtree.train.data import Continuations, load_continuations
-from ddtree.train.runtime import RunLog, StepPlan, lr_at, seed_everything
+from ddtree.train.runtime import RunLog, StepPlan, finish_step, lr_at, seed_everything
 from ddtree.train.tokenizer import MASK_TOKEN, load_raw_tokenizer
 
 
@@ -362,17 +362,9 @@ def train_drafter(
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
             logits = drafter.forward_train(target, ids, feats, anchors)
         loss, accuracy = drafter_loss(logits, labels, valid, weights)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), config.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
         step += 1
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        plan.observe(step, time.perf_counter() - t0, time.perf_counter() - train_start)
-        if step == config.calibration_steps:
-            log.results["seconds_per_step_calibrated"] = plan.seconds_per_step
-            log.results["steps_planned"] = plan.total
+        grad_norm = finish_step(drafter.parameters(), optimizer, loss, grad_clip=config.grad_clip, plan=plan, log=log,
+                                step=step, step_start=t0, train_start=train_start, device=dev)
         if step % config.eval_every == 0 or step == plan.total:
             record: dict[str, Any] = dict(
                 step=step, blocks_seen=step * config.rows_per_step * config.anchors_per_row,

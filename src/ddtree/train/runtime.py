@@ -136,3 +136,23 @@ class RunLog:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def finish_step(parameters, optimizer: torch.optim.Optimizer, loss: torch.Tensor, *, grad_clip: float,
+                plan: StepPlan, log: RunLog, step: int, step_start: float, train_start: float,
+                device: torch.device) -> torch.Tensor:
+    """The bookkeeping every training loop shares after its forward: backward, clip, step, zero the grads, time
+    the step (synchronising CUDA so the plan sees real durations) and record the calibrated plan once.
+
+    ``step`` is the step just finished (counted from 1). Returns the gradient norm before clipping."""
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(parameters, grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    plan.observe(step, time.perf_counter() - step_start, time.perf_counter() - train_start)
+    if step == plan.calibration_steps:
+        log.results["seconds_per_step_calibrated"] = plan.seconds_per_step
+        log.results["steps_planned"] = plan.total
+    return grad_norm

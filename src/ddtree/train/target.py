@@ -29,7 +29,7 @@ from ddtree.devices import resolve_device
 from ddtree.errors import ConfigError
 from ddtree.train.corpus import Corpus
 from ddtree.train.data import encode_documents, fixed_windows, sample_windows
-from ddtree.train.runtime import RunLog, StepPlan, lr_at, seed_everything
+from ddtree.train.runtime import RunLog, StepPlan, finish_step, lr_at, seed_everything
 from ddtree.train.tokenizer import EOS_TOKEN, load_raw_tokenizer
 
 # Safetensors shards stay below the 15 MB per-file limit of the shipped package.
@@ -223,17 +223,9 @@ def train_target(
         batch = sample_windows(train_stream, config.batch_size, config.seq_len, generator).to(dev, non_blocking=True)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
             loss = model(input_ids=batch, labels=batch, use_cache=False).loss
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
         step += 1
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        plan.observe(step, time.perf_counter() - t0, time.perf_counter() - train_start)
-        if step == config.calibration_steps:
-            log.results["seconds_per_step_calibrated"] = plan.seconds_per_step
-            log.results["steps_planned"] = plan.total
+        grad_norm = finish_step(model.parameters(), optimizer, loss, grad_clip=config.grad_clip, plan=plan, log=log,
+                                step=step, step_start=t0, train_start=train_start, device=dev)
         if step % config.eval_every == 0 or step == plan.total:
             val = held_out_loss(model, eval_windows, batch_size=config.eval_batch_size, device=dev)
             if val < best_loss:
