@@ -515,20 +515,29 @@ class Engine:
         max_budget = max(s.budget for s in states)
         if block == 1:
             max_budget = 0
-        temp, top_p, top_k, seed = self._sampling_tensors(states)
+        # One host-to-device copy for the integer fields and one for the floats, instead of one per field.
+        longs = torch.tensor(
+            [[s.slot, s.root_token, s.root_position, s.budget, s.topk, s.depth_limit,
+              s.tree.draft_window or _NO_WINDOW, int(s.sampling.top_k), s.seed, len(s.output_ids)] for s in states],
+            dtype=torch.long,
+        ).T.contiguous().to(dev, non_blocking=True)  # [10, R]
+        floats = torch.tensor(
+            [[float(s.sampling.temperature), float(s.sampling.top_p)] for s in states], dtype=torch.float32
+        ).T.contiguous().to(dev, non_blocking=True)  # [2, R]
+        slots, roots, start, budget, topk, depth_limit, window, top_k, seed, step = longs.unbind(0)
         inp = RoundInputs(
-            slots=torch.tensor([s.slot for s in states], device=dev),
-            root_tokens=torch.tensor([s.root_token for s in states], device=dev),
-            start=torch.tensor([s.root_position for s in states], device=dev),
-            budget=torch.tensor([s.budget for s in states], device=dev),
-            topk=torch.tensor([s.topk for s in states], device=dev),
-            depth_limit=torch.tensor([s.depth_limit for s in states], device=dev),
-            window=torch.tensor([s.tree.draft_window or _NO_WINDOW for s in states], device=dev),
-            temperature=temp,
-            top_p=top_p,
+            slots=slots,
+            root_tokens=roots,
+            start=start,
+            budget=budget,
+            topk=topk,
+            depth_limit=depth_limit,
+            window=window,
+            temperature=floats[0],
+            top_p=floats[1],
             top_k=top_k,
             seed=seed,
-            step=torch.tensor([len(s.output_ids) for s in states], device=dev),
+            step=step,
             max_budget=max_budget,
             block_size=block,
             kv_len=max(s.root_position for s in states) + max_budget + 1,
@@ -565,13 +574,13 @@ class Engine:
             self._emit(state, row[:n])
 
     def _sampling_tensors(self, states: list[RequestState]):
+        """temperature, top_p [R] float and top_k, seed [R] long on the device, in two copies."""
         dev = self.device
-        return (
-            torch.tensor([float(s.sampling.temperature) for s in states], device=dev),
-            torch.tensor([float(s.sampling.top_p) for s in states], device=dev),
-            torch.tensor([int(s.sampling.top_k) for s in states], device=dev),
-            torch.tensor([s.seed for s in states], device=dev),
-        )
+        floats = torch.tensor([[float(s.sampling.temperature), float(s.sampling.top_p)] for s in states],
+                              dtype=torch.float32).T.contiguous().to(dev, non_blocking=True)
+        longs = torch.tensor([[int(s.sampling.top_k), s.seed] for s in states],
+                             dtype=torch.long).T.contiguous().to(dev, non_blocking=True)
+        return floats[0], floats[1], longs[0], longs[1]
 
     # ---- emitting and finishing --------------------------------------------------------------------------------
     def _emit(self, state: RequestState, tokens: list[int]) -> None:
