@@ -3,18 +3,27 @@
     python benchmarks/tree_ops.py --device cpu --out tree_ops_cpu.json
     python benchmarks/tree_ops.py --device cuda --out tree_ops_h200.json            # eager
     python benchmarks/tree_ops.py --device cuda --cuda-graph --out tree_ops_graph.json  # captured, replayed
+    python benchmarks/tree_ops.py --device cuda --cuda-graph --no-triton  # also time the torch vocabulary pass
+    python benchmarks/tree_ops.py --device cpu --count-ops --rows 1 64 --budgets 512 16 --vocab 1024
 
 For every (requests R, budget B) cell: random float logits [R, L, V] (L = 15, V = 151936 by default) and random
 target choices, a few warm-up runs, then the median (and min/max) of timed runs; CUDA runs are timed with CUDA
 events around the whole build + walk, and build alone is timed the same way. ``--cuda-graph`` captures build + walk
-in one CUDA graph and times replays (how the engine runs a round). Prints a markdown table and writes JSON with the
-environment. Runs on torch >= 2.4 (no newer APIs), CPU or CUDA.
+in one CUDA graph and times replays (how the engine runs a round). On CUDA build_trees takes its vocabulary pass
+from the fused Triton top-k + logsumexp kernel (``ddtree.spec.vocab_topk``); ``--no-triton`` times every cell a
+second time with it switched off (``DDTREE_VOCAB_TOPK=0``) and prints both. ``--count-ops`` counts, per build and
+per walk, the aten ops that run (views excluded; on CUDA the GPU kernels launched, Triton ones included, from the
+profiler). Prints a markdown table and writes JSON with the environment. Runs on torch >= 2.4 (no newer APIs), CPU
+or CUDA.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import functools
 import json
+import os
 import platform
 import statistics
 import time
@@ -22,8 +31,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from ddtree.spec import build_trees, walk_trees
+from ddtree.spec import build_trees, vocab_topk, walk_trees
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -64,6 +74,33 @@ def _graphed(fn: Callable[[], object], warmup: int) -> Callable[[], object]:
     return graph.replay
 
 
+class _OpCounter(TorchDispatchMode):
+    """Counts the aten ops that run (views launch nothing and are skipped; Triton launches are not aten ops)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(fn: Callable[[], object], device: torch.device) -> int:
+    """GPU kernels launched by one call on CUDA (profiler), aten ops (views excluded) on CPU."""
+    fn()  # warm-up: Triton compilation and lazy initialisation stay out of the count
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    with _OpCounter() as counter:
+        fn()
+    return sum(counter.ops.values())
+
+
 def measure(rows: int, budget: int, args: argparse.Namespace, device: torch.device) -> dict:
     gen = torch.Generator(device=device).manual_seed(rows * 1000 + budget)
     logits = torch.randn(rows, args.depths, args.vocab, generator=gen, device=device).to(DTYPES[args.dtype])
@@ -78,15 +115,31 @@ def measure(rows: int, budget: int, args: argparse.Namespace, device: torch.devi
         return walk_trees(build(), choices, args.depths)
 
     timer = _timer(device)
-    results = {}
-    for name, fn in (("build", build), ("build_walk", round_)):
-        if args.cuda_graph:
-            fn = _graphed(fn, args.warmup)
-        for _ in range(args.warmup):
-            fn()
-        samples = [timer(fn) for _ in range(args.repeats)]
-        results[name] = {"median_ms": statistics.median(samples), "min_ms": min(samples), "max_ms": max(samples)}
-    return {"rows": rows, "budget": budget, **{f"{k}_{m}": v[m] for k, v in results.items() for m in v}}
+    record: dict = {"rows": rows, "budget": budget, "triton": vocab_topk.available(logits)}
+    variants = [("", True)] + ([("torch_", False)] if args.no_triton else [])
+    for prefix, fused in variants:
+        previous = os.environ.get("DDTREE_VOCAB_TOPK")
+        os.environ["DDTREE_VOCAB_TOPK"] = "1" if fused else "0"
+        try:
+            if args.count_ops:
+                record[f"{prefix}build_ops"] = count_ops(build, device)
+                record[f"{prefix}walk_ops"] = count_ops(functools.partial(walk_trees, build(), choices, args.depths),
+                                                        device)
+            for name, fn in (("build", build), ("build_walk", round_)):
+                if args.cuda_graph:
+                    fn = _graphed(fn, args.warmup)
+                for _ in range(args.warmup):
+                    fn()
+                samples = [timer(fn) for _ in range(args.repeats)]
+                record[f"{prefix}{name}_median_ms"] = statistics.median(samples)
+                record[f"{prefix}{name}_min_ms"] = min(samples)
+                record[f"{prefix}{name}_max_ms"] = max(samples)
+        finally:
+            if previous is None:
+                del os.environ["DDTREE_VOCAB_TOPK"]
+            else:
+                os.environ["DDTREE_VOCAB_TOPK"] = previous
+    return record
 
 
 def environment(device: torch.device, args: argparse.Namespace) -> dict:
@@ -103,6 +156,7 @@ def environment(device: torch.device, args: argparse.Namespace) -> dict:
         "dtype": args.dtype,
         "warmup": args.warmup,
         "repeats": args.repeats,
+        "triton": vocab_topk.triton.__version__ if vocab_topk.triton is not None else None,
     }
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
@@ -111,19 +165,31 @@ def environment(device: torch.device, args: argparse.Namespace) -> dict:
 
 
 def markdown(records: list[dict], env: dict) -> str:
+    """The table; with --no-triton two more columns (the torch vocabulary pass), with --count-ops op counts."""
+    torch_cols = "torch_build_median_ms" in records[0]
+    op_cols = "build_ops" in records[0]
+    header = ["R", "B", "vocab pass", "build", "build + walk", "min", "max"]
+    if torch_cols:
+        header += ["build (torch)", "build + walk (torch)"]
+    if op_cols:
+        header += ["ops build", "ops walk"] + (["ops build (torch)"] if torch_cols else [])
     lines = [
-        f"device {env.get('gpu', env['device'])}, torch {env['torch']}, L = {env['depths']}, V = {env['vocab']}, "
-        f"{env['dtype']} logits, {'CUDA graph replay' if env['cuda_graph'] else 'eager'}; median of "
-        f"{env['repeats']} runs after {env['warmup']} warm-up (ms)",
+        f"device {env.get('gpu', env['device'])}, torch {env['torch']}, triton {env['triton']}, L = {env['depths']}, "
+        f"V = {env['vocab']}, {env['dtype']} logits, {'CUDA graph replay' if env['cuda_graph'] else 'eager'}; median "
+        f"of {env['repeats']} runs after {env['warmup']} warm-up (ms); ops: "
+        f"{'GPU kernels' if env['device'].startswith('cuda') else 'aten ops, views excluded'}",
         "",
-        "| R | B | build | build + walk | min | max |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join(" ---: " for _ in header) + "|",
     ]
     for r in records:
-        lines.append(
-            f"| {r['rows']} | {r['budget']} | {r['build_median_ms']:.3f} | {r['build_walk_median_ms']:.3f} | "
-            f"{r['build_walk_min_ms']:.3f} | {r['build_walk_max_ms']:.3f} |"
-        )
+        cells = [str(r["rows"]), str(r["budget"]), "triton" if r["triton"] else "torch", f"{r['build_median_ms']:.3f}",
+                 f"{r['build_walk_median_ms']:.3f}", f"{r['build_walk_min_ms']:.3f}", f"{r['build_walk_max_ms']:.3f}"]
+        if torch_cols:
+            cells += [f"{r['torch_build_median_ms']:.3f}", f"{r['torch_build_walk_median_ms']:.3f}"]
+        if op_cols:
+            cells += [str(r["build_ops"]), str(r["walk_ops"])] + ([str(r["torch_build_ops"])] if torch_cols else [])
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -139,6 +205,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--cuda-graph", action="store_true", help="time CUDA graph replays (CUDA only)")
+    parser.add_argument("--no-triton", action="store_true",
+                        help="also time every cell with the Triton vocabulary pass off (DDTREE_VOCAB_TOPK=0)")
+    parser.add_argument("--count-ops", action="store_true",
+                        help="count GPU kernels (CUDA) or aten ops (CPU) of one build and one walk")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if args.cuda_graph and device.type != "cuda":

@@ -8,12 +8,18 @@ plus noise: long accepted paths, accepted siblings and non-contiguous compaction
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
+
+# Triton kernels (ddtree's fused CUDA paths) run on CPU tensors through Triton's interpreter when no GPU is present.
+# The switch is read when a kernel is defined, so it must be set before any ddtree module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _CORPUS_MODULES = ("textwrap", "string", "heapq", "bisect", "fnmatch", "glob", "shlex", "colorsys")
 

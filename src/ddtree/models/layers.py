@@ -7,6 +7,12 @@ Attention is the one place that knows about visibility. A decoder layer computes
 hands them to an ``attend`` callable supplied by the model: the target's writes K/V into its cache and attends
 over cache positions, the drafter's prepends the context K/V. Each ``attend`` ends in :func:`masked_attention`,
 the single SDPA call with a boolean mask, so swapping in flex_attention or a Triton kernel later is a local change.
+
+Fused inference path (:func:`fuse_projections`): q/k/v share one weight matrix and gate/up another, so a layer runs
+two matmuls where it ran five; the per-projection parameters become views of the fused matrices, so names, loading
+and memory stay as they were. On CUDA (:func:`ddtree.models.fused_ops.enabled`) a fused layer also replaces its
+RMSNorms, q/k-norm + RoPE, residual add and SwiGLU activation with Triton kernels: ~10 kernels per layer instead of
+~75. Without fusion, or while autograd needs the separate parameters, the eager code runs unchanged.
 """
 
 from __future__ import annotations
@@ -18,6 +24,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from ddtree.errors import ConfigError
+from ddtree.models import fused_ops
 
 # attend(layer_index, q [R, H, T, D], k [R, KV, T, D], v [R, KV, T, D]) -> [R, H, T, D]
 Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
@@ -36,6 +45,72 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
+def _grad_needed(x: Tensor, *params: Tensor | None) -> bool:
+    """Whether autograd must see this call: the Triton kernels and the fused weight have no backward into the
+    separate parameters, so training (grad mode on, something requiring grad) keeps the eager path."""
+    if not torch.is_grad_enabled():
+        return False
+    return x.requires_grad or any(p is not None and p.requires_grad for p in params)
+
+
+class FusedLinear:
+    """Linears over the same input (q/k/v, or gate/up) backed by one weight matrix [sum(out), in].
+
+    Each linear's ``weight`` (and ``bias``) is re-pointed to a row block of the fused tensor, so ``state_dict()``
+    names, in-place loading and optimiser steps act on the fused storage and memory is not doubled. Anything that
+    replaces a parameter instead of writing into it (``.to()``, ``load_state_dict(assign=True)``, deepcopy) breaks
+    the sharing; :meth:`intact` notices (the data pointers moved) and the layer runs its separate projections until
+    fused again. Deliberately not an ``nn.Module``: the fused tensor must not appear in ``state_dict()``."""
+
+    def __init__(self, linears: tuple[nn.Linear, ...], weight: Tensor, bias: Tensor | None) -> None:
+        self.linears = linears
+        self.weight = weight  # [sum(out), in]
+        self.bias = bias  # [sum(out)] or None
+        self._pointers = self._current_pointers()
+
+    @classmethod
+    def fuse(cls, linears: tuple[nn.Linear, ...]) -> FusedLinear:
+        weights = [lin.weight for lin in linears]
+        first = weights[0]
+        for lin in linears:
+            if lin.weight.dtype != first.dtype or lin.weight.device != first.device:
+                raise ConfigError(
+                    f"cannot fuse projections with weights of {lin.weight.dtype} on {lin.weight.device} and "
+                    f"{first.dtype} on {first.device}; move the model to one dtype and device first"
+                )
+            if (lin.bias is None) != (linears[0].bias is None):
+                raise ConfigError("cannot fuse projections where only some have a bias")
+        sizes = [w.shape[0] for w in weights]
+        # never inference tensors (fusing inside inference_mode would leave parameters autograd refuses to train)
+        with torch.inference_mode(False), torch.no_grad():
+            weight = torch.cat([w.detach() for w in weights], dim=0)
+            bias = None if linears[0].bias is None else torch.cat([lin.bias.detach() for lin in linears], dim=0)
+        for i, (lin, w_view) in enumerate(zip(linears, weight.split(sizes), strict=True)):
+            lin.weight = nn.Parameter(w_view, requires_grad=lin.weight.requires_grad)
+            if bias is not None:
+                lin.bias = nn.Parameter(bias.split(sizes)[i], requires_grad=lin.bias.requires_grad)
+        return cls(linears, weight, bias)
+
+    def _current_pointers(self) -> tuple[int, ...]:
+        return tuple(p.data_ptr() for lin in self.linears for p in (lin.weight, lin.bias) if p is not None)
+
+    def intact(self) -> bool:
+        """Whether every projection's parameters are still views of the fused tensors (the fused tensors are kept
+        alive here, so a replaced parameter can never reuse their addresses)."""
+        return self._current_pointers() == self._pointers
+
+    def usable(self, x: Tensor) -> bool:
+        """Intact, and autograd does not need the separate parameters for input ``x``."""
+        return self.intact() and not _grad_needed(x, *(lin.weight for lin in self.linears),
+                                                  *(lin.bias for lin in self.linears))
+
+    def __call__(self, x: Tensor, start: int = 0) -> Tensor:
+        """x [..., in] -> [..., sum(out) - start]: the fused projection from output row ``start`` on (a view of the
+        weight, so projecting only k and v of q/k/v costs no copy)."""
+        bias = None if self.bias is None else self.bias[start:]
+        return F.linear(x, self.weight[start:], bias)
+
+
 class MLP(nn.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
 
@@ -44,9 +119,30 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up: FusedLinear | None = None
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def fuse(self) -> None:
+        """Back gate_proj and up_proj with one [2I, hidden] matrix (idempotent; re-fuses after ``.to()``)."""
+        if self.gate_up is None or not self.gate_up.intact():
+            self.gate_up = FusedLinear.fuse((self.gate_proj, self.up_proj))
+
+    def fused_gate_up(self, x: Tensor) -> FusedLinear | None:
+        """The fused gate/up projection when it may serve this call (see :meth:`FusedLinear.usable`)."""
+        return self.gate_up if self.gate_up is not None and self.gate_up.usable(x) else None
+
+    def forward(self, x: Tensor, *, kernels: bool | None = None) -> Tensor:
+        """x [..., hidden] -> [..., hidden]. Fused: one matmul for gate and up, and with ``kernels`` (default:
+        :func:`fused_ops.enabled`) one Triton kernel for ``silu(gate) * up``."""
+        fused = self.fused_gate_up(x)
+        if fused is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = fused(x)  # [..., 2I]
+        if kernels is None:
+            kernels = fused_ops.enabled(x)
+        if kernels:
+            return self.down_proj(fused_ops.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> Tensor:
@@ -159,6 +255,31 @@ class SelfAttention(nn.Module):
             self.k_norm = RMSNorm(head_dim, eps)
         else:
             self.q_norm = self.k_norm = None
+        self.qkv: FusedLinear | None = None
+
+    def fuse(self) -> None:
+        """Back q_proj, k_proj and v_proj with one [(H + 2 * KV) * D, hidden] matrix (idempotent; re-fuses after
+        ``.to()`` or an assigning load)."""
+        if self.qkv is None or not self.qkv.intact():
+            self.qkv = FusedLinear.fuse((self.q_proj, self.k_proj, self.v_proj))
+
+    def fused_qkv(self, x: Tensor) -> FusedLinear | None:
+        """The fused projection when it may serve this call (see :meth:`FusedLinear.usable`)."""
+        return self.qkv if self.qkv is not None and self.qkv.usable(x) else None
+
+    def _kernels_for(self, x: Tensor) -> bool:
+        weights = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+        return fused_ops.enabled(x) and not _grad_needed(x, *weights)
+
+    def project_qkv(self, x: Tensor, cos: Tensor, sin: Tensor, *,
+                    kernels: bool | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """x [R, T, hidden] -> q [R, H, T, D], k, v [R, KV, T, D] (q, k normed and rotated). Fused: one matmul,
+        and with ``kernels`` (default: :func:`fused_ops.enabled`) one Triton kernel for norms and RoPE."""
+        fused = self.fused_qkv(x)
+        if fused is None:
+            k, v = self.project_kv(x, cos, sin)
+            return self.project_q(x, cos, sin), k, v
+        return self._norm_rope(fused(x), cos, sin, self.num_heads, kernels)
 
     def project_q(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """x [R, T, hidden] -> q [R, H, T, D] (normed, rotated)."""
@@ -167,13 +288,35 @@ class SelfAttention(nn.Module):
             q = self.q_norm(q)
         return apply_rope(q, cos, sin).transpose(1, 2)
 
-    def project_kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        """x [R, T, hidden] -> k, v [R, KV, T, D] (k normed and rotated)."""
+    def project_kv(self, x: Tensor, cos: Tensor, sin: Tensor, *,
+                   kernels: bool | None = None) -> tuple[Tensor, Tensor]:
+        """x [R, T, hidden] -> k, v [R, KV, T, D] (k normed and rotated). Fused: one matmul over the k/v rows
+        of the fused weight (the drafter's context path projects no q)."""
+        fused = self.fused_qkv(x)
+        if fused is not None:
+            _, k, v = self._norm_rope(fused(x, self.num_heads * self.head_dim), cos, sin, 0, kernels)
+            return k, v
         k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
         if self.k_norm is not None:
             k = self.k_norm(k)
         v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
         return apply_rope(k, cos, sin).transpose(1, 2), v.transpose(1, 2)
+
+    def _norm_rope(self, qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int,
+                   kernels: bool | None) -> tuple[Tensor, Tensor, Tensor]:
+        """qkv [R, T, (num_heads + 2 * KV) * D] -> q [R, num_heads, T, D], k, v [R, KV, T, D]."""
+        if kernels is None:
+            kernels = self._kernels_for(qkv)
+        kv, d = self.num_kv_heads, self.head_dim
+        if kernels:
+            q_w = None if self.q_norm is None else self.q_norm.weight
+            k_w = None if self.k_norm is None else self.k_norm.weight
+            eps = 0.0 if self.k_norm is None else self.k_norm.eps
+            return fused_ops.qk_norm_rope(qkv, q_w, k_w, cos, sin, num_heads, kv, d, eps)
+        q, k, v = qkv.unflatten(-1, (num_heads + 2 * kv, d)).split([num_heads, kv, kv], dim=-2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, cos, sin).transpose(1, 2), apply_rope(k, cos, sin).transpose(1, 2), v.transpose(1, 2)
 
 
 class DecoderLayer(nn.Module):
@@ -189,11 +332,44 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
 
+    def fuse_projections(self) -> None:
+        """Fuse q/k/v and gate/up (see :class:`FusedLinear`); idempotent."""
+        self.self_attn.fuse()
+        self.mlp.fuse()
+
     def forward(self, h: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
         """h [R, T, hidden], cos/sin [R, T, D] -> [R, T, hidden]."""
+        if self.self_attn.fused_qkv(h) is not None and self.mlp.fused_gate_up(h) is not None:
+            return self._forward_fused(h, cos, sin, attend)
         x = self.input_layernorm(h)
         q = self.self_attn.project_q(x, cos, sin)
         k, v = self.self_attn.project_kv(x, cos, sin)
         out = attend(self.index, q, k, v)  # [R, H, T, D]
         h = h + self.self_attn.o_proj(out.transpose(1, 2).flatten(-2))
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def _forward_fused(self, h: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
+        """The same maths with fused projections; with kernels: norm, qkv matmul, q/k norm + RoPE, attention,
+        o_proj, residual add + norm, gate/up matmul, SwiGLU, down_proj, residual add."""
+        attn, norm_in, norm_post = self.self_attn, self.input_layernorm, self.post_attention_layernorm
+        kernels = attn._kernels_for(h) and not _grad_needed(h, norm_in.weight, norm_post.weight)
+        x = fused_ops.rms_norm(h, norm_in.weight, norm_in.eps) if kernels else norm_in(h)
+        q, k, v = attn.project_qkv(x, cos, sin, kernels=kernels)
+        out = attend(self.index, q, k, v)  # [R, H, T, D]
+        o = attn.o_proj(out.transpose(1, 2).flatten(-2))
+        if kernels:
+            h, x = fused_ops.add_rms_norm(h, o, norm_post.weight, norm_post.eps)
+        else:
+            h = h + o
+            x = norm_post(h)
+        return h + self.mlp(x, kernels=kernels)
+
+
+def fuse_projections(model: nn.Module) -> int:
+    """Fuse the projections of every :class:`DecoderLayer` in ``model`` (a TargetModel, a DFlashDrafter, or
+    anything holding layers) -> the number of layers fused. Call it after the model is loaded and placed: moving
+    it afterwards (``.to()``) un-fuses it until this is called again."""
+    layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
+    for layer in layers:
+        layer.fuse_projections()
+    return len(layers)

@@ -13,6 +13,11 @@ root(0) -> a(1), root -> b(2), a -> c(3) written at cache indices 5..8 with posi
     b         all          1  .  1  .
     c         all          1  1  .  1
 
+Instead of a dense mask the caller may pass ``tree=TreeVisibility(start, new_vis, kv_len)`` when the new tokens
+sit at ``start + t`` (tree rounds and prefill chunks): on CUDA with Triton the layers then attend through
+:mod:`ddtree.models.tree_attention`, which reads K/V from the cache by slot and never builds the mask; elsewhere the
+forward builds the dense mask from it once (the masked path stays the reference and the default).
+
 Returns logits only at ``logits_at`` and the hidden states after the decoder layers in ``hidden_layers``
 (DFlash context features) without keeping every layer's output.
 """
@@ -25,19 +30,29 @@ import torch
 from torch import Tensor, nn
 
 from ddtree.errors import ConfigError
+from ddtree.models import tree_attention
 from ddtree.models.config import TargetConfig
 from ddtree.models.kv_cache import KVCache
 from ddtree.models.layers import DecoderLayer, RMSNorm, Rotary, masked_attention
+from ddtree.models.tree_attention import TreeVisibility
+from ddtree.spec.attention import build_attention_mask
 
 
 def attend_over_cache(cache: KVCache, layer: int, q: Tensor, k: Tensor, v: Tensor, slots: Tensor,
-                      write_pos: Tensor, attn_mask: Tensor) -> Tensor:
+                      write_pos: Tensor, attn_mask: Tensor | None, tree: TreeVisibility | None = None) -> Tensor:
     """Write the new tokens' K/V (k, v [R, KV, T, D]) at ``write_pos`` [R, T] of ``slots`` [R], then attend
-    q [R, H, T, D] over cache positions ``0 .. S - 1`` under attn_mask [R, T, S] -> [R, H, T, D].
+    q [R, H, T, D] over the cache -> [R, H, T, D].
 
-    The only place the target touches cache layout and visibility: a flex_attention or paged kernel replaces
-    this function (and reads the same boolean mask)."""
+    With ``attn_mask`` [R, T, S] the dense reference path runs (gather positions ``0 .. S - 1`` of the slots,
+    one masked SDPA/matmul call). With ``attn_mask=None`` the Triton tree-attention kernel runs on ``tree``
+    (``write_pos`` must then be ``tree.start + arange(T)``); :meth:`TargetModel.forward` picks the path once.
+    The only place the target touches cache layout and visibility."""
     cache.write(layer, slots, write_pos, k, v)
+    if attn_mask is None:
+        if tree is None:
+            raise ConfigError("attend_over_cache needs attn_mask or tree; pass one of them")
+        return tree_attention.tree_attention(q, cache.k[layer], cache.v[layer], slots, tree.start, tree.new_vis,
+                                             tree.kv_len)
     k_all, v_all = cache.read(layer, slots, attn_mask.shape[-1])
     return masked_attention(q, k_all.to(q.dtype), v_all.to(q.dtype), attn_mask[:, None])
 
@@ -94,21 +109,36 @@ class TargetModel(nn.Module):
                     f"hidden layer {i} is out of range for a target with {self.config.num_layers} layers"
                 )
 
+    def uses_tree_attention(self) -> bool:
+        """Whether a forward given ``tree=`` attends through the Triton kernel (else it builds the dense mask)."""
+        return (tree_attention.available(self.embed_tokens.weight)
+                and tree_attention.supports_head_dim(self.config.head_dim))
+
     def forward(self, input_ids: Tensor, positions: Tensor, cache: KVCache, slots: Tensor, write_pos: Tensor,
-                attn_mask: Tensor, *, logits_at: Tensor | None = None,
+                attn_mask: Tensor | None, *, tree: TreeVisibility | None = None, logits_at: Tensor | None = None,
                 hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
         """One step for a batch of requests.
 
         input_ids [R, T]; positions [R, T] (RoPE); slots [R] (padding rows: ``cache.scratch_slot``);
         write_pos [R, T] cache index of each new token; attn_mask [R, T, S] bool over cache positions
-        ``0..S-1`` (True = attend; each row must allow at least one position, its own included);
+        ``0..S-1`` (True = attend; each row must allow at least one position, its own included), or None when
+        ``tree`` is given; tree: ``TreeVisibility(start [R], new_vis [R, T, T], kv_len)`` describing the same
+        visibility as ``build_attention_mask(start, write_pos, new_vis, kv_len)``, valid only when
+        ``write_pos == start + arange(T)``; when given, the Triton kernel runs if :meth:`uses_tree_attention`
+        (``attn_mask`` is then ignored), otherwise ``attn_mask`` is used or, if None, built once from ``tree``;
         logits_at [R, N] indices into T (None = all T, ``[R, 0]`` = none); hidden_layers: decoder layer ids
         whose outputs are returned concatenated (after layer i = transformers' ``hidden_states[i + 1]``, which
         for the last layer is the final-normed state)."""
         self._check_hidden_layers(hidden_layers)
+        if tree is not None and self.uses_tree_attention():
+            attn_mask = None
+        elif attn_mask is None:
+            if tree is None:
+                raise ConfigError("TargetModel.forward needs attn_mask or tree=TreeVisibility(...); pass one")
+            attn_mask = build_attention_mask(tree.start, write_pos, tree.new_vis, tree.kv_len)
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            return attend_over_cache(cache, layer, q, k, v, slots, write_pos, attn_mask)
+            return attend_over_cache(cache, layer, q, k, v, slots, write_pos, attn_mask, tree)
 
         return self._run(input_ids, positions, attend, logits_at, hidden_layers)
 

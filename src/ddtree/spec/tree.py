@@ -61,6 +61,7 @@ import torch
 from torch import Tensor
 
 from ddtree.errors import ConfigError
+from ddtree.spec import vocab_topk
 
 
 class Trees(NamedTuple):
@@ -149,20 +150,29 @@ def depth_candidates(draft_logits: Tensor, width: int) -> tuple[Tensor, Tensor]:
     """Per depth, the ``width`` most likely tokens and their log-probs, best first, equal log-probs by token id.
 
     draft_logits: [R, L, V] logits or log-probs. Returns (log_probs [R, L, width] float32, tokens [R, L, width]).
-    The only work proportional to V: one top-k and one logsumexp over the vocabulary.
+    The only work proportional to V. On CUDA (see :func:`ddtree.spec.vocab_topk.available`) and for widths up to
+    ``vocab_topk.FAST_MAX_K`` one Triton pass over each row gives the top ``width`` already in canonical order
+    and the float32 logsumexp; otherwise (wider candidate lists, the CPU
+    default and the reference) ``torch.topk``, two re-ranking sorts and ``torch.logsumexp``.
     """
-    top, tok = torch.topk(draft_logits, width, dim=-1, sorted=True)  # [R, L, width], in the input dtype
-    top = top.float()
-    # Re-rank the chosen tokens by (log-prob desc, token id asc): topk's order among equal values is unspecified.
-    tok, by_id = torch.sort(tok, dim=-1)
-    top = torch.gather(top, -1, by_id)
-    top, by_value = torch.sort(top, dim=-1, descending=True, stable=True)
-    tok = torch.gather(tok, -1, by_value)
-    # The normaliser in float32 even for half-precision logits (a bf16 logsumexp would be off by ~0.01).
-    log_norm = torch.logsumexp(draft_logits if draft_logits.dtype == torch.float32 else draft_logits.float(), dim=-1)
+    rows, depths, vocab = draft_logits.shape
+    if width <= vocab_topk.FAST_MAX_K and vocab_topk.available(draft_logits):
+        top, tok, log_norm = vocab_topk.topk_logsumexp(draft_logits.reshape(rows * depths, vocab), width)
+        top, tok, log_norm = top.view(rows, depths, width), tok.view(rows, depths, width), log_norm.view(rows, depths)
+    else:
+        top, tok = torch.topk(draft_logits, width, dim=-1, sorted=True)  # [R, L, width], in the input dtype
+        top = top.float()
+        # Re-rank the chosen tokens by (log-prob desc, token id asc): topk's order among equal values is unspecified.
+        tok, by_id = torch.sort(tok, dim=-1)
+        top = torch.gather(top, -1, by_id)
+        top, by_value = torch.sort(top, dim=-1, descending=True, stable=True)
+        tok = torch.gather(tok, -1, by_value)
+        # The normaliser in float32 even for half-precision logits (a bf16 logsumexp would be off by ~0.01).
+        logits = draft_logits if draft_logits.dtype == torch.float32 else draft_logits.float()
+        log_norm = torch.logsumexp(logits, dim=-1)
     log_probs = top - log_norm.unsqueeze(-1)  # [R, L, width]
-    # An all -inf row gives NaN; such a depth has no usable token (NaN would sort first).
-    log_probs = torch.where(torch.isnan(log_probs), -math.inf, log_probs)
+    # An all -inf row gives NaN; such a depth has no usable token (NaN would sort first). One kernel.
+    log_probs = torch.nan_to_num(log_probs, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
     return log_probs, tok
 
 
@@ -172,20 +182,21 @@ def ancestor_visibility(parents: Tensor, valid: Tensor, max_depth: int) -> Tenso
     parents: [R, N] long (root -1, every other node's parent earlier); valid: [R, N] bool; max_depth: deepest
     node's depth (static). Ancestors by pointer doubling: with the ancestors at hops 0..m-1 known and ``jump``
     the ancestor at hop m, one gather gives hops m..2m-1, so depth 15 takes 4 rounds instead of 15 (fewer
-    kernel launches per tree). The root's ancestors are -1 at every hop, so -1 propagates by itself.
+    kernel launches per tree). The root is made its own parent, so every hop is a real node index (no clamps,
+    no discard column): past the root a chain repeats the root, which is an ancestor of every valid node anyway.
     """
     rows, n = parents.shape
     device = parents.device
     hops = torch.arange(n, device=device).expand(rows, n).unsqueeze(2)  # [R, N, 1]: hop 0 is the node itself
-    jump = parents  # [R, N]: the ancestor at hop m = 1
+    jump = parents.clamp(min=0)  # [R, N]: the ancestor at hop m = 1; the root's is itself
     while hops.shape[2] < max_depth + 1:
         m = hops.shape[2]
-        further = torch.gather(jump, 1, hops.clamp(min=0).reshape(rows, n * m)).reshape(rows, n, m)
+        further = torch.gather(jump, 1, hops.reshape(rows, n * m)).reshape(rows, n, m)
         hops = torch.cat([hops, further], 2)  # hops 0 .. 2m - 1
-        jump = torch.gather(jump, 1, jump.clamp(min=0))  # hop 2m
-    vis = torch.zeros(rows, n, n + 1, dtype=torch.bool, device=device)  # last column: discard (-1 ancestors)
-    vis.scatter_(2, torch.where(hops < 0, n, hops), True)
-    return vis[:, :, :n] & valid.unsqueeze(2) & valid.unsqueeze(1)
+        if 2 * m < max_depth + 1:
+            jump = torch.gather(jump, 1, jump)  # hop 2m
+    vis = torch.zeros(rows, n, n, dtype=torch.bool, device=device).scatter_(2, hops, True)
+    return vis & valid.unsqueeze(2) & valid.unsqueeze(1)
 
 
 def build_trees(
@@ -286,17 +297,16 @@ def _assemble(
     *,
     max_depth: int,
 ) -> Trees:
-    """Prepend the root column, blank the padding nodes and add the visibility matrix."""
+    """Prepend the root column, blank the padding nodes and add the visibility matrix.
+
+    The three long fields go through one stack / where / cat (fewer kernel launches than one of each per field).
+    """
     rows = root.shape[0]
-
-    def root_column(value: float, dtype: torch.dtype) -> Tensor:
-        return torch.full((rows, 1), value, dtype=dtype, device=root.device)
-
-    tokens = torch.cat([root.unsqueeze(1), torch.where(valid, tokens, 0)], 1)
-    parents = torch.cat([root_column(-1, torch.long), torch.where(valid, parents, 0)], 1)
-    depths = torch.cat([root_column(0, torch.long), torch.where(valid, depths, 0)], 1)
-    scores = torch.cat([root_column(0.0, torch.float32), torch.where(valid, scores, -math.inf)], 1)
-    valid = torch.cat([root_column(True, torch.bool), valid], 1)
+    body = torch.where(valid, torch.stack([tokens, parents, depths]), 0)  # [3, R, B]
+    head = torch.stack([root, torch.full_like(root, -1), torch.zeros_like(root)]).unsqueeze(2)  # [3, R, 1]
+    tokens, parents, depths = torch.cat([head, body], 2).unbind(0)  # [R, N] each
+    scores = torch.cat([torch.zeros(rows, 1, device=root.device), torch.where(valid, scores, -math.inf)], 1)
+    valid = torch.cat([torch.ones(rows, 1, dtype=torch.bool, device=root.device), valid], 1)
     return Trees(tokens, parents, depths, valid, ancestor_visibility(parents, valid, max_depth), scores)
 
 

@@ -1,0 +1,345 @@
+"""Tree attention over the static KV cache as one Triton kernel (flash-decoding style, split over the context).
+
+The dense path (:func:`ddtree.models.target.attend_over_cache`) gathers every batch row's K/V out of the cache,
+expands a boolean ``[R, T, kv_len]`` mask and runs several kernels per layer. This kernel reads K/V straight from
+the cache by slot and derives visibility from two small tensors instead:
+
+Terms
+-----
+R        request rows in the batch; row r's K/V lives in cache slot ``slots[r]``.
+T        new tokens per row (tree nodes, a chain block, a prompt chunk); new token t of row r was written at
+         cache index ``start[r] + t`` before attention (the runner's ``tree_write_positions`` / prefill layout).
+new_vis  [R, T, T] bool: new token t sees new token t' (a tree's ancestor visibility, or causal for chunks).
+G        query heads per KV head (grouped-query attention); query head h reads KV head ``h // G``.
+
+Visibility rule (identical to :func:`ddtree.spec.build_attention_mask` with ``prefix_len = start`` and
+``write_pos = start + arange(T)``): key p is visible to query t of row r iff ``p < start[r]`` (the committed
+prefix), or ``p = start[r] + t'`` with ``new_vis[r, t, t']`` or ``t' == t`` (every query sees its own slot, so
+padding queries never have an empty softmax). Keys at or past ``start[r] + T`` are never visible.
+
+Example: start = 5, T = 4, a tree root(0) -> a(1), root -> b(2), a -> c(3); query c sees keys 0..4 (prefix),
+5 (root), 6 (a) and 8 (itself), exactly the dense mask row ``1 1 1 1 1 1 1 0 1``.
+
+Kernel layout
+-------------
+The G query heads sharing a KV head are folded into the query-row axis (``rows = G * T``; folded row m is head
+``kv * G + m // T``, token ``m % T``), so each K/V tile loaded from the cache serves all of them. Programs form a
+grid ``row_tiles x splits x (R * KV)``: a program takes BLOCK_M folded rows and one contiguous share of row r's
+key blocks ``[0, start[r] + T)``; the share is computed on the device from ``start[r]``, so short rows never visit
+key blocks they cannot see and every split of a row gets an equal share. Blocks wholly inside the committed prefix
+run without a mask; only the blocks that hold new tokens gather ``new_vis``. With one split the program normalises
+and writes the output itself; otherwise it writes fp32 partials (running max, sum, unnormalised output) and a
+small combine kernel merges the splits. Every size (grid, splits, scratch) comes from host ints (R, T, kv_len), so
+calls are CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from ddtree.errors import ConfigError
+
+try:  # Triton is optional: without it (or on CPU without the interpreter) the dense path runs.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where triton is absent
+    triton = None
+    tl = None
+
+ENV_SWITCH = "DDTREE_TREE_ATTENTION"  # "0" turns the kernel off; "interpret" also allows it on CPU tensors
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_BLOCK_N = (16, 32, 64, 128)
+# Kernels are interpreted (numpy, CPU tensors) iff TRITON_INTERPRET=1 when they are defined, i.e. at import.
+_INTERPRETED = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
+_FALLBACK_SM_COUNT = 132  # H100/H200; only used to size splits when the device cannot be asked (interpreter)
+_WAVES = 2  # aim for this many programs per SM when splitting the context
+
+
+class TreeVisibility(NamedTuple):
+    """What the kernel needs instead of a dense mask (a NamedTuple so graphs and compile accept it).
+
+    The new tokens must have been written at ``start + arange(T)`` (tree rounds and prefill chunks are)."""
+
+    start: Tensor  # [R] long, committed cache length of each row = cache index of its new token 0
+    new_vis: Tensor  # [R, T, T] bool, new token t sees new token t'
+    kv_len: int  # static bound >= max(start) + T; sizes the context split (host int, no sync)
+
+
+def available(t: Tensor) -> bool:
+    """Whether :func:`tree_attention` can run on tensors like ``t``: Triton imports, the switch
+    ``DDTREE_TREE_ATTENTION`` is not "0", and ``t`` is on CUDA, or on CPU with ``TRITON_INTERPRET=1`` and the
+    switch set to "interpret" (tests only: the interpreter is far too slow to serve)."""
+    if triton is None:
+        return False
+    switch = os.environ.get(ENV_SWITCH, "1")
+    if switch == "0":
+        return False
+    if t.is_cuda:
+        return not _INTERPRETED or switch == "interpret"
+    return _INTERPRETED and switch == "interpret" and t.device.type == "cpu"
+
+
+def supports_head_dim(head_dim: int) -> bool:
+    """The kernel tiles the head dimension in one block: powers of two the MMA units handle well."""
+    return head_dim in SUPPORTED_HEAD_DIMS
+
+
+if triton is not None:
+
+    @triton.jit
+    def _dot(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+        """a @ b with fp32 accumulation. UPCAST multiplies in fp32 instead: only for bf16 under Triton 3.6's
+        interpreter, whose dot multiplies bf16's raw 16-bit patterns as integers (products of bf16 values are exact
+        in fp32, so the result equals the tensor-core one up to summation order)."""
+        if UPCAST:
+            out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            out = tl.dot(a, b, input_precision=PRECISION)
+        return out
+
+    @triton.jit
+    def _attend_blocks(acc, m_i, l_i, q, k_base, v_base, vis_base, stride_kp, stride_vp, stride_vist,
+                       block_lo, block_hi, start, end, t_idx, row_ok, offs_n, offs_d, scale_log2,
+                       MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+        """Online-softmax accumulation over key blocks [block_lo, block_hi) of one row tile.
+
+        acc [BLOCK_M, D] fp32, m_i/l_i [BLOCK_M] fp32 (running max in log2 units, running sum), q [BLOCK_M, D].
+        MASKED=False only for blocks wholly inside the committed prefix (every key visible to every row)."""
+        for block in range(block_lo, block_hi):
+            p_idx = block * BLOCK_N + offs_n  # [BLOCK_N] cache indices
+            if MASKED:
+                key_ok = p_idx < end
+                k = tl.load(k_base + p_idx[:, None] * stride_kp + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+                v = tl.load(v_base + p_idx[:, None] * stride_vp + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+            else:
+                k = tl.load(k_base + p_idx[:, None] * stride_kp + offs_d[None, :])
+                v = tl.load(v_base + p_idx[:, None] * stride_vp + offs_d[None, :])
+            qk = _dot(q, tl.trans(k.to(q.dtype)), DOT_UPCAST, DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+            if MASKED:
+                j = p_idx - start  # index among the new tokens
+                is_new = (j >= 0) & key_ok
+                vis_ok = row_ok[:, None] & is_new[None, :]
+                seen = tl.load(vis_base + t_idx[:, None] * stride_vist + j[None, :], mask=vis_ok, other=0)
+                visible = (p_idx < start)[None, :] | (is_new[None, :] & ((seen != 0) | (j[None, :] == t_idx[:, None])))
+                qk = tl.where(visible & row_ok[:, None], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay at zero
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(qk - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v.to(q.dtype), DOT_UPCAST, DOT_PRECISION)
+            m_i = m_new
+        return acc, m_i, l_i
+
+    @triton.jit
+    def _tree_attention_split_kernel(
+        q_ptr, k_ptr, v_ptr, slots_ptr, start_ptr, vis_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+        stride_qr, stride_qh, stride_qt,  # q [R, H, T, D], unit stride over D
+        stride_ks, stride_kh, stride_kp,  # k cache [slots, KV, max_len, D], unit stride over D
+        stride_vs, stride_vh, stride_vp,  # v cache
+        stride_or, stride_oh, stride_ot,  # out [R, H, T, D]
+        stride_visr, stride_vist,  # new_vis [R, T, T] as uint8, unit stride over t'
+        T, G, num_kv, num_splits, rows_padded, scale_log2,
+        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        pid_rk = tl.program_id(2)
+        r = pid_rk // num_kv
+        kv = pid_rk % num_kv
+
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # folded rows g * T + t
+        row_ok = rows < G * T
+        g_idx = rows // T
+        t_idx = rows % T
+        head = kv * G + g_idx
+        offs_d = tl.arange(0, HEAD_DIM)
+        offs_n = tl.arange(0, BLOCK_N)
+
+        q = tl.load(q_ptr + r * stride_qr + head[:, None] * stride_qh + t_idx[:, None] * stride_qt + offs_d[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        slot = tl.load(slots_ptr + r)
+        start = tl.load(start_ptr + r)
+        end = start + T  # keys [0, end) may be visible
+        k_base = k_ptr + slot * stride_ks + kv * stride_kh
+        v_base = v_ptr + slot * stride_vs + kv * stride_vh
+        vis_base = vis_ptr + r * stride_visr
+
+        # This split's share of the row's key blocks; full_blocks lie wholly inside the committed prefix.
+        n_blocks = tl.cdiv(end, BLOCK_N)
+        per_split = tl.cdiv(n_blocks, num_splits)
+        lo = pid_s * per_split
+        hi = tl.minimum(lo + per_split, n_blocks)
+        full_blocks = start // BLOCK_N
+
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_base, v_base, vis_base, stride_kp, stride_vp,
+                                       stride_vist, lo, tl.minimum(hi, full_blocks), start, end, t_idx, row_ok,
+                                       offs_n, offs_d, scale_log2, False, DOT_PRECISION, DOT_UPCAST, BLOCK_N)
+        acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_base, v_base, vis_base, stride_kp, stride_vp,
+                                       stride_vist, tl.maximum(lo, full_blocks), hi, start, end, t_idx, row_ok,
+                                       offs_n, offs_d, scale_log2, True, DOT_PRECISION, DOT_UPCAST, BLOCK_N)
+
+        if DIRECT:
+            out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+            out_ptrs = (out_ptr + r * stride_or + head[:, None] * stride_oh + t_idx[:, None] * stride_ot
+                        + offs_d[None, :])
+            tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        else:
+            part = (pid_rk * num_splits + pid_s) * rows_padded + rows  # [BLOCK_M] into [R*KV, splits, rows_padded]
+            tl.store(part_m_ptr + part, m_i)
+            tl.store(part_l_ptr + part, l_i)
+            tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc)
+
+    @triton.jit
+    def _tree_attention_combine_kernel(
+        out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, stride_or, stride_oh, stride_ot,
+        T, G, num_kv, num_splits, rows_padded,
+        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    ):
+        """Merge the splits' partials: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s."""
+        pid_m = tl.program_id(0)
+        pid_rk = tl.program_id(1)
+        r = pid_rk // num_kv
+        kv = pid_rk % num_kv
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < G * T
+        head = kv * G + rows // T
+        t_idx = rows % T
+        offs_d = tl.arange(0, HEAD_DIM)
+        base = pid_rk * num_splits * rows_padded + rows
+
+        m_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        for s in range(num_splits):
+            m_max = tl.maximum(m_max, tl.load(part_m_ptr + base + s * rows_padded))
+        m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        l_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for s in range(num_splits):
+            part = base + s * rows_padded
+            w = tl.exp2(tl.load(part_m_ptr + part) - m_use)  # empty splits (m = -inf) weigh 0
+            l_sum += w * tl.load(part_l_ptr + part)
+            acc += w[:, None] * tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :])
+        out = acc / tl.where(l_sum > 0.0, l_sum, 1.0)[:, None]
+        out_ptrs = out_ptr + r * stride_or + head[:, None] * stride_oh + t_idx[:, None] * stride_ot + offs_d[None, :]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+_SM_COUNTS: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (cached: a host query, harmless during graph capture)."""
+    if device.type != "cuda":
+        return _FALLBACK_SM_COUNT
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
+
+
+def choose_splits(row_programs: int, kv_len: int, block_n: int, sm_count: int) -> int:
+    """Context splits per (row, KV head, row tile) so that about ``_WAVES * sm_count`` programs run, never more
+    splits than ``kv_len`` has key blocks. Host ints only: the same shapes always launch the same grid."""
+    blocks = max(1, math.ceil(kv_len / block_n))
+    wanted = max(1, math.ceil(_WAVES * sm_count / row_programs))
+    return min(wanted, blocks)
+
+
+def _check_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start: Tensor, new_vis: Tensor,
+                  kv_len: int) -> None:
+    if q.dim() != 4:
+        raise ConfigError(f"tree_attention: q must be [R, H, T, D], got shape {tuple(q.shape)}")
+    r, h, t, d = q.shape
+    if not supports_head_dim(d):
+        raise ConfigError(f"tree_attention supports head_dim in {SUPPORTED_HEAD_DIMS}, got {d}; "
+                          "use the dense masked path for this model")
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ConfigError(f"tree_attention: q dtype must be float32, float16 or bfloat16, got {q.dtype}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[-1] != d:
+        raise ConfigError(f"tree_attention: k/v cache must both be [slots, KV, max_len, {d}], got "
+                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    kv = k_cache.shape[1]
+    if h % kv != 0:
+        raise ConfigError(f"tree_attention: {h} query heads are not a multiple of {kv} KV heads")
+    if slots.shape != (r,) or start.shape != (r,):
+        raise ConfigError(f"tree_attention: slots and start must be [{r}], got {tuple(slots.shape)} and "
+                          f"{tuple(start.shape)}")
+    if new_vis.shape != (r, t, t):
+        raise ConfigError(f"tree_attention: new_vis must be [{r}, {t}, {t}], got {tuple(new_vis.shape)}")
+    if not t <= kv_len <= k_cache.shape[2]:
+        raise ConfigError(f"tree_attention: kv_len={kv_len} must lie in [T={t}, cache max_len={k_cache.shape[2]}]")
+
+
+def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start: Tensor, new_vis: Tensor,
+                   kv_len: int, *, block_n: int | None = None, splits: int | None = None) -> Tensor:
+    """Attention of the new tokens over their rows' cache slots under the tree visibility rule (module docstring).
+
+    q [R, H, T, D] (fp32/fp16/bf16, D in 64/128/256); k_cache, v_cache [slots, KV, max_len, D] (one layer of the
+    :class:`~ddtree.models.kv_cache.KVCache`, new tokens already written at ``start + t``); slots [R] long;
+    start [R] long; new_vis [R, T, T] bool; kv_len: host int >= max(start) + T (not checked: that would sync).
+    Softmax in fp32 with scale 1/sqrt(D). Returns [R, H, T, D] in q's dtype.
+
+    ``block_n`` (keys per tile) and ``splits`` (context splits per row) override the automatic choice; tests use
+    them to exercise the combine with tiny contexts."""
+    _check_inputs(q, k_cache, v_cache, slots, start, new_vis, kv_len)
+    if triton is None:
+        raise ConfigError("tree_attention needs Triton; install it or use the dense masked path")
+    r, h, t, d = q.shape
+    kv = k_cache.shape[1]
+    g = h // kv
+    rows = g * t
+    if block_n is None:
+        block_n = 64 if d <= 128 else 32
+    if block_n not in SUPPORTED_BLOCK_N:
+        raise ConfigError(f"tree_attention: block_n must be one of {SUPPORTED_BLOCK_N}, got {block_n}")
+    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    row_tiles = math.ceil(rows / block_m)
+    if splits is None:
+        splits = choose_splits(r * kv * row_tiles, kv_len, block_n, _sm_count(q.device))
+    if splits < 1:
+        raise ConfigError(f"tree_attention: splits must be >= 1, got {splits}")
+
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ConfigError("tree_attention: the KV cache must have unit stride over head_dim")
+    vis = new_vis.contiguous().view(torch.uint8)
+    out = torch.empty((r, h, t, d), dtype=q.dtype, device=q.device)
+    rows_padded = row_tiles * block_m
+    direct = splits == 1
+    if direct:  # the partial buffers are never touched; pass out as a typed placeholder
+        part_m = part_l = part_acc = out
+    else:
+        part_m = torch.empty((r * kv, splits, rows_padded), dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty((r * kv, splits, rows_padded, d), dtype=torch.float32, device=q.device)
+    scale_log2 = d**-0.5 * math.log2(math.e)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 stays exact; halves ignore the setting
+    _tree_attention_split_kernel[(row_tiles, splits, r * kv)](
+        q, k_cache, v_cache, slots, start, vis, out, part_m, part_l, part_acc,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        vis.stride(0), vis.stride(1),
+        t, g, kv, splits, rows_padded, scale_log2,
+        HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct, DOT_PRECISION=precision,
+        DOT_UPCAST=_INTERPRETED and q.dtype == torch.bfloat16,
+        num_warps=4, num_stages=2,
+    )
+    if not direct:
+        _tree_attention_combine_kernel[(row_tiles, r * kv)](
+            out, part_m, part_l, part_acc, out.stride(0), out.stride(1), out.stride(2),
+            t, g, kv, splits, rows_padded, HEAD_DIM=d, BLOCK_M=block_m, num_warps=4,
+        )
+    return out
