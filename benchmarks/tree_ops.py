@@ -10,8 +10,8 @@ For every (requests R, budget B) cell: random float logits [R, L, V] (L = 15, V 
 target choices, a few warm-up runs, then the median (and min/max) of timed runs; CUDA runs are timed with CUDA
 events around the whole build + walk, and build alone is timed the same way. ``--cuda-graph`` captures build + walk
 in one CUDA graph and times replays (how the engine runs a round). On CUDA build_trees takes its vocabulary pass
-from the fused Triton top-k + logsumexp kernel (``ddtree.spec.vocab_topk``); ``--no-triton`` times every cell a
-second time with it switched off (``DDTREE_VOCAB_TOPK=0``) and prints both. ``--count-ops`` counts, per build and
+from the fused Triton top-k + logsumexp kernel (``build_trees(..., fast_topk=True)``, ``ddtree.spec.vocab_topk``);
+``--no-triton`` times every cell a second time with ``fast_topk=False`` (the torch path) and prints both. ``--count-ops`` counts, per build and
 per walk, the aten ops that run (views excluded; on CUDA the GPU kernels launched, Triton ones included, from the
 profiler). Prints a markdown table and writes JSON with the environment. Runs on torch >= 2.4 (no newer APIs), CPU
 or CUDA.
@@ -23,7 +23,6 @@ import argparse
 import collections
 import functools
 import json
-import os
 import platform
 import statistics
 import time
@@ -33,6 +32,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ddtree import triton_runtime
 from ddtree.spec import build_trees, vocab_topk, walk_trees
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -108,37 +108,34 @@ def measure(rows: int, budget: int, args: argparse.Namespace, device: torch.devi
     # The engine passes budgets as a [R] tensor and the static max_budget: do the same.
     budgets = torch.full((rows,), budget, dtype=torch.long, device=device)
 
-    def build() -> object:
-        return build_trees(logits, budgets, max_budget=budget)
-
-    def round_() -> object:
-        return walk_trees(build(), choices, args.depths)
-
     timer = _timer(device)
-    record: dict = {"rows": rows, "budget": budget, "triton": vocab_topk.available(logits)}
-    variants = [("", True)] + ([("torch_", False)] if args.no_triton else [])
-    for prefix, fused in variants:
-        previous = os.environ.get("DDTREE_VOCAB_TOPK")
-        os.environ["DDTREE_VOCAB_TOPK"] = "1" if fused else "0"
-        try:
-            if args.count_ops:
-                record[f"{prefix}build_ops"] = count_ops(build, device)
-                record[f"{prefix}walk_ops"] = count_ops(functools.partial(walk_trees, build(), choices, args.depths),
-                                                        device)
-            for name, fn in (("build", build), ("build_walk", round_)):
-                if args.cuda_graph:
-                    fn = _graphed(fn, args.warmup)
-                for _ in range(args.warmup):
-                    fn()
-                samples = [timer(fn) for _ in range(args.repeats)]
-                record[f"{prefix}{name}_median_ms"] = statistics.median(samples)
-                record[f"{prefix}{name}_min_ms"] = min(samples)
-                record[f"{prefix}{name}_max_ms"] = max(samples)
-        finally:
-            if previous is None:
-                del os.environ["DDTREE_VOCAB_TOPK"]
-            else:
-                os.environ["DDTREE_VOCAB_TOPK"] = previous
+    # The engine's choice on CUDA (EngineConfig.gpu_kernels); on CPU the kernel cannot run and the torch path does.
+    fast_default = device.type == "cuda"
+    record: dict = {"rows": rows, "budget": budget,
+                    "triton": fast_default and min(budget, args.vocab) <= vocab_topk.FAST_MAX_K
+                    and vocab_topk.available(logits)}
+    variants = [("", fast_default)] + ([("torch_", False)] if args.no_triton else [])
+    for prefix, fast_topk in variants:
+
+        def build(fast_topk: bool = fast_topk) -> object:
+            return build_trees(logits, budgets, max_budget=budget, fast_topk=fast_topk)
+
+        def round_(build: Callable[[], object] = build) -> object:
+            return walk_trees(build(), choices, args.depths)
+
+        if args.count_ops:
+            record[f"{prefix}build_ops"] = count_ops(build, device)
+            record[f"{prefix}walk_ops"] = count_ops(functools.partial(walk_trees, build(), choices, args.depths),
+                                                    device)
+        for name, fn in (("build", build), ("build_walk", round_)):
+            if args.cuda_graph:
+                fn = _graphed(fn, args.warmup)
+            for _ in range(args.warmup):
+                fn()
+            samples = [timer(fn) for _ in range(args.repeats)]
+            record[f"{prefix}{name}_median_ms"] = statistics.median(samples)
+            record[f"{prefix}{name}_min_ms"] = min(samples)
+            record[f"{prefix}{name}_max_ms"] = max(samples)
     return record
 
 
@@ -156,7 +153,7 @@ def environment(device: torch.device, args: argparse.Namespace) -> dict:
         "dtype": args.dtype,
         "warmup": args.warmup,
         "repeats": args.repeats,
-        "triton": vocab_topk.triton.__version__ if vocab_topk.triton is not None else None,
+        "triton": triton_runtime.triton.__version__ if triton_runtime.triton is not None else None,
     }
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
@@ -206,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--cuda-graph", action="store_true", help="time CUDA graph replays (CUDA only)")
     parser.add_argument("--no-triton", action="store_true",
-                        help="also time every cell with the Triton vocabulary pass off (DDTREE_VOCAB_TOPK=0)")
+                        help="also time every cell with the torch vocabulary pass (build_trees(fast_topk=False))")
     parser.add_argument("--count-ops", action="store_true",
                         help="count GPU kernels (CUDA) or aten ops (CPU) of one build and one walk")
     args = parser.parse_args(argv)

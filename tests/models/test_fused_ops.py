@@ -1,7 +1,8 @@
 """Fused decoder-layer kernels against the eager layer code, and fused projections against separate ones.
 
 Without a GPU the Triton kernels run on CPU through Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1
-before ddtree is imported), which is slow: shapes stay tiny. The interpreter converts fp32 to bf16 by truncation
+before ddtree is imported; every test here runs inside ``triton_runtime.cpu_interpreter()``), which is slow: shapes
+stay tiny. The interpreter converts fp32 to bf16 by truncation
 where a GPU rounds to nearest, so bf16 results are compared within a few bf16 ulps; fp32 and fp16 are tight.
 """
 
@@ -16,6 +17,7 @@ from model_helpers import perturb_, random_drafter, random_target, rel_err
 
 pytest.importorskip("triton")
 
+from ddtree import triton_runtime  # noqa: E402
 from ddtree.errors import ConfigError  # noqa: E402
 from ddtree.models import fused_ops, load_target, save_target  # noqa: E402
 from ddtree.models.layers import (  # noqa: E402
@@ -30,7 +32,7 @@ from ddtree.models.layers import (  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-if DEVICE == "cpu" and not fused_ops.interpreted():
+if DEVICE == "cpu" and not triton_runtime.INTERPRETED:
     pytest.skip("no GPU and Triton's interpreter is off (TRITON_INTERPRET=1 must be set before import)",
                 allow_module_level=True)
 
@@ -44,7 +46,8 @@ DTYPES = list(TOL)
 
 @pytest.fixture(autouse=True)
 def _interpret():
-    with fused_ops.force_interpret():
+    """Let the kernels run on CPU tensors through the interpreter (changes nothing for CUDA tensors)."""
+    with triton_runtime.cpu_interpreter():
         yield
 
 
@@ -188,19 +191,22 @@ def test_bad_arguments_name_the_problem():
         fused_ops.silu_mul(torch.zeros(2, 7, device=DEVICE))
 
 
-def test_enabled_follows_the_switches(monkeypatch):
+def test_can_run_follows_the_device_and_the_cpu_interpreter():
     cpu = torch.zeros(1)
-    if fused_ops.interpreted():
-        assert fused_ops.enabled(cpu)  # inside the autouse force_interpret()
-        with fused_ops.force_interpret(False):
-            assert not fused_ops.enabled(cpu)
-            with fused_ops.force_interpret():
-                assert fused_ops.enabled(cpu)
-            assert not fused_ops.enabled(cpu)
-    else:  # compiled kernels (a GPU machine): CUDA tensors only
-        assert fused_ops.enabled(torch.zeros(1, device=DEVICE)) and not fused_ops.enabled(cpu)
-    monkeypatch.setenv("DDTREE_FUSED", "0")
-    assert not fused_ops.enabled(cpu) and not fused_ops.enabled(torch.zeros(1, device=DEVICE))
+    assert triton_runtime.triton is not None
+    if triton_runtime.INTERPRETED:
+        assert triton_runtime.can_run(cpu)  # inside the autouse cpu_interpreter()
+        with triton_runtime.cpu_interpreter(False):
+            assert not triton_runtime.can_run(cpu)
+            with triton_runtime.cpu_interpreter():
+                assert triton_runtime.can_run(cpu)
+            assert not triton_runtime.can_run(cpu)
+        assert triton_runtime.can_run(cpu)
+        assert not triton_runtime.can_run(torch.zeros(1, device="meta"))
+    else:  # compiled kernels (a GPU machine): CUDA tensors only, the context changes nothing
+        assert triton_runtime.can_run(torch.zeros(1, device=DEVICE)) and not triton_runtime.can_run(cpu)
+        with triton_runtime.cpu_interpreter(False):
+            assert triton_runtime.can_run(torch.zeros(1, device=DEVICE))
 
 
 # --- fused projections and the fused layer -----------------------------------------------------------------------
@@ -273,13 +279,26 @@ def test_fused_layer_equals_unfused(qk_norm, qkv_bias, kernels, monkeypatch):
     cos, sin = Rotary(8, 10000.0, None).to(DEVICE)(torch.arange(3, 17, 2, device=DEVICE).expand(2, -1),
                                                   torch.float32)
     expected = layer(h, cos, sin, causal_attend)
-    fuse_projections(layer)
+    fuse_projections(layer, kernels=kernels)
     calls = count_calls(monkeypatch, "rms_norm", "add_rms_norm", "qk_norm_rope", "silu_mul")
-    if not kernels:
-        monkeypatch.setenv("DDTREE_FUSED", "0")  # on CUDA the kernels are on unless switched off
-    with fused_ops.force_interpret(kernels):
-        out = layer(h, cos, sin, causal_attend)
+    out = layer(h, cos, sin, causal_attend)
     assert calls == dict.fromkeys(calls, int(kernels))
+    assert rel_err(out, expected) < 1e-5
+
+
+def test_kernels_chosen_but_unable_to_run_fall_back_to_eager(monkeypatch):
+    """kernels=True on CPU tensors outside cpu_interpreter() (on any machine): the fused matmuls with the eager
+    element-wise code, no kernel launched."""
+    layer = random_layer(qk_norm=True, qkv_bias=False, seed=4).cpu()
+    h = torch.randn(2, 7, 32, generator=torch.Generator().manual_seed(5))
+    cos, sin = Rotary(8, 10000.0, None)(torch.arange(7).expand(2, -1), torch.float32)
+    expected = layer(h, cos, sin, causal_attend)
+    fuse_projections(layer, kernels=True)
+    calls = count_calls(monkeypatch, "rms_norm", "add_rms_norm", "qk_norm_rope", "silu_mul")
+    with triton_runtime.cpu_interpreter(False):
+        out = layer(h, cos, sin, causal_attend)
+    assert calls == dict.fromkeys(calls, 0)
+    assert layer.self_attn.fused_qkv(h) is not None  # the fused projections did serve the call
     assert rel_err(out, expected) < 1e-5
 
 
@@ -312,15 +331,19 @@ def target_logits(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen2"])
-def test_fused_target_equals_unfused_and_saves_original_names(family, tmp_path):
+def test_fused_target_equals_unfused_and_saves_original_names(family, tmp_path, monkeypatch):
     overrides = {} if family == "qwen3" else dict(family="qwen2", qk_norm=False, attention_bias=True)
     model = random_target(**overrides).to(DEVICE)
     ids = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(8)).to(DEVICE)
     expected = target_logits(model, ids)
-    assert fuse_projections(model) == model.config.num_layers
+    calls = count_calls(monkeypatch, "rms_norm", "qk_norm_rope")
+    assert fuse_projections(model, kernels=False) == model.config.num_layers
     assert rel_err(target_logits(model, ids), expected) < 1e-5  # fused matmuls, eager element-wise code
-    with fused_ops.force_interpret(DEVICE == "cpu"):  # Triton kernels too
-        assert rel_err(target_logits(model, ids), expected) < 1e-5
+    assert calls == {"rms_norm": 0, "qk_norm_rope": 0}
+    assert fuse_projections(model) == model.config.num_layers  # kernels=True: Triton kernels too
+    assert rel_err(target_logits(model, ids), expected) < 1e-5
+    layers = model.config.num_layers
+    assert calls == {"rms_norm": layers, "qk_norm_rope": layers}
     save_target(model, tmp_path)
     loaded = load_target(tmp_path, device=DEVICE)
     assert loaded.state_dict().keys() == model.state_dict().keys()

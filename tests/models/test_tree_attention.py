@@ -1,15 +1,14 @@
 """The Triton tree-attention kernel against dense masked attention and a plain-loop oracle, and the TargetModel
 forward with ``tree=`` against the dense-mask forward.
 
-Without a GPU the kernel runs in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1), so shapes stay
-tiny: head_dim 64 (the smallest the kernel takes), a handful of rows and tens of keys, BLOCK_N 16 to get several
+Without a GPU the kernel runs in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1; every test here
+runs inside ``triton_runtime.cpu_interpreter()``), so shapes stay tiny: head_dim 64 (the smallest the kernel takes), a handful of rows and tens of keys, BLOCK_N 16 to get several
 key blocks and context splits.
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -18,14 +17,15 @@ pytest.importorskip("triton")
 
 from model_helpers import random_target, rel_err  # noqa: E402
 
-from ddtree import spec  # noqa: E402
+from ddtree import spec, triton_runtime  # noqa: E402
 from ddtree.errors import ConfigError  # noqa: E402
 from ddtree.models import tree_attention as ta  # noqa: E402
 from ddtree.models.layers import masked_attention  # noqa: E402
 from ddtree.models.tree_attention import TreeVisibility  # noqa: E402
 
-if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("no CUDA device and TRITON_INTERPRET is not set", allow_module_level=True)
+if not torch.cuda.is_available() and not triton_runtime.INTERPRETED:
+    pytest.skip("no CUDA device and Triton's interpreter is off (TRITON_INTERPRET=1 must be set before import)",
+                allow_module_level=True)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -47,10 +47,11 @@ def _interpreter_index_fix(monkeypatch) -> None:
 
 @pytest.fixture(autouse=True)
 def kernel_on(monkeypatch):
-    """Enable the kernel on CPU tensors (interpreter) for every test here."""
-    monkeypatch.setenv(ta.ENV_SWITCH, "interpret")
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    """Let the kernel run on CPU tensors (interpreter) for every test here; a no-op for CUDA tensors."""
+    if triton_runtime.INTERPRETED:
         _interpreter_index_fix(monkeypatch)
+    with triton_runtime.cpu_interpreter():
+        yield
 
 
 # ---- references ------------------------------------------------------------------------------------------------
@@ -241,14 +242,11 @@ def test_rejects_unsupported_shapes():
         ta.tree_attention(**case, block_n=8)
 
 
-def test_available_follows_the_switch(monkeypatch):
-    t = torch.zeros(1, device=DEVICE)
-    assert ta.available(t)
-    monkeypatch.setenv(ta.ENV_SWITCH, "0")
-    assert not ta.available(t)
-    if DEVICE == "cpu":
-        monkeypatch.setenv(ta.ENV_SWITCH, "1")  # on CPU only the explicit test override enables it
-        assert not ta.available(t)
+def test_target_supports_tree_attention_where_the_kernel_can_run():
+    model = random_target(head_dim=64, num_heads=4, num_kv_heads=2, num_layers=1).to(DEVICE)
+    assert model.supports_tree_attention()
+    with triton_runtime.cpu_interpreter(False):  # on CPU only the explicit test context enables it
+        assert model.supports_tree_attention() == (DEVICE == "cuda")
 
 
 @pytest.mark.parametrize("kv_len", [1024, 2048, 4096, 8192])
@@ -280,11 +278,19 @@ def _verify_pair(model, cache, prompt_len: int, start: torch.Tensor, new_vis: to
     return slots, ids, spec.tree_positions(start, depths), spec.tree_write_positions(start, n)
 
 
-def test_target_forward_with_tree_equals_dense_mask():
+def count_kernel_calls(monkeypatch) -> list[int]:
+    """Wrap ta.tree_attention (what the target's attention calls) so a test can tell which path ran."""
+    calls = []
+    real = ta.tree_attention
+    monkeypatch.setattr(ta, "tree_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def test_target_forward_with_tree_equals_dense_mask(monkeypatch):
     model = random_target(head_dim=64, num_heads=8, num_kv_heads=2, num_layers=2)
-    if not ta._INTERPRETED:
+    if not triton_runtime.INTERPRETED:
         pytest.skip("CPU model: the compiled kernel runs only on CUDA (the GPU tests below cover it there)")
-    assert model.uses_tree_attention()
+    assert model.supports_tree_attention()
     start, kv_len, n = torch.tensor([9, 4]), 24, 6
     new_vis = random_parent_visibility(2, n, torch.Generator().manual_seed(2))
     dense_cache, kernel_cache = model.allocate_cache(3, 32), model.allocate_cache(3, 32)
@@ -293,9 +299,13 @@ def test_target_forward_with_tree_equals_dense_mask():
     kernel_cache.v.copy_(dense_cache.v)
 
     mask = spec.build_attention_mask(start, write_pos, new_vis, kv_len)
-    dense = model(ids, positions, dense_cache, slots, write_pos, mask, hidden_layers=(0, 1))
+    calls = count_kernel_calls(monkeypatch)
+    dense = model(ids, positions, dense_cache, slots, write_pos, mask, tree=TreeVisibility(start, new_vis, kv_len),
+                  hidden_layers=(0, 1))
+    assert calls == []  # a mask given: the dense path, tree ignored
     tree = model(ids, positions, kernel_cache, slots, write_pos, None, tree=TreeVisibility(start, new_vis, kv_len),
                  hidden_layers=(0, 1))
+    assert len(calls) == 2  # one kernel call per layer
     assert rel_err(tree.logits, dense.logits) < 1e-5
     assert rel_err(tree.hidden, dense.hidden) < 1e-5
     # layer 0 writes identical K/V; deeper layers' differ by the attention's rounding
@@ -303,25 +313,28 @@ def test_target_forward_with_tree_equals_dense_mask():
     assert rel_err(kernel_cache.k, dense_cache.k) < 1e-5 and rel_err(kernel_cache.v, dense_cache.v) < 1e-5
 
 
-def test_target_forward_with_tree_builds_the_mask_when_the_kernel_is_off(monkeypatch):
-    monkeypatch.setenv(ta.ENV_SWITCH, "0")
-    model = random_target(head_dim=64, num_heads=4, num_kv_heads=2, num_layers=1)
-    assert not model.uses_tree_attention()
+def test_target_forward_with_tree_builds_the_mask_when_the_kernel_cannot_run(monkeypatch):
+    model = random_target(head_dim=64, num_heads=4, num_kv_heads=2, num_layers=1)  # CPU weights
     start, kv_len, n = torch.tensor([5]), 12, 4
     new_vis = random_parent_visibility(1, n, torch.Generator().manual_seed(4))
     cache = model.allocate_cache(1, 16)
     slots, ids, positions, write_pos = _verify_pair(model, cache, 5, start, new_vis, kv_len)
     mask = spec.build_attention_mask(start, write_pos, new_vis, kv_len)
     dense = model(ids, positions, cache, slots, write_pos, mask)
-    tree = model(ids, positions, cache, slots, write_pos, None, tree=TreeVisibility(start, new_vis, kv_len))
+    calls = count_kernel_calls(monkeypatch)
+    with triton_runtime.cpu_interpreter(False):
+        assert not model.supports_tree_attention()
+        tree = model(ids, positions, cache, slots, write_pos, None, tree=TreeVisibility(start, new_vis, kv_len))
+    assert calls == []
     assert torch.equal(tree.logits, dense.logits)
     with pytest.raises(ConfigError, match="attn_mask or tree"):
         model(ids, positions, cache, slots, write_pos, None)
 
 
 def test_target_head_dims_the_kernel_lacks_use_the_dense_path():
-    model = random_target()  # head_dim 8
-    assert not model.uses_tree_attention()
+    model = random_target().to(DEVICE)  # head_dim 8
+    assert triton_runtime.can_run(model.embed_tokens.weight)
+    assert not model.supports_tree_attention()
 
 
 # ---- CUDA only: benchmark shapes and graph capture -----------------------------------------------------------------

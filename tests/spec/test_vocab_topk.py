@@ -1,46 +1,51 @@
 """The fused top-k + logsumexp kernel against plain-Python rankings and torch.logsumexp, and trees built with it.
 
-Without a GPU the kernel runs through Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1), so the
-shapes stay tiny. The reference ranking is a Python sort by (value desc, token id asc): the canonical order the
+Without a GPU the kernel runs through Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1; every test
+here runs inside ``triton_runtime.cpu_interpreter()``), so the shapes stay tiny. The reference ranking is a Python sort by (value desc, token id asc): the canonical order the
 kernel promises, including which of several tied tokens enter at the k-th place (the lowest ids).
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 import pytest
 import torch
 from spec_oracles import best_prefixes, tree_prefixes
 
+from ddtree import triton_runtime
 from ddtree.errors import ConfigError
 from ddtree.spec import Trees, build_trees, vocab_topk
 
-pytestmark = pytest.mark.skipif(vocab_topk.triton is None, reason="needs Triton")
-
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+pytestmark = pytest.mark.skipif(
+    triton_runtime.triton is None or (DEVICE == "cpu" and not triton_runtime.INTERPRETED),
+    reason="needs Triton, and without a GPU its interpreter (TRITON_INTERPRET=1 before import)",
+)
 
 
 @pytest.fixture(autouse=True)
 def _kernel_allowed(monkeypatch):
     """Let the kernel run on CPU tensors through the interpreter (a no-op on a GPU machine)."""
-    monkeypatch.delenv("DDTREE_VOCAB_TOPK", raising=False)
     monkeypatch.setattr(vocab_topk, "FAST_MAX_K", 1 << 20)  # the trees below use the kernel at every width
-    with vocab_topk.interpreted_on_cpu():
+    with triton_runtime.cpu_interpreter():
         yield
 
 
-def test_build_trees_uses_the_kernel_only_up_to_fast_max_k(monkeypatch):
+def test_build_trees_uses_the_kernel_only_when_asked_and_up_to_fast_max_k(monkeypatch):
     calls = []
     real = vocab_topk.topk_logsumexp
     monkeypatch.setattr(vocab_topk, "topk_logsumexp", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
     monkeypatch.setattr(vocab_topk, "FAST_MAX_K", 8)
     logits = torch.randn(2, 3, 300, generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    narrow, wide = build_trees(logits, 8), build_trees(logits, 9)
+    narrow, wide = build_trees(logits, 8, fast_topk=True), build_trees(logits, 9, fast_topk=True)
     assert calls == [8]  # width 9 > FAST_MAX_K went to torch.topk
     assert torch.equal(narrow.tokens, wide.tokens[:, :9])
+    default = build_trees(logits, 8)  # fast_topk=False: the torch path
+    assert calls == [8]
+    assert torch.equal(default.tokens, narrow.tokens)
 
 
 def _canonical_top(row: list[float], k: int) -> list[int]:
@@ -146,19 +151,19 @@ def test_rejects_bad_arguments() -> None:
                                              torch.empty(2, device=DEVICE)))
 
 
-def test_available_follows_device_dtype_and_switch(monkeypatch) -> None:
+def test_available_follows_device_and_dtype() -> None:
     x = torch.randn(2, 5, device=DEVICE)
     assert vocab_topk.available(x)
+    assert vocab_topk.available(x.half()) and vocab_topk.available(x.bfloat16())
     assert not vocab_topk.available(x.double())
-    monkeypatch.setenv("DDTREE_VOCAB_TOPK", "0")
-    assert not vocab_topk.available(x)
+    assert not vocab_topk.available(x.long())
 
 
-def test_cpu_tensors_need_the_interpreter_and_the_test_override(monkeypatch) -> None:
+def test_cpu_tensors_need_the_interpreter_and_the_test_context() -> None:
     x = torch.randn(2, 5)
-    assert vocab_topk.available(x) == (os.environ.get("TRITON_INTERPRET") == "1")
-    monkeypatch.setattr(vocab_topk._CpuOverride, "active", False)  # as outside interpreted_on_cpu()
-    assert not vocab_topk.available(x)
+    assert vocab_topk.available(x) == triton_runtime.INTERPRETED
+    with triton_runtime.cpu_interpreter(False):  # as outside cpu_interpreter()
+        assert not vocab_topk.available(x)
 
 
 # Trees built with the kernel ------------------------------------------------------------------------------------
@@ -187,7 +192,8 @@ def test_kernel_trees_match_the_brute_force_oracle(seed: int) -> None:
     caps = torch.randint(0, vocab + 1, (rows,), generator=gen)
     limits = torch.randint(1, depths + 1, (rows,), generator=gen)
     logits, budgets, caps, limits = (t.to(DEVICE) for t in (logits, budgets, caps, limits))
-    trees = build_trees(logits, budgets, caps, max_budget=max_budget, depth_limit=limits)
+    assert vocab_topk.available(logits)
+    trees = build_trees(logits, budgets, caps, max_budget=max_budget, depth_limit=limits, fast_topk=True)
     lp = _kernel_log_probs(logits)
     for r in range(rows):
         expected = best_prefixes(lp[r], int(budgets[r]), int(caps[r]), int(limits[r]))
@@ -205,10 +211,12 @@ def test_kernel_trees_equal_torch_path_trees(monkeypatch) -> None:
     logits = (2 * torch.randn(2, 3, 300, generator=gen)).to(DEVICE)
     logits[1, 1] = -math.inf  # a depth with no usable token
     budgets, caps = torch.tensor([24, 5], device=DEVICE), torch.tensor([0, 3], device=DEVICE)
-    fused = build_trees(logits, budgets, caps, max_budget=24)
-    monkeypatch.setenv("DDTREE_VOCAB_TOPK", "0")
-    assert not vocab_topk.available(logits)
-    reference = build_trees(logits, budgets, caps, max_budget=24)
+    calls = []
+    real = vocab_topk.topk_logsumexp
+    monkeypatch.setattr(vocab_topk, "topk_logsumexp", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    fused = build_trees(logits, budgets, caps, max_budget=24, fast_topk=True)
+    reference = build_trees(logits, budgets, caps, max_budget=24, fast_topk=False)
+    assert calls == [24]  # the kernel built the first tree only
     for field in ("tokens", "parents", "depths", "valid", "visibility"):
         assert torch.equal(getattr(fused, field), getattr(reference, field)), field
     torch.testing.assert_close(fused.scores, reference.scores, rtol=1e-6, atol=1e-5)
@@ -218,8 +226,8 @@ def test_kernel_trees_equal_torch_path_trees(monkeypatch) -> None:
 def test_half_precision_kernel_trees_equal_float32_kernel_trees() -> None:
     gen = torch.Generator().manual_seed(4)
     logits = (3 * torch.randn(2, 3, 200, generator=gen)).to(torch.bfloat16).to(DEVICE)  # plenty of exact ties
-    half = build_trees(logits, torch.tensor([9, 16], device=DEVICE), 3, max_budget=16)
-    full = build_trees(logits.float(), torch.tensor([9, 16], device=DEVICE), 3, max_budget=16)
+    half = build_trees(logits, torch.tensor([9, 16], device=DEVICE), 3, max_budget=16, fast_topk=True)
+    full = build_trees(logits.float(), torch.tensor([9, 16], device=DEVICE), 3, max_budget=16, fast_topk=True)
     for field in Trees._fields:
         assert torch.equal(getattr(half, field), getattr(full, field)), field
 

@@ -26,6 +26,7 @@ class EngineConfig:
     prefill_chunk: int = 512  # prompt tokens prefilled per engine step (long prompts are chunked)
     kv_memory_fraction: float | None = None  # size max_batch from free device memory instead
     cuda_graphs: bool = True  # capture decode rounds as CUDA graphs (CUDA devices only)
+    gpu_kernels: bool = True  # Triton kernels on CUDA (fused layer ops, tree attention, vocab top-k); False = torch
     default_tree: TreeSettings = field(default_factory=TreeSettings)
     seed: int = 0
 

@@ -119,18 +119,20 @@ class Engine:
         param = next(target.parameters())
         self.device = param.device
         if self.device.type == "cuda":
-            # One matmul for q/k/v and one for gate/up per layer (the weights become views of a fused matrix), so
-            # the graphs captured below launch ~10 kernels per decoder layer instead of ~50.
-            fuse_projections(target)
+            # One matmul for q/k/v and one for gate/up per layer (the weights become views of a fused matrix) and,
+            # with gpu_kernels, Triton kernels for the element-wise steps: the graphs captured below launch ~10
+            # kernels per decoder layer instead of ~50.
+            fuse_projections(target, kernels=config.gpu_kernels)
             if drafter is not None:
-                fuse_projections(drafter)
+                fuse_projections(drafter, kernels=config.gpu_kernels)
         headroom = max(config.prefill_chunk, config.max_budget + 1, max_block) + 1
         max_batch = config.max_batch
         if config.kv_memory_fraction is not None:
             max_batch = _slots_from_memory(target, drafter, config, headroom, self.device)
         self.config = replace(config, max_batch=max_batch, max_block_size=max_block)
         self.cache_len = config.max_len + headroom
-        self.runner = ModelRunner(target, drafter, slots=max_batch, cache_len=self.cache_len)
+        self.runner = ModelRunner(target, drafter, slots=max_batch, cache_len=self.cache_len,
+                                  kernels=config.gpu_kernels)
         self.graphs = None
         if config.cuda_graphs and self.device.type == "cuda":
             from ddtree.engine.cuda_graphs import RoundGraphs

@@ -120,9 +120,15 @@ class ModelRunner:
         *,
         slots: int,
         cache_len: int,
+        kernels: bool = True,
     ) -> None:
+        """kernels: use the Triton kernels where they can run (CUDA): the vocabulary top-k of tree building and
+        the verify's tree attention (``EngineConfig.gpu_kernels``; the layers' own kernels are chosen by
+        :func:`ddtree.models.fuse_projections`)."""
         self.target = target
         self.drafter = drafter
+        self.fast_topk = kernels
+        self.tree_kernel = kernels and target.supports_tree_attention()
         param = next(target.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.target_cache: KVCache = target.allocate_cache(slots, cache_len)
@@ -188,6 +194,7 @@ class ModelRunner:
                 max_budget=inp.max_budget,
                 depth_limit=inp.depth_limit,
                 root_tokens=inp.root_tokens,
+                fast_topk=self.fast_topk,
             )
         else:
             trees = root_only_trees(inp.root_tokens)
@@ -198,7 +205,7 @@ class ModelRunner:
         # On CUDA the verify attends through the Triton tree kernel, which reads (start, visibility) directly;
         # elsewhere it needs the dense [R, N, kv_len] mask.
         work["tree_vis"] = TreeVisibility(inp.start, trees.visibility, inp.kv_len)
-        work["mask"] = None if self.target.uses_tree_attention() else spec.build_attention_mask(
+        work["mask"] = None if self.tree_kernel else spec.build_attention_mask(
             inp.start, work["write_pos"], trees.visibility, inp.kv_len)
 
     def stage_verify(self, inp: RoundInputs, work: dict) -> None:

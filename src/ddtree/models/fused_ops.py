@@ -11,66 +11,21 @@ float, pow, mean, add, rsqrt, mul, cast, weight-mul). These kernels do each step
 Each kernel rounds where the eager PyTorch code rounds (a bf16 product is computed in fp32 and rounded once, as
 PyTorch's element-wise ops do), so bf16 results differ from eager only through the fp32 reduction order and rsqrt.
 
-Triton is optional: without it :func:`enabled` is False and the layers run their eager code. On CPU the kernels run
-through Triton's interpreter when ``TRITON_INTERPRET=1`` was set before this module was imported and a test asks
-for it with :func:`force_interpret`. ``DDTREE_FUSED=0`` turns the kernels off on CUDA (to measure or bisect them).
+When they run is decided outside this module: a layer fused with ``fuse_projections(model, kernels=True)`` calls
+them when :func:`ddtree.triton_runtime.can_run` accepts its input (CUDA; CPU tensors only under Triton's interpreter
+inside ``triton_runtime.cpu_interpreter()``, which tests use). Without Triton the layers run their eager code and
+calling a kernel here raises :class:`~ddtree.errors.ConfigError`.
 """
 
 from __future__ import annotations
-
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 from torch import Tensor
 
 from ddtree.errors import ConfigError
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # Triton is an optional dependency: the eager layer code needs nothing from here
-    triton = None
+from ddtree.triton_runtime import tl, triton
 
 _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
-
-# force_interpret() pushes onto this stack; a list (not a rebound global) so nested contexts restore correctly.
-_FORCED: list[bool] = []
-
-
-def available() -> bool:
-    """Whether Triton imported (the kernels exist)."""
-    return triton is not None
-
-
-def interpreted() -> bool:
-    """Whether the kernels were defined for Triton's CPU interpreter (``TRITON_INTERPRET=1`` at import)."""
-    if triton is None:
-        return False
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(_rms_norm_kernel, InterpretedFunction)
-
-
-@contextmanager
-def force_interpret(active: bool = True) -> Iterator[None]:
-    """Within this context, :func:`enabled` is also True for CPU tensors when the kernels are interpreted
-    (tests run the fused layer path on CPU this way; the interpreter is far too slow for anything else)."""
-    _FORCED.append(active)
-    try:
-        yield
-    finally:
-        _FORCED.pop()
-
-
-def enabled(t: Tensor) -> bool:
-    """Whether the layers should run the fused kernels on tensors like ``t``."""
-    if triton is None or os.environ.get("DDTREE_FUSED") == "0":
-        return False
-    if t.is_cuda:
-        return True
-    return bool(_FORCED) and _FORCED[-1] and t.device.type == "cpu" and interpreted()
 
 
 # ---------------------------------------------------------------------------------------------------------------

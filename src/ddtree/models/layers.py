@@ -10,9 +10,10 @@ the single SDPA call with a boolean mask, so swapping in flex_attention or a Tri
 
 Fused inference path (:func:`fuse_projections`): q/k/v share one weight matrix and gate/up another, so a layer runs
 two matmuls where it ran five; the per-projection parameters become views of the fused matrices, so names, loading
-and memory stay as they were. On CUDA (:func:`ddtree.models.fused_ops.enabled`) a fused layer also replaces its
-RMSNorms, q/k-norm + RoPE, residual add and SwiGLU activation with Triton kernels: ~10 kernels per layer instead of
-~75. Without fusion, or while autograd needs the separate parameters, the eager code runs unchanged.
+and memory stay as they were. Fused with ``kernels=True`` (the caller's choice, stored on the fused modules), a layer
+also replaces its RMSNorms, q/k-norm + RoPE, residual add and SwiGLU activation with the Triton kernels of
+:mod:`ddtree.models.fused_ops` wherever they can run (:func:`ddtree.triton_runtime.can_run`: CUDA): ~10 kernels per
+layer instead of ~75. Without fusion, or while autograd needs the separate parameters, the eager code runs unchanged.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch import Tensor, nn
 
 from ddtree.errors import ConfigError
 from ddtree.models import fused_ops
+from ddtree.triton_runtime import can_run
 
 # attend(layer_index, q [R, H, T, D], k [R, KV, T, D], v [R, KV, T, D]) -> [R, H, T, D]
 Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
@@ -120,25 +122,29 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.gate_up: FusedLinear | None = None
+        self.use_kernels = False  # set by fuse(): the fused path's SwiGLU runs the Triton kernel where it can
 
-    def fuse(self) -> None:
-        """Back gate_proj and up_proj with one [2I, hidden] matrix (idempotent; re-fuses after ``.to()``)."""
+    def fuse(self, *, kernels: bool = True) -> None:
+        """Back gate_proj and up_proj with one [2I, hidden] matrix (idempotent; re-fuses after ``.to()``) and
+        record whether the fused path may use the Triton kernel (a re-fuse records the new choice)."""
         if self.gate_up is None or not self.gate_up.intact():
             self.gate_up = FusedLinear.fuse((self.gate_proj, self.up_proj))
+        self.use_kernels = kernels
 
     def fused_gate_up(self, x: Tensor) -> FusedLinear | None:
         """The fused gate/up projection when it may serve this call (see :meth:`FusedLinear.usable`)."""
         return self.gate_up if self.gate_up is not None and self.gate_up.usable(x) else None
 
     def forward(self, x: Tensor, *, kernels: bool | None = None) -> Tensor:
-        """x [..., hidden] -> [..., hidden]. Fused: one matmul for gate and up, and with ``kernels`` (default:
-        :func:`fused_ops.enabled`) one Triton kernel for ``silu(gate) * up``."""
+        """x [..., hidden] -> [..., hidden]. Fused: one matmul for gate and up, and with ``kernels`` (default: the
+        choice given to :meth:`fuse`, where :func:`~ddtree.triton_runtime.can_run` accepts ``x``) one Triton kernel
+        for ``silu(gate) * up``."""
         fused = self.fused_gate_up(x)
         if fused is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         gate_up = fused(x)  # [..., 2I]
         if kernels is None:
-            kernels = fused_ops.enabled(x)
+            kernels = self.use_kernels and can_run(x)
         if kernels:
             return self.down_proj(fused_ops.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
@@ -256,25 +262,29 @@ class SelfAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.qkv: FusedLinear | None = None
+        self.use_kernels = False  # set by fuse(): the fused path's q/k norm + RoPE runs the Triton kernel where it can
 
-    def fuse(self) -> None:
+    def fuse(self, *, kernels: bool = True) -> None:
         """Back q_proj, k_proj and v_proj with one [(H + 2 * KV) * D, hidden] matrix (idempotent; re-fuses after
-        ``.to()`` or an assigning load)."""
+        ``.to()`` or an assigning load) and record whether the fused path may use the Triton kernels."""
         if self.qkv is None or not self.qkv.intact():
             self.qkv = FusedLinear.fuse((self.q_proj, self.k_proj, self.v_proj))
+        self.use_kernels = kernels
 
     def fused_qkv(self, x: Tensor) -> FusedLinear | None:
         """The fused projection when it may serve this call (see :meth:`FusedLinear.usable`)."""
         return self.qkv if self.qkv is not None and self.qkv.usable(x) else None
 
     def _kernels_for(self, x: Tensor) -> bool:
+        """The fused path's default: kernels chosen at :meth:`fuse`, able to run on ``x``, and autograd needs
+        neither ``x`` nor the q/k norm weights (the kernels have no backward)."""
         weights = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
-        return fused_ops.enabled(x) and not _grad_needed(x, *weights)
+        return self.use_kernels and can_run(x) and not _grad_needed(x, *weights)
 
     def project_qkv(self, x: Tensor, cos: Tensor, sin: Tensor, *,
                     kernels: bool | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """x [R, T, hidden] -> q [R, H, T, D], k, v [R, KV, T, D] (q, k normed and rotated). Fused: one matmul,
-        and with ``kernels`` (default: :func:`fused_ops.enabled`) one Triton kernel for norms and RoPE."""
+        and with ``kernels`` (default: see :meth:`_kernels_for`) one Triton kernel for norms and RoPE."""
         fused = self.fused_qkv(x)
         if fused is None:
             k, v = self.project_kv(x, cos, sin)
@@ -332,10 +342,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
 
-    def fuse_projections(self) -> None:
-        """Fuse q/k/v and gate/up (see :class:`FusedLinear`); idempotent."""
-        self.self_attn.fuse()
-        self.mlp.fuse()
+    def fuse_projections(self, *, kernels: bool = True) -> None:
+        """Fuse q/k/v and gate/up (see :class:`FusedLinear`) and record whether the fused path may run the Triton
+        element-wise kernels; idempotent."""
+        self.self_attn.fuse(kernels=kernels)
+        self.mlp.fuse(kernels=kernels)
 
     def forward(self, h: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
         """h [R, T, hidden], cos/sin [R, T, D] -> [R, T, hidden]."""
@@ -352,7 +363,8 @@ class DecoderLayer(nn.Module):
         """The same maths with fused projections; with kernels: norm, qkv matmul, q/k norm + RoPE, attention,
         o_proj, residual add + norm, gate/up matmul, SwiGLU, down_proj, residual add."""
         attn, norm_in, norm_post = self.self_attn, self.input_layernorm, self.post_attention_layernorm
-        kernels = attn._kernels_for(h) and not _grad_needed(h, norm_in.weight, norm_post.weight)
+        kernels = (attn._kernels_for(h) and self.mlp.use_kernels
+                   and not _grad_needed(h, norm_in.weight, norm_post.weight))
         x = fused_ops.rms_norm(h, norm_in.weight, norm_in.eps) if kernels else norm_in(h)
         q, k, v = attn.project_qkv(x, cos, sin, kernels=kernels)
         out = attend(self.index, q, k, v)  # [R, H, T, D]
@@ -365,11 +377,15 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(x, kernels=kernels)
 
 
-def fuse_projections(model: nn.Module) -> int:
+def fuse_projections(model: nn.Module, *, kernels: bool = True) -> int:
     """Fuse the projections of every :class:`DecoderLayer` in ``model`` (a TargetModel, a DFlashDrafter, or
     anything holding layers) -> the number of layers fused. Call it after the model is loaded and placed: moving
-    it afterwards (``.to()``) un-fuses it until this is called again."""
+    it afterwards (``.to()``) un-fuses it until this is called again.
+
+    kernels: whether the fused layers run the Triton element-wise kernels (:mod:`ddtree.models.fused_ops`) on
+    inputs they can run on (:func:`ddtree.triton_runtime.can_run`: CUDA) while autograd is not needed; False
+    keeps the fused matmuls with the eager element-wise code (the engine passes ``EngineConfig.gpu_kernels``)."""
     layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
     for layer in layers:
-        layer.fuse_projections()
+        layer.fuse_projections(kernels=kernels)
     return len(layers)

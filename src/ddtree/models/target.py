@@ -13,10 +13,12 @@ root(0) -> a(1), root -> b(2), a -> c(3) written at cache indices 5..8 with posi
     b         all          1  .  1  .
     c         all          1  1  .  1
 
-Instead of a dense mask the caller may pass ``tree=TreeVisibility(start, new_vis, kv_len)`` when the new tokens
-sit at ``start + t`` (tree rounds and prefill chunks): on CUDA with Triton the layers then attend through
-:mod:`ddtree.models.tree_attention`, which reads K/V from the cache by slot and never builds the mask; elsewhere the
-forward builds the dense mask from it once (the masked path stays the reference and the default).
+Instead of a dense mask the caller may pass ``attn_mask=None`` and ``tree=TreeVisibility(start, new_vis, kv_len)``
+when the new tokens sit at ``start + t`` (tree rounds and prefill chunks): if the target
+:meth:`~TargetModel.supports_tree_attention` (CUDA with Triton, a head dim the kernel takes) the layers then attend
+through :mod:`ddtree.models.tree_attention`, which reads K/V from the cache by slot and never builds the mask;
+otherwise the forward builds the dense mask from ``tree`` once. Passing a mask picks the dense path, which stays the
+reference: the choice is the caller's (the engine's ``gpu_kernels``).
 
 Returns logits only at ``logits_at`` and the hidden states after the decoder layers in ``hidden_layers``
 (DFlash context features) without keeping every layer's output.
@@ -36,6 +38,7 @@ from ddtree.models.kv_cache import KVCache
 from ddtree.models.layers import DecoderLayer, RMSNorm, Rotary, masked_attention
 from ddtree.models.tree_attention import TreeVisibility
 from ddtree.spec.attention import build_attention_mask
+from ddtree.triton_runtime import can_run
 
 
 def attend_over_cache(cache: KVCache, layer: int, q: Tensor, k: Tensor, v: Tensor, slots: Tensor,
@@ -109,10 +112,11 @@ class TargetModel(nn.Module):
                     f"hidden layer {i} is out of range for a target with {self.config.num_layers} layers"
                 )
 
-    def uses_tree_attention(self) -> bool:
-        """Whether a forward given ``tree=`` attends through the Triton kernel (else it builds the dense mask)."""
-        return (tree_attention.available(self.embed_tokens.weight)
-                and tree_attention.supports_head_dim(self.config.head_dim))
+    def supports_tree_attention(self) -> bool:
+        """Whether a forward given ``attn_mask=None, tree=...`` attends through the Triton kernel: it can run on
+        this model's weights (:func:`ddtree.triton_runtime.can_run`) and takes its head dim. Otherwise such a
+        forward builds the dense mask from ``tree``."""
+        return can_run(self.embed_tokens.weight) and tree_attention.supports_head_dim(self.config.head_dim)
 
     def forward(self, input_ids: Tensor, positions: Tensor, cache: KVCache, slots: Tensor, write_pos: Tensor,
                 attn_mask: Tensor | None, *, tree: TreeVisibility | None = None, logits_at: Tensor | None = None,
@@ -121,20 +125,20 @@ class TargetModel(nn.Module):
 
         input_ids [R, T]; positions [R, T] (RoPE); slots [R] (padding rows: ``cache.scratch_slot``);
         write_pos [R, T] cache index of each new token; attn_mask [R, T, S] bool over cache positions
-        ``0..S-1`` (True = attend; each row must allow at least one position, its own included), or None when
-        ``tree`` is given; tree: ``TreeVisibility(start [R], new_vis [R, T, T], kv_len)`` describing the same
-        visibility as ``build_attention_mask(start, write_pos, new_vis, kv_len)``, valid only when
-        ``write_pos == start + arange(T)``; when given, the Triton kernel runs if :meth:`uses_tree_attention`
-        (``attn_mask`` is then ignored), otherwise ``attn_mask`` is used or, if None, built once from ``tree``;
+        ``0..S-1`` (True = attend; each row must allow at least one position, its own included): when given the
+        dense path runs and ``tree`` is ignored; None needs ``tree``: ``TreeVisibility(start [R],
+        new_vis [R, T, T], kv_len)`` describing the same visibility as ``build_attention_mask(start, write_pos,
+        new_vis, kv_len)``, valid only when ``write_pos == start + arange(T)``; the Triton kernel then runs if
+        :meth:`supports_tree_attention`, otherwise the dense mask is built once from ``tree``;
         logits_at [R, N] indices into T (None = all T, ``[R, 0]`` = none); hidden_layers: decoder layer ids
         whose outputs are returned concatenated (after layer i = transformers' ``hidden_states[i + 1]``, which
         for the last layer is the final-normed state)."""
         self._check_hidden_layers(hidden_layers)
-        if tree is not None and self.uses_tree_attention():
-            attn_mask = None
-        elif attn_mask is None:
-            if tree is None:
-                raise ConfigError("TargetModel.forward needs attn_mask or tree=TreeVisibility(...); pass one")
+        if attn_mask is not None:
+            tree = None  # the caller chose the dense path
+        elif tree is None:
+            raise ConfigError("TargetModel.forward needs attn_mask or tree=TreeVisibility(...); pass one")
+        elif not self.supports_tree_attention():
             attn_mask = build_attention_mask(tree.start, write_pos, tree.new_vis, tree.kv_len)
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:

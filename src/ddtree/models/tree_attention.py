@@ -31,31 +31,25 @@ run without a mask; only the blocks that hold new tokens gather ``new_vis``. Wit
 and writes the output itself; otherwise it writes fp32 partials (running max, sum, unnormalised output) and a
 small combine kernel merges the splits. Every size (grid, splits, scratch) comes from host ints (R, T, kv_len), so
 calls are CUDA-graph capturable.
+
+When it runs: :meth:`ddtree.models.target.TargetModel.forward` given ``attn_mask=None`` and ``tree=`` calls it
+when the target :meth:`~ddtree.models.target.TargetModel.supports_tree_attention` (:func:`ddtree.triton_runtime.can_run`
+on its weights and a head dim in ``SUPPORTED_HEAD_DIMS``); passing a mask is how a caller picks the dense path.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from ddtree.errors import ConfigError
+from ddtree.triton_runtime import INTERPRETED, tl, triton
 
-try:  # Triton is optional: without it (or on CPU without the interpreter) the dense path runs.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised only where triton is absent
-    triton = None
-    tl = None
-
-ENV_SWITCH = "DDTREE_TREE_ATTENTION"  # "0" turns the kernel off; "interpret" also allows it on CPU tensors
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_BLOCK_N = (16, 32, 64, 128)
-# Kernels are interpreted (numpy, CPU tensors) iff TRITON_INTERPRET=1 when they are defined, i.e. at import.
-_INTERPRETED = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
 _FALLBACK_SM_COUNT = 132  # H100/H200; only used to size splits when the device cannot be asked (interpreter)
 _WAVES = 2  # aim for this many programs per SM when splitting the context
 
@@ -68,20 +62,6 @@ class TreeVisibility(NamedTuple):
     start: Tensor  # [R] long, committed cache length of each row = cache index of its new token 0
     new_vis: Tensor  # [R, T, T] bool, new token t sees new token t'
     kv_len: int  # static bound >= max(start) + T; sizes the context split (host int, no sync)
-
-
-def available(t: Tensor) -> bool:
-    """Whether :func:`tree_attention` can run on tensors like ``t``: Triton imports, the switch
-    ``DDTREE_TREE_ATTENTION`` is not "0", and ``t`` is on CUDA, or on CPU with ``TRITON_INTERPRET=1`` and the
-    switch set to "interpret" (tests only: the interpreter is far too slow to serve)."""
-    if triton is None:
-        return False
-    switch = os.environ.get(ENV_SWITCH, "1")
-    if switch == "0":
-        return False
-    if t.is_cuda:
-        return not _INTERPRETED or switch == "interpret"
-    return _INTERPRETED and switch == "interpret" and t.device.type == "cpu"
 
 
 def supports_head_dim(head_dim: int) -> bool:
@@ -334,7 +314,7 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, s
         vis.stride(0), vis.stride(1),
         t, g, kv, splits, rows_padded, scale_log2,
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct, DOT_PRECISION=precision,
-        DOT_UPCAST=_INTERPRETED and q.dtype == torch.bfloat16,
+        DOT_UPCAST=INTERPRETED and q.dtype == torch.bfloat16,
         num_warps=4, num_stages=2,
     )
     if not direct:

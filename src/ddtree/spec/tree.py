@@ -146,17 +146,18 @@ def _root_tokens(root_tokens: Tensor | None, rows: int, device: torch.device) ->
     return root_tokens.to(device=device, dtype=torch.long)
 
 
-def depth_candidates(draft_logits: Tensor, width: int) -> tuple[Tensor, Tensor]:
+def depth_candidates(draft_logits: Tensor, width: int, fast_topk: bool = False) -> tuple[Tensor, Tensor]:
     """Per depth, the ``width`` most likely tokens and their log-probs, best first, equal log-probs by token id.
 
     draft_logits: [R, L, V] logits or log-probs. Returns (log_probs [R, L, width] float32, tokens [R, L, width]).
-    The only work proportional to V. On CUDA (see :func:`ddtree.spec.vocab_topk.available`) and for widths up to
-    ``vocab_topk.FAST_MAX_K`` one Triton pass over each row gives the top ``width`` already in canonical order
-    and the float32 logsumexp; otherwise (wider candidate lists, the CPU
-    default and the reference) ``torch.topk``, two re-ranking sorts and ``torch.logsumexp``.
+    The only work proportional to V. With ``fast_topk``, widths up to ``vocab_topk.FAST_MAX_K`` and a tensor the
+    kernel takes (:func:`ddtree.spec.vocab_topk.available`: CUDA), one Triton pass over each row gives the top
+    ``width`` already in canonical order and the float32 logsumexp; otherwise (the default and the reference,
+    wider candidate lists, CPU) ``torch.topk``, two re-ranking sorts and ``torch.logsumexp``. Both give the same
+    tokens in the same order; log-probs agree to float32 rounding of the normaliser.
     """
     rows, depths, vocab = draft_logits.shape
-    if width <= vocab_topk.FAST_MAX_K and vocab_topk.available(draft_logits):
+    if fast_topk and width <= vocab_topk.FAST_MAX_K and vocab_topk.available(draft_logits):
         top, tok, log_norm = vocab_topk.topk_logsumexp(draft_logits.reshape(rows * depths, vocab), width)
         top, tok, log_norm = top.view(rows, depths, width), tok.view(rows, depths, width), log_norm.view(rows, depths)
     else:
@@ -207,6 +208,7 @@ def build_trees(
     max_budget: int | None = None,
     depth_limit: Tensor | None = None,
     root_tokens: Tensor | None = None,
+    fast_topk: bool = False,
 ) -> Trees:
     """The ``budget`` most probable draft prefixes of every request, as flat trees in descending-score order.
 
@@ -217,6 +219,9 @@ def build_trees(
         pass it explicitly inside a round).
     depth_limit: [R] long, deepest allowed depth per request (e.g. its block_size - 1 when shorter than L).
     root_tokens: [R] long token of node 0 (the last committed token).
+    fast_topk: take each depth's candidates from the fused Triton top-k + logsumexp kernel where it can run
+        (see :func:`depth_candidates`); the engine passes ``EngineConfig.gpu_kernels``. The same candidates either
+        way; scores differ only by the float32 rounding of the normaliser.
 
     Budget values above ``max_budget`` behave as ``max_budget``; nodes that would need a probability-0 token are
     left invalid, so a tree can hold fewer than its budget.
@@ -235,7 +240,7 @@ def build_trees(
         blank = torch.zeros(rows, b, dtype=torch.long, device=device)
         return _assemble(root, blank.bool(), blank, blank, blank, blank.float(), max_depth=0)
 
-    log_probs, cand_tokens = depth_candidates(draft_logits, width)  # [R, L, K'] each
+    log_probs, cand_tokens = depth_candidates(draft_logits, width, fast_topk)  # [R, L, K'] each
     if cap_r is not None:
         rank = torch.arange(width, device=device)
         capped = (cap_r > 0).unsqueeze(1) & (rank.unsqueeze(0) >= cap_r.unsqueeze(1))  # [R, K']

@@ -21,28 +21,18 @@ which costs about log2(k)^2 / 2 compare-exchange stages per element: small k is 
 The logsumexp is float32 even for half-precision input, as ``torch.logsumexp(x.float())``; the two are not bit
 equal (different summation order), they agree to a few float32 ulps.
 
-When it runs: :func:`available` - Triton importable, a CUDA tensor of a supported dtype, and the environment
-variable ``DDTREE_VOCAB_TOPK`` not "0" (a switch for A/B measurements). On CPU only under Triton's interpreter
-(``TRITON_INTERPRET=1`` before import) inside :func:`interpreted_on_cpu`, which tests use.
+When it runs: ``build_trees(..., fast_topk=True)`` (the caller's choice) uses it for widths up to
+:data:`FAST_MAX_K` when :func:`available` - :func:`ddtree.triton_runtime.can_run` (a CUDA tensor; a CPU tensor
+only under Triton's interpreter inside ``triton_runtime.cpu_interpreter()``, which tests use) and a supported dtype.
 """
 
 from __future__ import annotations
-
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 from torch import Tensor
 
 from ddtree.errors import ConfigError
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # Triton is optional: without it the torch path of tree.py runs.
-    triton = None
-    tl = None
+from ddtree.triton_runtime import can_run, tl, triton
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # build_trees uses the kernel only up to this many candidates per depth. Measured on the H200 (CUDA graphs, V = 151936,
@@ -54,35 +44,10 @@ DEFAULT_CHUNK = 4096  # vocabulary entries per first-stage program: 38 programs 
 MERGE_BLOCK = 8192  # candidate keys one merge program selects from (bounds its registers)
 
 
-class _CpuOverride:
-    """Whether :func:`available` may say yes for a CPU tensor (only tests turn it on, via interpreted_on_cpu)."""
-
-    active = False
-
-
-@contextmanager
-def interpreted_on_cpu() -> Iterator[None]:
-    """Let :func:`available` accept CPU tensors while Triton's interpreter is on (``TRITON_INTERPRET=1``).
-
-    For tests: the kernels then run (slowly) on CPU through the interpreter, so CPU CI checks the same code
-    the GPU runs.
-    """
-    previous = _CpuOverride.active
-    _CpuOverride.active = True
-    try:
-        yield
-    finally:
-        _CpuOverride.active = previous
-
-
 def available(t: Tensor) -> bool:
-    """True when :func:`topk_logsumexp` should handle ``t``: see the module docstring for the conditions."""
-    if triton is None or t.dtype not in SUPPORTED_DTYPES:
-        return False
-    if t.device.type != "cuda":
-        if not (_CpuOverride.active and os.environ.get("TRITON_INTERPRET") == "1"):
-            return False
-    return os.environ.get("DDTREE_VOCAB_TOPK", "1") != "0"
+    """Whether :func:`topk_logsumexp` can run on ``t``: a Triton kernel can run on its device
+    (:func:`ddtree.triton_runtime.can_run`) and its dtype is one the kernel reads."""
+    return t.dtype in SUPPORTED_DTYPES and can_run(t)
 
 
 def _next_pow2(n: int) -> int:
@@ -115,7 +80,7 @@ def topk_logsumexp(
     k = 512). Reads no value on the host (graph-capturable).
     """
     if triton is None:
-        raise ConfigError("topk_logsumexp needs Triton; install it or use the torch path (vocab_topk.available)")
+        raise ConfigError("topk_logsumexp needs Triton; install it or build trees with fast_topk=False")
     if logits.dim() != 2:
         raise ConfigError(f"logits must be [rows, vocab], got shape {tuple(logits.shape)}")
     if logits.dtype not in SUPPORTED_DTYPES:

@@ -1,0 +1,80 @@
+"""The one place that imports Triton and decides whether a Triton kernel can run on a given tensor.
+
+Why: ddtree's kernels (:mod:`ddtree.models.fused_ops`, :mod:`ddtree.models.tree_attention`,
+:mod:`ddtree.spec.vocab_topk`) are optional speed-ups with torch fallbacks. Whether to *use* them is the caller's
+explicit choice (``fuse_projections(..., kernels=)``, a target forward given ``attn_mask=None``,
+``build_trees(..., fast_topk=)``); this module only answers whether they *can* run, the same way for all three,
+so no kernel module reads settings of its own.
+
+Usage::
+
+    from ddtree.triton_runtime import can_run, tl, triton
+
+    if triton is not None:          # define kernels only where Triton imports
+        @triton.jit
+        def _kernel(...): ...
+
+    if use_kernel and can_run(x):   # the caller's choice, and the kernel can run on x
+        ...
+
+Triton's CPU interpreter (``TRITON_INTERPRET=1``, Triton's own setting) replaces every kernel defined while it is
+on by a numpy emulation; it is read once, when this module is imported, into :data:`INTERPRETED`. Under the
+interpreter no kernel runs on CUDA tensors (emulated kernels would be far too slow to serve), and CPU tensors run
+them only inside :func:`cpu_interpreter` - how the tests check on a CPU machine the code a GPU runs. Without the
+interpreter kernels run on CUDA tensors only.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # Triton is optional: every kernel has a torch path
+    triton = None
+    tl = None
+
+__all__ = ["INTERPRETED", "can_run", "cpu_interpreter", "tl", "triton"]
+
+
+def _interpreter_on() -> bool:
+    """Whether ``triton.jit`` defines interpreted kernels (what it checks itself; knobs exist from Triton 3.4)."""
+    if triton is None:
+        return False
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+INTERPRETED: bool = _interpreter_on()
+
+# cpu_interpreter() pushes onto this stack: a list (not a rebound global) so nested contexts restore correctly.
+_CPU_INTERPRETER: list[bool] = []
+
+
+@contextmanager
+def cpu_interpreter(active: bool = True) -> Iterator[None]:
+    """Within this context (tests only), :func:`can_run` accepts CPU tensors when :data:`INTERPRETED`, so kernels
+    run on them through Triton's interpreter; ``active=False`` turns that off again inside an outer context.
+    Without the interpreter it changes nothing (compiled kernels never take CPU tensors)."""
+    _CPU_INTERPRETER.append(active)
+    try:
+        yield
+    finally:
+        _CPU_INTERPRETER.pop()
+
+
+def can_run(t: Tensor) -> bool:
+    """Whether a Triton kernel can run on tensors like ``t``: Triton imported, and ``t`` is a CUDA tensor with
+    compiled kernels, or a CPU tensor with interpreted kernels inside :func:`cpu_interpreter`."""
+    if triton is None:
+        return False
+    if t.is_cuda:
+        return not INTERPRETED
+    return t.device.type == "cpu" and INTERPRETED and bool(_CPU_INTERPRETER) and _CPU_INTERPRETER[-1]
