@@ -87,7 +87,8 @@ def run_cell(engine, prompts, tree: TreeSettings, new_tokens: int) -> dict:
 
 
 def plan_cells(contexts, concurrency, budgets, max_verify_tokens):
-    """Cells in priority order: the headline (C=1, 1k) first, then C=1 everywhere, then higher concurrency."""
+    """Cells in priority order: the headline (C=1, 1k) first, then the concurrencies and contexts in the order
+    given on the command line (so a time-boxed run measures what was listed first)."""
     cells = []
     for conc in concurrency:
         for ctx in contexts:
@@ -95,7 +96,7 @@ def plan_cells(contexts, concurrency, budgets, max_verify_tokens):
                 ("ddtree", b) for b in budgets if conc * (b + 1) <= max_verify_tokens
             ]
             cells.append((conc, ctx, methods))
-    cells.sort(key=lambda c: (c[0] != 1 or c[1] != 1024, c[0], c[1]))
+    cells.sort(key=lambda c: (c[0] != 1 or c[1] != 1024, concurrency.index(c[0]), contexts.index(c[1])))
     return cells
 
 
@@ -135,6 +136,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script")
+    ap.add_argument("--no-kernels", action="store_true", help="EngineConfig(gpu_kernels=False): the torch path")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -167,7 +169,7 @@ def main() -> None:
         contexts, concurrency, budgets = [60, 1024], [1, 8], [16, 64]
     max_len = max(contexts) + args.new_tokens + 16
     config = EngineConfig(max_batch=max(concurrency), max_len=max_len, max_budget=max(budgets),
-                          prefill_chunk=2048, max_queue=4096, cuda_graphs=True)
+                          prefill_chunk=2048, max_queue=4096, cuda_graphs=True, gpu_kernels=not args.no_kernels)
     engine = Engine.from_models(target, drafter, tokenizer, config, model_name=f"standin-{args.shape}")
     engine.start()
     eager = Engine.from_models(target, drafter, tokenizer, EngineConfig(**{**config.__dict__, "cuda_graphs": False,
@@ -175,6 +177,7 @@ def main() -> None:
     eager.start()
     stream = held_out_token_stream(tokenizer, max(contexts) * 2 + 4096)
     report = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "shape": args.shape,
+              "gpu_kernels": not args.no_kernels,
               "standin_build_s": build_s, "params_target": sum(p.numel() for p in target.parameters()),
               "params_drafter": sum(p.numel() for p in drafter.parameters()), "cells": [], "skipped": []}
 
