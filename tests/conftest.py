@@ -21,6 +21,30 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+
+@pytest.fixture
+def triton_kernels_on_cpu(monkeypatch) -> Iterator[None]:
+    """Let ddtree's Triton kernels run on CPU tensors through the interpreter for one test (a no-op with CUDA).
+
+    Also works around triton-lang/triton#9171: Triton 3.6's interpreter turns a scalar tensor into a loop bound
+    with ``int(array_of_shape_1)``, which numpy >= 2.4 refuses; data-dependent ``range`` bounds need it."""
+    from ddtree import triton_runtime
+
+    if triton_runtime.INTERPRETED:
+        import triton.runtime.interpreter as interpreter
+
+        original = interpreter._patch_lang_tensor
+
+        def patched(tensor, scope) -> None:
+            original(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+        monkeypatch.setattr(interpreter, "_patch_lang_tensor", patched)
+    with triton_runtime.cpu_interpreter():
+        yield
+
+
 _CORPUS_MODULES = ("textwrap", "string", "heapq", "bisect", "fnmatch", "glob", "shlex", "colorsys")
 
 CHAT_TEMPLATE = (

@@ -31,27 +31,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 
-def _interpreter_index_fix(monkeypatch) -> None:
-    """Triton 3.6's interpreter turns a scalar tensor into a loop bound with ``int(array_of_shape_1)``, which
-    numpy >= 2.4 refuses (triton-lang/triton#9171); the kernel's data-dependent ``range`` bounds need it."""
-    import triton.runtime.interpreter as interpreter
-
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patched)
-
-
 @pytest.fixture(autouse=True)
-def kernel_on(monkeypatch):
+def kernel_on(triton_kernels_on_cpu):
     """Let the kernel run on CPU tensors (interpreter) for every test here; a no-op for CUDA tensors."""
-    if triton_runtime.INTERPRETED:
-        _interpreter_index_fix(monkeypatch)
-    with triton_runtime.cpu_interpreter():
-        yield
+    yield
 
 
 # ---- references ------------------------------------------------------------------------------------------------

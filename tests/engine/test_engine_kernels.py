@@ -1,0 +1,71 @@
+"""The engine with every Triton kernel on (fused layer ops, tree attention, vocabulary top-k) decodes the shipped
+demo pair exactly like plain decoding and like the torch path.
+
+Without a GPU the kernels run through Triton's interpreter (tests/conftest.py), so this checks on a CPU the wiring
+a GPU runs: ``EngineConfig(gpu_kernels=True)`` reaching ``fuse_projections``, ``build_trees(fast_topk=True)`` and
+the verify's ``attn_mask=None, tree=...`` call. fp32, so every path must give the same tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddtree import triton_runtime
+from ddtree.assets import demo_drafter_path, demo_target_path
+from ddtree.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, TreeSettings
+from ddtree.models import fuse_projections, load_drafter, load_target, load_tokenizer, tree_attention
+from ddtree.spec import vocab_topk
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(triton_runtime.triton is None, reason="needs Triton"),
+    pytest.mark.skipif(not torch.cuda.is_available() and not triton_runtime.INTERPRETED,
+                       reason="no CUDA device and Triton's interpreter is off"),
+]
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+REAL_TOPK, REAL_ATTENTION = vocab_topk.topk_logsumexp, tree_attention.tree_attention
+PROMPT = "import os\n\ndef walk(path):\n    for root, dirs, files in os.walk(path):\n"
+
+
+def _decode(kernels: bool, monkeypatch) -> tuple[list[list[int]], dict[str, int]]:
+    calls = {"topk": 0, "attention": 0}
+
+    def counted_topk(*args, **kwargs):
+        calls["topk"] += 1
+        return REAL_TOPK(*args, **kwargs)
+
+    def counted_attention(*args, **kwargs):
+        calls["attention"] += 1
+        return REAL_ATTENTION(*args, **kwargs)
+
+    monkeypatch.setattr(vocab_topk, "topk_logsumexp", counted_topk)
+    monkeypatch.setattr(tree_attention, "tree_attention", counted_attention)
+    tokenizer = load_tokenizer(demo_target_path())
+    target = load_target(demo_target_path(), dtype=torch.float32, device=DEVICE)
+    drafter = load_drafter(demo_drafter_path(), dtype=torch.float32, device=DEVICE)
+    fuse_projections(target, kernels=kernels)  # the engine does this itself on CUDA only
+    fuse_projections(drafter, kernels=kernels)
+    config = EngineConfig(device=DEVICE, dtype="float32", max_batch=2, max_len=256, max_budget=16, cuda_graphs=False,
+                          gpu_kernels=kernels)
+    engine = Engine.from_models(target, drafter, tokenizer, config, model_name="demo")
+    engine.start()
+    try:
+        prompt = tokenizer.encode(PROMPT, add_special_tokens=False)
+        requests = [GenerationRequest(prompt_token_ids=prompt, tree=TreeSettings(method=method, budget=8),
+                                      sampling=SamplingParams(max_tokens=6, ignore_eos=True))
+                    for method in ("ddtree", "ar")]
+        outputs = engine.generate(requests)
+    finally:
+        engine.shutdown()
+    assert [o.error for o in outputs] == [None, None]
+    return [o.token_ids for o in outputs], calls
+
+
+def test_engine_with_every_kernel_equals_plain_decoding_and_the_torch_path(triton_kernels_on_cpu, monkeypatch):
+    reference, reference_calls = _decode(False, monkeypatch)
+    tokens, calls = _decode(True, monkeypatch)
+    assert reference_calls == {"topk": 0, "attention": 0}
+    assert calls["topk"] > 0 and calls["attention"] > 0  # the kernels really ran
+    assert tokens[0] == tokens[1] == reference[0] == reference[1]
