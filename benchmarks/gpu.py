@@ -108,7 +108,10 @@ def hf_generate_reference(target, tokenizer_len: int, context: int, new_tokens: 
                                       if k not in ("architectures", "torch_dtype", "dtype")})
     with torch.device(device):
         hf = transformers.Qwen3ForCausalLM(cfg).to(torch.bfloat16)
-    missing, unexpected = hf.load_state_dict(target.state_dict(), strict=False)
+    # Our parameter names are transformers' without the "model." prefix (the LM head keeps its name).
+    ours = {(k if k.startswith("lm_head.") else f"model.{k}"): v for k, v in target.state_dict().items()}
+    missing, unexpected = hf.load_state_dict(ours, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
     hf.eval()
     ids = torch.randint(0, tokenizer_len, (1, context), device=device)
     hf.generate(ids, max_new_tokens=4, do_sample=False)
