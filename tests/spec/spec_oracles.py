@@ -19,6 +19,24 @@ def depth_ranking(row: np.ndarray) -> list[int]:
     return sorted(range(len(row)), key=lambda t: (-float(row[t]), t))
 
 
+def random_tree_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """A small random batch for the oracle tests -> (logits [R, L, V], budgets [R], caps [R], depth limits [R],
+    max_budget). Odd seeds draw small integer logits: many exact ties inside and across depths."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = int(torch.randint(1, 5, (1,), generator=gen))
+    depths = int(torch.randint(1, 4, (1,), generator=gen))
+    vocab = int(torch.randint(2, 6, (1,), generator=gen))
+    max_budget = int(torch.randint(1, 12, (1,), generator=gen))
+    if seed % 2:
+        logits = torch.randint(-2, 2, (rows, depths, vocab), generator=gen).float()
+    else:
+        logits = 3 * torch.randn(rows, depths, vocab, generator=gen)
+    budgets = torch.randint(0, max_budget + 1, (rows,), generator=gen)
+    caps = torch.randint(0, vocab + 1, (rows,), generator=gen)
+    limits = torch.randint(1, depths + 1, (rows,), generator=gen)
+    return logits, budgets, caps, limits, max_budget
+
+
 def best_prefixes(lp: np.ndarray, budget: int, cap: int | None, depth_limit: int) -> list[tuple[tuple[int, ...], float]]:
     """Enumerate every prefix of one request and return the best ``budget`` as (tokens, float32 score), in order.
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from spec_oracles import best_prefixes, depth_ranking, log_probs, tree_prefixes
+from spec_oracles import best_prefixes, depth_ranking, log_probs, random_tree_batch, tree_prefixes
 
 from ddtree.errors import ConfigError
 from ddtree.spec import Trees, build_chain, build_trees
@@ -48,18 +48,7 @@ def _check_against_oracle(logits: torch.Tensor, trees: Trees, budgets, caps, lim
 
 @pytest.mark.parametrize("seed", range(40))
 def test_matches_brute_force_on_random_batches(seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    rows = int(torch.randint(1, 5, (1,), generator=gen))
-    depths = int(torch.randint(1, 4, (1,), generator=gen))
-    vocab = int(torch.randint(2, 6, (1,), generator=gen))
-    max_budget = int(torch.randint(1, 12, (1,), generator=gen))
-    if seed % 2:  # small integer logits: many exact ties inside and across depths
-        logits = torch.randint(-2, 2, (rows, depths, vocab), generator=gen).float()
-    else:
-        logits = 3 * torch.randn(rows, depths, vocab, generator=gen)
-    budgets = torch.randint(0, max_budget + 1, (rows,), generator=gen)
-    caps = torch.randint(0, vocab + 1, (rows,), generator=gen)
-    limits = torch.randint(1, depths + 1, (rows,), generator=gen)
+    logits, budgets, caps, limits, max_budget = random_tree_batch(seed)
     trees = build_trees(logits, budgets, caps, max_budget=max_budget, depth_limit=limits)
     _check_against_oracle(logits, trees, budgets.tolist(), caps.tolist(), limits.tolist(), max_budget)
 

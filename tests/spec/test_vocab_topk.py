@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from spec_oracles import best_prefixes, tree_prefixes
+from spec_oracles import best_prefixes, random_tree_batch, tree_prefixes
 
 from ddtree import triton_runtime
 from ddtree.errors import ConfigError
@@ -179,18 +179,8 @@ def _kernel_log_probs(logits: torch.Tensor) -> np.ndarray:
 @pytest.mark.parametrize("seed", range(16))
 def test_kernel_trees_match_the_brute_force_oracle(seed: int) -> None:
     """Same random batches as test_spec_tree (ties included); ties at the K'-th place too, the kernel's are canonical."""
-    gen = torch.Generator().manual_seed(seed)
-    rows = int(torch.randint(1, 5, (1,), generator=gen))
-    depths = int(torch.randint(1, 4, (1,), generator=gen))
-    vocab = int(torch.randint(2, 6, (1,), generator=gen))
-    max_budget = int(torch.randint(1, 12, (1,), generator=gen))
-    if seed % 2:
-        logits = torch.randint(-2, 2, (rows, depths, vocab), generator=gen).float()
-    else:
-        logits = 3 * torch.randn(rows, depths, vocab, generator=gen)
-    budgets = torch.randint(0, max_budget + 1, (rows,), generator=gen)
-    caps = torch.randint(0, vocab + 1, (rows,), generator=gen)
-    limits = torch.randint(1, depths + 1, (rows,), generator=gen)
+    logits, budgets, caps, limits, max_budget = random_tree_batch(seed)
+    rows = logits.shape[0]
     logits, budgets, caps, limits = (t.to(DEVICE) for t in (logits, budgets, caps, limits))
     assert vocab_topk.available(logits)
     trees = build_trees(logits, budgets, caps, max_budget=max_budget, depth_limit=limits, fast_topk=True)
