@@ -211,26 +211,33 @@ class TargetConfig:
         d: dict[str, Any] = {
             "architectures": [arch],
             "model_type": self.family,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "intermediate_size": self.intermediate_size,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
-            "max_position_embeddings": self.max_position_embeddings,
+            **_layer_stack_hf_fields(self),
             "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.attention_bias,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
         }
         if self.family in ("qwen2", "qwen3"):
             d["use_sliding_window"] = False
         return d
+
+
+def _layer_stack_hf_fields(config: TargetConfig | DrafterConfig) -> dict[str, Any]:
+    """The ``config.json`` fields a target and a drafter share: vocabulary, the decoder-layer shapes and RoPE."""
+    return {
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "intermediate_size": config.intermediate_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": dict(config.rope_scaling) if config.rope_scaling else None,
+        "max_position_embeddings": config.max_position_embeddings,
+        "attention_bias": config.attention_bias,
+    }
 
 
 @dataclass(frozen=True)
@@ -415,19 +422,7 @@ class DrafterConfig:
         d: dict[str, Any] = {
             "architectures": list(DRAFTER_ARCHITECTURES),
             "model_type": "qwen3",
-            "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "intermediate_size": self.intermediate_size,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
-            "max_position_embeddings": self.max_position_embeddings,
-            "vocab_size": self.vocab_size,
-            "attention_bias": self.attention_bias,
+            **_layer_stack_hf_fields(self),
             "layer_types": list(self.layer_types),
             "sliding_window": self.sliding_window,
             "use_sliding_window": self.sliding_window is not None,
