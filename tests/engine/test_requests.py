@@ -229,3 +229,49 @@ def test_queue_limit_counts_waiting_requests_only(tiny_engine_factory):
     assert started.wait(30)
     with pytest.raises(QueueFullError, match="queue"):
         engine.submit(_req(), lambda ch: None)
+
+
+def test_a_slot_freed_while_its_next_round_runs_serves_the_next_request_exactly(tiny_engine_factory, tiny_tokenizer):
+    """The loop launches round n + 1 before it commits round n, so a request ending on a stop string (not
+    predictable from token ids) still has a row in the round already queued when its slot passes to a waiting
+    request. With one slot the waiting request gets that very slot; its output must equal its output alone."""
+    engine = tiny_engine_factory(oracle=True, max_batch=1)
+    tree = TreeSettings(method="ddtree", budget=8)
+    (free,) = engine.generate([_req(max_tokens=40, ignore_eos=True, tree=tree)])
+    needle = free.text[len(free.text) // 3 : len(free.text) // 3 + 3]
+    stopper = _req(max_tokens=40, ignore_eos=True, tree=tree, stop=(needle,))
+    follower = _req(prompt="class A:\n    def m(self):\n", max_tokens=24, ignore_eos=True, tree=tree)
+    (alone,) = engine.generate([follower])
+    stopped, after = engine.generate([stopper, follower])
+    assert stopped.finish_reason == "stop" and stopped.text == free.text[: free.text.index(needle)]
+    assert after.token_ids == alone.token_ids and after.finish_reason == "length"
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_ends_by_token_predicts_commit(seed):
+    """The loop's prediction of which rows finish on the tokens it has not committed yet agrees with commit()
+    (no stop strings: those need the text and are not predicted)."""
+    import random
+
+    from ddtree.engine.request_state import RequestState
+
+    class _Detok:
+        stopped = False
+
+        def add(self, ids):
+            return ""
+
+        def finish(self):
+            return ""
+
+    rng = random.Random(seed)
+    sampling = SamplingParams(max_tokens=rng.randint(1, 12), ignore_eos=rng.random() < 0.5,
+                              stop_token_ids=tuple(rng.sample(range(20), rng.randint(0, 2))))
+    state = RequestState(request_id="r", prompt_ids=[1] * rng.randint(1, 8), tree=TreeSettings(), sampling=sampling,
+                         seed=0, on_chunk=lambda chunk: None, detok=_Detok(), eos_ids=frozenset({rng.randrange(20)}),
+                         max_len=rng.randint(10, 24))
+    state.output_ids = [21] * rng.randint(0, min(sampling.max_tokens, state.max_len - len(state.prompt_ids)) - 1)
+    tokens = [rng.randrange(20) for _ in range(rng.randint(0, 6))]
+    predicted = state.ends_by_token(tokens)
+    _, _, reason = state.commit(tokens)
+    assert predicted == (reason is not None)

@@ -8,6 +8,11 @@ and the cache lengths the attentions read (context bucket). The four stages of
 :class:`~ddtree.engine.runner.ModelRunner` (draft, tree, verify, commit) are captured as four graphs sharing one
 memory pool, so the engine can record CUDA events between replays and report the stage split of graphed rounds.
 
+Inputs: the per-row fields of a capture's static :class:`~ddtree.engine.runner.RoundInputs` are views of one device
+tensor per dtype, refreshed from a pinned host copy by one asynchronous copy each per round (instead of a copy and a
+fill per field). The engine reads every round's result (a host sync) before it builds the next round's inputs, so a
+pinned buffer is never rewritten while its previous copy is still queued.
+
 Padding rows (a bucket larger than the batch) point at the KV caches' scratch slot with budget 0, so their writes
 never touch a live request. Capture happens lazily the first time a key is seen (warm-up runs on a side stream
 first, as PyTorch requires) and is bounded by ``max_graphs`` (least recently used graphs are dropped).
@@ -15,18 +20,13 @@ first, as PyTorch requires) and is bounded by ``max_graphs`` (least recently use
 
 from __future__ import annotations
 
-import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from ddtree.engine.runner import ModelRunner, RoundInputs, StageTimer
-
-_TENSOR_FIELDS = tuple(
-    f.name for f in dataclasses.fields(RoundInputs) if f.type in ("Tensor", Tensor)
-)
+from ddtree.engine.runner import ROUND_FLOATS, ROUND_LONGS, ModelRunner, RoundInputs, StageTimer
 
 
 def bucket_rows(rows: int, max_rows: int) -> int:
@@ -58,15 +58,25 @@ class GraphKey:
     contiguous: bool
 
 
+# Values of padding rows, per packed field (scratch slot, budget 0, no window, greedy).
+_PAD_LONGS = {"root_tokens": 0, "start": 0, "budget": 0, "topk": 0, "depth_limit": 0, "window": 1 << 30,
+              "top_k": 0, "seed": 0, "step": 0}
+_PAD_FLOATS = {"temperature": 0.0, "top_p": 1.0}
+
+
 @dataclass
 class _Captured:
-    static: RoundInputs
+    static: RoundInputs  # per-row fields are views of longs / floats
+    longs: Tensor  # [len(ROUND_LONGS), rows] device
+    floats: Tensor  # [len(ROUND_FLOATS), rows] device
+    longs_host: Tensor  # pinned staging copies of the two
+    floats_host: Tensor
     work: dict
     graphs: list  # [torch.cuda.CUDAGraph] * 4, in ModelRunner.STAGES order
 
 
 class RoundGraphs:
-    """Captures and replays rounds; :meth:`run` is a drop-in for :meth:`ModelRunner.round`."""
+    """Captures and replays rounds; :meth:`run` is the graphed counterpart of :meth:`ModelRunner.round`."""
 
     def __init__(self, runner: ModelRunner, *, max_rows: int, cache_len: int, max_graphs: int = 96) -> None:
         self.runner = runner
@@ -77,75 +87,62 @@ class RoundGraphs:
         self.graphs: OrderedDict[GraphKey, _Captured] = OrderedDict()
         self.scratch = runner.target_cache.scratch_slot
         self.captures = 0
+        pad_longs = [self.scratch if name == "slots" else _PAD_LONGS[name] for name in ROUND_LONGS]
+        self._pad_longs = torch.tensor(pad_longs, dtype=torch.long)[:, None]  # [F, 1] host
+        self._pad_floats = torch.tensor([_PAD_FLOATS[name] for name in ROUND_FLOATS], dtype=torch.float32)[:, None]
 
-    def can_run(self, inp: RoundInputs) -> bool:
-        return self.runner.device.type == "cuda" and inp.slots.shape[0] <= self.max_rows
+    def can_run(self, rows: int) -> bool:
+        return self.runner.device.type == "cuda" and rows <= self.max_rows
 
-    def key_for(self, inp: RoundInputs) -> GraphKey:
-        """The bucket a round falls in (every size rounded up, never down)."""
-        nodes = bucket_nodes(inp.max_budget)
+    def key_for(self, rows: int, sizes: dict) -> GraphKey:
+        """The bucket a round falls in (every size rounded up, never down); ``sizes`` as for
+        :meth:`RoundInputs.from_packed`."""
+        nodes = bucket_nodes(sizes["max_budget"])
         return GraphKey(
-            rows=bucket_rows(inp.slots.shape[0], self.max_rows),
+            rows=bucket_rows(rows, self.max_rows),
             max_budget=nodes,
-            block_size=inp.block_size,
-            kv_len=bucket_length(inp.kv_len - inp.max_budget + nodes, self.cache_len),
-            draft_kv_len=bucket_length(inp.draft_kv_len, self.cache_len),
-            greedy=inp.greedy,
-            filtered=inp.filtered,
-            contiguous=inp.contiguous,
+            block_size=sizes["block_size"],
+            kv_len=bucket_length(sizes["kv_len"] - sizes["max_budget"] + nodes, self.cache_len),
+            draft_kv_len=bucket_length(sizes["draft_kv_len"], self.cache_len),
+            greedy=sizes["greedy"],
+            filtered=sizes["filtered"],
+            contiguous=sizes["contiguous"],
         )
 
     @torch.inference_mode()
-    def run(self, inp: RoundInputs, timer: StageTimer) -> tuple[Tensor, Tensor]:
-        key = self.key_for(inp)
+    def run(self, longs: Tensor, floats: Tensor, sizes: dict, timer: StageTimer) -> Tensor:
+        """Replay the round for host tensors ``longs [len(ROUND_LONGS), R]`` and ``floats [len(ROUND_FLOATS), R]``.
+
+        Returns the device result ``[R, 2 + L]`` as :meth:`ModelRunner.round` does (a view of the capture's
+        output: read it before the next round replays the same graph)."""
+        rows = longs.shape[1]
+        key = self.key_for(rows, sizes)
         cap = self.graphs.get(key)
         if cap is None:
             cap = self._capture(key)
         else:
             self.graphs.move_to_end(key)
-        rows = inp.slots.shape[0]
-        self._load(cap.static, inp, rows)
+        cap.longs_host[:, :rows] = longs
+        cap.longs_host[:, rows:] = self._pad_longs
+        cap.floats_host[:, :rows] = floats
+        cap.floats_host[:, rows:] = self._pad_floats
+        cap.longs.copy_(cap.longs_host, non_blocking=True)
+        cap.floats.copy_(cap.floats_host, non_blocking=True)
         for name, graph in zip(ModelRunner.STAGES, cap.graphs, strict=False):
             with timer.stage(name):
                 graph.replay()
-        return cap.work["new_tokens"][:rows], cap.work["num_accepted"][:rows]
-
-    # ---- internals ---------------------------------------------------------------------------------------------
-    def _padding(self, key: GraphKey) -> RoundInputs:
-        dev = self.runner.device
-        rows = key.rows
-
-        def longs(value: int) -> Tensor:
-            return torch.full((rows,), value, dtype=torch.long, device=dev)
-
-        def floats(value: float) -> Tensor:
-            return torch.full((rows,), value, dtype=torch.float32, device=dev)
-
-        return RoundInputs(
-            slots=longs(self.scratch), root_tokens=longs(0), start=longs(0), budget=longs(0), topk=longs(0),
-            depth_limit=longs(0), window=longs(1 << 30), temperature=floats(0.0), top_p=floats(1.0),
-            top_k=longs(0), seed=longs(0), step=longs(0), max_budget=key.max_budget, block_size=key.block_size,
-            kv_len=key.kv_len, draft_kv_len=key.draft_kv_len, greedy=key.greedy, filtered=key.filtered,
-            contiguous=key.contiguous,
-        )
-
-    def _load(self, static: RoundInputs, inp: RoundInputs, rows: int) -> None:
-        """Copy a batch into the static inputs; reset the padding rows (a previous batch may have used them)."""
-        pad = self._pad_values
-        for name in _TENSOR_FIELDS:
-            dst = getattr(static, name)
-            dst[:rows].copy_(getattr(inp, name), non_blocking=True)
-            if rows < dst.shape[0]:
-                dst[rows:].fill_(pad[name])
-
-    @property
-    def _pad_values(self) -> dict:
-        return {"slots": self.scratch, "root_tokens": 0, "start": 0, "budget": 0, "topk": 0, "depth_limit": 0,
-                "window": 1 << 30, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0, "step": 0}
+        return cap.work["result"][:rows]
 
     def _capture(self, key: GraphKey) -> _Captured:
         runner = self.runner
-        static = self._padding(key)
+        dev = runner.device
+        longs_host = self._pad_longs.expand(-1, key.rows).contiguous().pin_memory()
+        floats_host = self._pad_floats.expand(-1, key.rows).contiguous().pin_memory()
+        longs, floats = longs_host.to(dev), floats_host.to(dev)
+        static = RoundInputs.from_packed(
+            longs, floats, max_budget=key.max_budget, block_size=key.block_size, kv_len=key.kv_len,
+            draft_kv_len=key.draft_kv_len, greedy=key.greedy, filtered=key.filtered, contiguous=key.contiguous,
+        )
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -161,7 +158,8 @@ class RoundGraphs:
             with torch.cuda.graph(graph, pool=self.pool):
                 getattr(runner, f"stage_{name}")(static, work)
             graphs.append(graph)
-        cap = _Captured(static=static, work=work, graphs=graphs)
+        cap = _Captured(static=static, longs=longs, floats=floats, longs_host=longs_host, floats_host=floats_host,
+                        work=work, graphs=graphs)
         self.graphs[key] = cap
         self.captures += 1
         while len(self.graphs) > self.max_graphs:

@@ -2,8 +2,8 @@
 
 A background thread runs the loop; everything else talks to it through a thread-safe inbox::
 
-    submit()/cancel()  ->  inbox  ->  loop: admit -> one prefill step -> one speculative round -> emit chunks
-                                                                              (on_chunk callbacks)
+    submit()/cancel()  ->  inbox  ->  loop: admit -> one prefill step -> read round n -> launch round n + 1
+                                                -> emit round n's chunks (on_chunk callbacks) while n + 1 runs
 
 Scheduling: requests wait in a bounded FIFO queue until a KV slot is free; a newcomer's prompt is written in
 chunks of ``prefill_chunk`` tokens, one prefill step between decode rounds, so running requests keep decoding
@@ -74,6 +74,15 @@ class _Counters:
     verify_rounds_total: int = 0
     accept_hist: list[int] = field(default_factory=list)
     stage_seconds_total: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Flight:
+    """A round queued on the device whose result the host has not read yet."""
+
+    states: list[RequestState]  # the rows, in order
+    result: torch.Tensor  # [R, 2 + L] device: tokens committed, then the tokens (ModelRunner.round)
+    timer: StageTimer
 
 
 class Engine:
@@ -414,20 +423,42 @@ class Engine:
 
     # ---- the loop ----------------------------------------------------------------------------------------------
     def _loop(self) -> None:
+        """One iteration: admit, one prefill step, then read the round in flight, launch the next and only then
+        emit what was read, so detokenizing, stop checks and callbacks overlap the device's next round."""
+        flight: _Flight | None = None
         while not self._stopping:
             self._drain_inbox()
             self._admit()
             worked = False
-            if any(s.phase is Phase.PREFILL for s in self._active.values()):
-                self._guarded(self._prefill_step, [s for s in self._active.values() if s.phase is Phase.PREFILL])
+            prefilling = [s for s in self._active.values() if s.phase is Phase.PREFILL]
+            if prefilling:
+                self._guarded(self._prefill_step, prefilling)
                 worked = True
-            decoding = [s for s in self._active.values() if s.phase is Phase.DECODE]
+            results: list[tuple[RequestState, list[int]]] = []
+            if flight is not None:
+                results = self._collect_guarded(flight)
+                flight = None
+                worked = True
+            pending = {state.request_id: tokens for state, tokens in results}
+            decoding = [s for s in self._active.values()
+                        if s.phase is Phase.DECODE and not s.ends_by_token(pending.get(s.request_id, ()))]
             if decoding:
-                self._guarded(self._decode_round, decoding)
+                try:
+                    flight = self._launch(decoding, pending)
+                except Exception:
+                    # Emit first so every state is exact, then isolate the fault row by row, synchronously.
+                    self._emit_results(results)
+                    results = []
+                    for state in decoding:
+                        if state.phase is Phase.DECODE:
+                            self._guarded(self._decode_round, [state])
                 worked = True
+            self._emit_results(results)
             if not worked:
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
+        if flight is not None:
+            self._collect_guarded(flight)  # let the device finish; the requests are being cancelled
         self._drain_inbox()  # deliver the final chunks of cancellations queued by shutdown()
 
     def _drain_inbox(self) -> None:
@@ -518,54 +549,64 @@ class Engine:
 
     # ---- decode ----------------------------------------------------------------------------------------------
     def _decode_round(self, states: list[RequestState]) -> None:
-        dev = self.device
+        """One round for ``states``, start to finish (the synchronous path: fault isolation reruns rows with it)."""
+        self._emit_results(self._collect(self._launch(states, {})))
+
+    def _launch(self, states: list[RequestState], pending: dict[str, list[int]]) -> _Flight:
+        """Queue one round for ``states`` on the device and return without waiting for it.
+
+        ``pending``: tokens read from the previous round but not yet committed to their states (the loop emits
+        them while this round runs); a row's root, position and step are taken as if they were committed, which
+        is exact for every row that does not finish on them (rows that do are dropped when this round is read)."""
         drafting = [s for s in states if s.tree.method != "ar"]
         block = max((int(s.tree.block_size) for s in drafting), default=1) if self.drafter is not None else 1
         max_budget = max(s.budget for s in states)
         if block == 1:
             max_budget = 0
-        # One host-to-device copy for the integer fields and one for the floats, instead of one per field.
-        longs = torch.tensor(
-            [[s.slot, s.root_token, s.root_position, s.budget, s.topk, s.depth_limit,
-              s.tree.draft_window or _NO_WINDOW, int(s.sampling.top_k), s.seed, len(s.output_ids)] for s in states],
-            dtype=torch.long,
-        ).T.contiguous().to(dev, non_blocking=True)  # [10, R]
-        floats = torch.tensor(
-            [[float(s.sampling.temperature), float(s.sampling.top_p)] for s in states], dtype=torch.float32
-        ).T.contiguous().to(dev, non_blocking=True)  # [2, R]
-        slots, roots, start, budget, topk, depth_limit, window, top_k, seed, step = longs.unbind(0)
-        inp = RoundInputs(
-            slots=slots,
-            root_tokens=roots,
-            start=start,
-            budget=budget,
-            topk=topk,
-            depth_limit=depth_limit,
-            window=window,
-            temperature=floats[0],
-            top_p=floats[1],
-            top_k=top_k,
-            seed=seed,
-            step=step,
+        longs, roots = [], []
+        for s in states:
+            extra = pending.get(s.request_id, ())
+            root = s.root_position + len(extra)
+            roots.append(root)
+            longs.append([s.slot, extra[-1] if extra else s.root_token, root, s.budget, s.topk, s.depth_limit,
+                          s.tree.draft_window or _NO_WINDOW, int(s.sampling.top_k), s.seed,
+                          len(s.output_ids) + len(extra)])  # ROUND_LONGS order
+        # [F, R] host tensors: one copy each to the device instead of one per field.
+        packed_longs = torch.tensor(longs, dtype=torch.long).T
+        packed_floats = torch.tensor([[float(s.sampling.temperature), float(s.sampling.top_p)] for s in states],
+                                     dtype=torch.float32).T  # ROUND_FLOATS order
+        sizes = dict(
             max_budget=max_budget,
             block_size=block,
-            kv_len=max(s.root_position for s in states) + max_budget + 1,
-            draft_kv_len=max(1, max(s.root_position for s in states)),
+            kv_len=max(roots) + max_budget + 1,
+            draft_kv_len=max(1, max(roots)),
             greedy=all(s.sampling.greedy for s in states),
             filtered=_any_filter(states),
             contiguous=all(s.tree.method != "ddtree" for s in states),
         )
-        timer = StageTimer(dev)
-        if self.graphs is not None and self.graphs.can_run(inp):
-            new_tokens, num_accepted = self.graphs.run(inp, timer)
+        timer = StageTimer(self.device)
+        if self.graphs is not None and self.graphs.can_run(len(states)):
+            result = self.graphs.run(packed_longs, packed_floats, sizes, timer)
         else:
-            new_tokens, num_accepted = self.runner.round(inp, timer)
-        tokens, counts = to_host(new_tokens, num_accepted)
-        stages = timer.collect()
+            dev = self.device
+            inp = RoundInputs.from_packed(packed_longs.contiguous().to(dev, non_blocking=True),
+                                          packed_floats.contiguous().to(dev, non_blocking=True), **sizes)
+            result = self.runner.round(inp, timer)
+        return _Flight(states=states, result=result, timer=timer)
+
+    def _collect(self, flight: _Flight) -> list[tuple[RequestState, list[int]]]:
+        """Wait for a launched round and account for it; returns each still-decoding row's committed tokens
+        (rows finished or cancelled while the round ran are dropped)."""
+        (rows,) = to_host(flight.result)
+        stages = flight.timer.collect()
         with self._lock:
             for name, secs in stages.items():
                 self._counters.stage_seconds_total[name] = self._counters.stage_seconds_total.get(name, 0.0) + secs
-        for state, row, n in zip(states, tokens, counts, strict=False):
+        out = []
+        for state, row in zip(flight.states, rows, strict=True):
+            if state.phase is not Phase.DECODE:
+                continue
+            n = row[0]
             st = state.stats
             st.verify_rounds += 1
             while len(st.accept_hist) <= n:
@@ -580,7 +621,24 @@ class Engine:
                     while len(c.accept_hist) <= n:
                         c.accept_hist.append(0)
                     c.accept_hist[n] += 1
-            self._emit(state, row[:n])
+            out.append((state, row[1 : 1 + n]))
+        return out
+
+    def _collect_guarded(self, flight: _Flight) -> list[tuple[RequestState, list[int]]]:
+        """:meth:`_collect`; if reading the round fails (a device fault surfaces at the sync), its rows fail."""
+        try:
+            return self._collect(flight)
+        except Exception:
+            log.exception("a decode round failed on the device")
+            error = _describe_current_exception()
+            for state in flight.states:
+                self._finish(state, "error", error=error)
+            return []
+
+    def _emit_results(self, results: list[tuple[RequestState, list[int]]]) -> None:
+        for state, tokens in results:
+            if state.phase is Phase.DECODE:
+                self._emit(state, tokens)
 
     def _sampling_tensors(self, states: list[RequestState]):
         """temperature, top_p [R] float and top_k, seed [R] long on the device, in two copies."""

@@ -82,6 +82,21 @@ class RequestState:
         return 0 if self.tree.method == "ar" else int(self.tree.block_size) - 1
 
     # ---- committing ----------------------------------------------------------------------------------------
+    def ends_by_token(self, tokens) -> bool:
+        """Whether committing ``tokens`` would finish the request by a token rule (EOS, a stop token id, the
+        length limits), the same rules :meth:`commit` applies. Stop *strings* need the text and are not predicted.
+
+        Why: the engine launches the next round before it commits the previous round's tokens; a row predicted to
+        finish is left out of that round, a row that finishes on a stop string merely wastes its place in it."""
+        if not tokens:
+            return False
+        if len(self.output_ids) + len(tokens) >= self.sampling.max_tokens:
+            return True
+        if self.num_committed + len(tokens) >= self.max_len:
+            return True
+        stops = self.sampling.stop_token_ids
+        return any(t in stops or (not self.sampling.ignore_eos and t in self.eos_ids) for t in tokens)
+
     def commit(self, tokens: list[int]) -> tuple[list[int], str, FinishReason | None]:
         """Append tokens from one round (or the prefill's first token), honouring every stop rule.
 

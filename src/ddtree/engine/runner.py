@@ -10,7 +10,7 @@ One round for R requests (rows) that may each use a different method, budget, to
     commit  spec.walk_trees                                   -> path [R, L + 1], num_accepted [R]
             spec.compact_cache (target K and V)                  accepted nodes -> start .. start + n - 1
             drafter.append_context (features of accepted nodes)  drafter context grows by n
-    host    to_host(new_tokens, num_accepted)                 the one place results cross to the host
+    host    to_host(result)                                   [R, 2 + L]: the one place results cross to the host
 
 AR rows have budget 0 (a tree of the root alone); DFlash rows have top-k 1 and budget = depth, which makes
 ``build_trees`` return exactly the drafter's top-1 chain. Nothing inside a round reads a device value on the host:
@@ -54,6 +54,22 @@ class RoundInputs:
     greedy: bool  # every row has temperature 0
     filtered: bool  # some row uses top-p < 1 or top-k > 0 (else sampling skips the vocabulary sort)
     contiguous: bool  # every row is AR or DFlash: accepted nodes are already contiguous
+
+    @classmethod
+    def from_packed(cls, longs: Tensor, floats: Tensor, **sizes) -> RoundInputs:
+        """The per-row fields as views of two packed tensors: ``longs [len(ROUND_LONGS), R]`` and
+        ``floats [len(ROUND_FLOATS), R]`` (rows in those orders); ``sizes`` are the host-known fields.
+
+        Why packed: the engine fills one host tensor per dtype and moves each with one copy (a CUDA graph's static
+        inputs are views of one device buffer per dtype, refreshed by one copy per round)."""
+        fields = dict(zip(ROUND_LONGS, longs.unbind(0), strict=True))
+        fields.update(zip(ROUND_FLOATS, floats.unbind(0), strict=True))
+        return cls(**fields, **sizes)
+
+
+# The packed row order of RoundInputs' per-row fields (see RoundInputs.from_packed).
+ROUND_LONGS = ("slots", "root_tokens", "start", "budget", "topk", "depth_limit", "window", "top_k", "seed", "step")
+ROUND_FLOATS = ("temperature", "top_p")
 
 
 @dataclass
@@ -239,8 +255,8 @@ class ModelRunner:
             feats = torch.gather(hidden, 1, walk.path[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [R, L+1, F]
             ctx_pos = inp.start[:, None] + torch.arange(walk.path.shape[1], device=self.device)
             self.drafter.append_context(feats, ctx_pos, self.drafter_cache, inp.slots, ctx_pos)
-        work["new_tokens"] = walk.new_tokens
-        work["num_accepted"] = walk.num_accepted
+        # One tensor for the host to read (one copy, one sync): the accepted count, then the committed tokens.
+        work["result"] = torch.cat([walk.num_accepted[:, None], walk.new_tokens], 1)
 
     def _round_feature_layers(self, inp: RoundInputs) -> tuple[int, ...]:
         """Target layers whose features the drafter needs after this round: none when no row drafts.
@@ -252,14 +268,15 @@ class ModelRunner:
     STAGES = ("draft", "tree", "verify", "commit")
 
     @torch.inference_mode()
-    def round(self, inp: RoundInputs, timer: StageTimer) -> tuple[Tensor, Tensor]:
-        """Draft, build trees, verify, walk and commit for every row (eager). Returns device tensors
-        ``new_tokens [R, L + 1]`` and ``num_accepted [R]`` (tokens committed this round, bonus included)."""
+    def round(self, inp: RoundInputs, timer: StageTimer) -> Tensor:
+        """Draft, build trees, verify, walk and commit for every row (eager). Returns the device tensor
+        ``[R, 1 + L + 1]``: per row the number of tokens committed this round (bonus included), then the
+        committed tokens (``walk_trees``' ``new_tokens``; entries past that number are padding)."""
         work: dict = {}
         for name in self.STAGES:
             with timer.stage(name):
                 getattr(self, f"stage_{name}")(inp, work)
-        return work["new_tokens"], work["num_accepted"]
+        return work["result"]
 
     @torch.inference_mode()
     def sample_first(self, logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, seed: Tensor,
