@@ -170,6 +170,14 @@ def test_plain_decoding_single_token(splits):
     assert (got - dense_reference(**case)).abs().max().item() < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("block_m", [16, 32, 128])
+def test_row_tile_sizes_agree(block_m):
+    """block_m (folded query rows per program, a tuning knob): more or fewer row tiles, the same attention."""
+    case = make_case(rows=2, heads=8, kv_heads=2, t=9, kv_len=40, max_len=40, vis="tree", seed=13)
+    got = ta.tree_attention(**case, block_n=16, splits=2, block_m=block_m)
+    assert (got - dense_reference(**case)).abs().max().item() < TOL[torch.float32]
+
+
 def test_head_dim_256_and_many_folded_rows():
     """D = 256 and G * T = 72 folded rows: two row tiles of 64."""
     case = make_case(rows=1, heads=8, kv_heads=1, t=9, d=256, kv_len=20, max_len=20, vis="tree", seed=9)
@@ -223,6 +231,8 @@ def test_rejects_unsupported_shapes():
         ta.tree_attention(**{**case, "kv_len": 11})
     with pytest.raises(ConfigError, match="block_n"):
         ta.tree_attention(**case, block_n=8)
+    with pytest.raises(ConfigError, match="block_m"):
+        ta.tree_attention(**case, block_m=24)
 
 
 def test_target_supports_tree_attention_where_the_kernel_can_run():

@@ -261,7 +261,8 @@ def _check_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, st
 
 
 def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start: Tensor, new_vis: Tensor,
-                   kv_len: int, *, block_n: int | None = None, splits: int | None = None) -> Tensor:
+                   kv_len: int, *, block_n: int | None = None, splits: int | None = None, block_m: int | None = None,
+                   num_warps: int = 4, num_stages: int = 2) -> Tensor:
     """Attention of the new tokens over their rows' cache slots under the tree visibility rule (module docstring).
 
     q [R, H, T, D] (fp32/fp16/bf16, D in 64/128/256); k_cache, v_cache [slots, KV, max_len, D] (one layer of the
@@ -269,8 +270,9 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, s
     start [R] long; new_vis [R, T, T] bool; kv_len: host int >= max(start) + T (not checked: that would sync).
     Softmax in fp32 with scale 1/sqrt(D). Returns [R, H, T, D] in q's dtype.
 
-    ``block_n`` (keys per tile) and ``splits`` (context splits per row) override the automatic choice; tests use
-    them to exercise the combine with tiny contexts."""
+    ``block_n`` (keys per tile), ``splits`` (context splits per row), ``block_m`` (folded query rows per program,
+    a power of two >= 16) override the automatic choice; tests use them to exercise the combine with tiny contexts,
+    ``benchmarks/tree_attention.py`` to tune them with ``num_warps`` and ``num_stages`` on a GPU."""
     _check_inputs(q, k_cache, v_cache, slots, start, new_vis, kv_len)
     if triton is None:
         raise ConfigError("tree_attention needs Triton; install it or use the dense masked path")
@@ -282,7 +284,10 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, s
         block_n = 64 if d <= 128 else 32
     if block_n not in SUPPORTED_BLOCK_N:
         raise ConfigError(f"tree_attention: block_n must be one of {SUPPORTED_BLOCK_N}, got {block_n}")
-    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    if block_m is None:
+        block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    if block_m < 16 or block_m & (block_m - 1):
+        raise ConfigError(f"tree_attention: block_m must be a power of two >= 16, got {block_m}")
     row_tiles = math.ceil(rows / block_m)
     if splits is None:
         splits = choose_splits(r * kv * row_tiles, kv_len, block_n, _sm_count(q.device))
@@ -315,7 +320,7 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, s
         t, g, kv, splits, rows_padded, scale_log2,
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct, DOT_PRECISION=precision,
         DOT_UPCAST=INTERPRETED and q.dtype == torch.bfloat16,
-        num_warps=4, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if not direct:
         _tree_attention_combine_kernel[(row_tiles, r * kv)](

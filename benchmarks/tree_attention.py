@@ -1,0 +1,80 @@
+"""Tune the tree-attention kernel's tiles on a GPU: time every (block_m, block_n, num_warps, num_stages) at the
+verify shapes of the Qwen3-8B stand-in (32 query heads, 8 KV heads of 128, bf16) and print the best against the
+current automatic choice.
+
+Why: at 8k context a 129-node tree's attention is ~0.6 TFLOP over 36 layers, so the verify of large trees at long
+context is bound by how well this kernel uses the tensor cores; the defaults were picked for small trees.
+
+    python benchmarks/tree_attention.py --out $OUT/tree_attention.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+
+from ddtree.models import tree_attention as ta
+
+
+def case(t: int, kv_len: int, rows: int = 1, heads: int = 32, kv_heads: int = 8, d: int = 128):
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(rows, heads, t, d, device=dev, dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(rows + 1, kv_heads, kv_len, d, device=dev, dtype=torch.bfloat16, generator=gen)
+    v = torch.randn_like(k)
+    vis = torch.ones(t, t, dtype=torch.bool, device=dev).tril().expand(rows, t, t).contiguous()
+    start = torch.full((rows,), kv_len - t, device=dev)
+    return dict(q=q, k_cache=k, v_cache=v, slots=torch.arange(rows, device=dev), start=start, new_vis=vis,
+                kv_len=kv_len)
+
+
+def time_ms(fn, reps: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return begin.elapsed_time(end) / reps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="tree_attention.json")
+    ap.add_argument("--nodes", default="1,17,65,129")
+    ap.add_argument("--contexts", default="1024,8192")
+    ap.add_argument("--rows", type=int, default=1)
+    args = ap.parse_args()
+    grid = list(itertools.product((16, 32, 64, 128), (32, 64, 128), (4, 8), (2, 3)))
+    results = []
+    print("| T | ctx | default ms | best ms | best (block_m, block_n, warps, stages) |")
+    print("| --- | --- | --- | --- | --- |")
+    for t, ctx in itertools.product(map(int, args.nodes.split(",")), map(int, args.contexts.split(","))):
+        c = case(t, ctx, rows=args.rows)
+        default = time_ms(lambda c=c: ta.tree_attention(**c))
+        timings = {}
+        for bm, bn, warps, stages in grid:
+            if bm > 16 and bm > 4 * t * 4:  # far more rows per tile than the G * T folded rows
+                continue
+            try:
+                timings[(bm, bn, warps, stages)] = time_ms(
+                    lambda c=c, bm=bm, bn=bn, w=warps, s=stages: ta.tree_attention(
+                        **c, block_m=bm, block_n=bn, num_warps=w, num_stages=s))
+            except Exception as exc:  # e.g. out of shared memory for the largest tiles
+                timings[(bm, bn, warps, stages)] = float("inf")
+                print(f"  T={t} ctx={ctx} {bm, bn, warps, stages}: {type(exc).__name__}", flush=True)
+        best = min(timings, key=timings.get)
+        results.append({"t": t, "context": ctx, "default_ms": default, "best_ms": timings[best], "best": best,
+                        "all": {str(k): v for k, v in timings.items()}})
+        print(f"| {t} | {ctx} | {default:.4f} | {timings[best]:.4f} | {best} |", flush=True)
+    with open(args.out, "w") as fh:
+        json.dump({"device": torch.cuda.get_device_name(), "rows": args.rows, "results": results}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
