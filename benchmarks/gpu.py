@@ -58,12 +58,14 @@ def prompts_for(stream: list[int], context: int, count: int, salt: int) -> list[
     return out
 
 
-def run_cell(engine, prompts, tree: TreeSettings, new_tokens: int) -> dict:
+def run_cell(engine, prompts, tree: TreeSettings, new_tokens: int, *, sequential: bool = False) -> dict:
+    """All prompts at once (concurrency = len(prompts)), or one after another with ``sequential`` (concurrency 1
+    over several prompts: acceptance then averages over texts instead of hanging on one)."""
     reqs = [GenerationRequest(prompt_token_ids=p, tree=tree,
                               sampling=SamplingParams(max_tokens=new_tokens, ignore_eos=True)) for p in prompts]
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    outs = engine.generate(reqs)
+    outs = [o for r in reqs for o in engine.generate([r])] if sequential else engine.generate(reqs)
     wall = time.perf_counter() - t0
     errors = [o.error for o in outs if o.finish_reason == "error"]
     completion = sum(len(o.token_ids) for o in outs)
@@ -74,6 +76,8 @@ def run_cell(engine, prompts, tree: TreeSettings, new_tokens: int) -> dict:
             stage[k] = stage.get(k, 0.0) + v
     per_round = {k: 1e3 * v / max(rounds, 1) for k, v in stage.items() if k != "prefill"}
     decode = [(len(o.token_ids) - 1) / max(o.stats.latency_s - o.stats.ttft_s, 1e-9) for o in outs]
+    # Wall time of a decode round as a request sees it; minus the stages' device time it is the host's share.
+    round_ms = statistics.mean(1e3 * (o.stats.latency_s - o.stats.ttft_s) / max(o.stats.verify_rounds, 1) for o in outs)
     return {
         "tok_s": completion / wall,
         "decode_tok_s_per_request": statistics.mean(decode),
@@ -81,6 +85,7 @@ def run_cell(engine, prompts, tree: TreeSettings, new_tokens: int) -> dict:
         "wall_s": wall,
         "ttft_s_mean": statistics.mean(o.stats.ttft_s or 0.0 for o in outs),
         "stage_ms_per_round": per_round,
+        "round_ms": round_ms,
         "errors": errors,
         "tokens": [o.token_ids for o in outs],
     }
@@ -140,6 +145,7 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script")
     ap.add_argument("--no-kernels", action="store_true", help="EngineConfig(gpu_kernels=False): the torch path")
+    ap.add_argument("--c1-prompts", type=int, default=3, help="prompts run one after another in concurrency-1 cells")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -171,7 +177,7 @@ def main() -> None:
     if args.quick:
         contexts, concurrency, budgets = [60, 1024], [1, 8], [16, 64]
     max_len = max(contexts) + args.new_tokens + 16
-    config = EngineConfig(max_batch=max(concurrency), max_len=max_len, max_budget=max(budgets),
+    config = EngineConfig(max_batch=max(concurrency), max_len=max_len, max_budget=max(*budgets, 32),
                           prefill_chunk=2048, max_queue=4096, cuda_graphs=True, gpu_kernels=not args.no_kernels)
     engine = Engine.from_models(target, drafter, tokenizer, config, model_name=f"standin-{args.shape}")
     engine.start()
@@ -185,7 +191,7 @@ def main() -> None:
               "params_drafter": sum(p.numel() for p in drafter.parameters()), "cells": [], "skipped": []}
 
     # 1. graph replay == eager on a short greedy run (bf16; reported, not asserted)
-    probe = prompts_for(stream, 1024, 2, salt=99)
+    probe = prompts_for(stream, min(1024, max(contexts)), 2, salt=99)
     tree = TreeSettings(method="ddtree", budget=32)
     g = run_cell(engine, probe, tree, min(64, args.new_tokens))
     e = run_cell(eager, probe, tree, min(64, args.new_tokens))
@@ -196,7 +202,8 @@ def main() -> None:
     # 2. the matrix
     deadline = t_start + args.time_budget
     for conc, ctx, methods in plan_cells(contexts, concurrency, budgets, args.max_verify_tokens):
-        prompts = prompts_for(stream, ctx, conc, salt=ctx + conc)
+        sequential = conc == 1 and args.c1_prompts > 1
+        prompts = prompts_for(stream, ctx, args.c1_prompts if sequential else conc, salt=ctx + conc)
         ar_tokens = None
         ar_tok_s = None
         for method, budget in methods:
@@ -205,9 +212,9 @@ def main() -> None:
                 report["skipped"].append({"concurrency": conc, "context": ctx, "method": name})
                 continue
             tree = TreeSettings(method=method, budget=max(budget, 1))
-            run_cell(engine, prompts, tree, args.new_tokens if ctx <= 60 else 24)  # warm-up: captures graphs
+            run_cell(engine, prompts[:conc], tree, args.new_tokens if ctx <= 60 else 24)  # warm-up: captures graphs
             torch.cuda.reset_peak_memory_stats()
-            cell = run_cell(engine, prompts, tree, args.new_tokens)
+            cell = run_cell(engine, prompts, tree, args.new_tokens, sequential=sequential)
             if method == "ar":
                 ar_tokens, ar_tok_s = cell["tokens"], cell["tok_s"]
             same = [a == b for a, b in zip(ar_tokens or [], cell["tokens"], strict=False)]
@@ -220,6 +227,7 @@ def main() -> None:
                 "decode_tok_s_per_request": round(cell["decode_tok_s_per_request"], 1),
                 "ttft_s_mean": round(cell["ttft_s_mean"], 4),
                 "stage_ms_per_round": {k: round(v, 3) for k, v in cell["stage_ms_per_round"].items()},
+                "round_ms": round(cell["round_ms"], 3),
                 "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
                 "identical_to_ar": sum(same), "compared": len(same), "errors": cell["errors"][:3],
             }
@@ -256,15 +264,16 @@ def render_markdown(report: dict) -> str:
         f"(target {report['params_target'] / 1e9:.2f} B params, drafter {report['params_drafter'] / 1e9:.2f} B), "
         f"built in {report['standin_build_s']:.1f} s; graph replay == eager: {report.get('graph_vs_eager_identical')}",
         "",
-        "| C | ctx | method | tok/s | accept | speed-up | efficiency | draft / tree / verify / commit ms | peak GiB | =AR |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| C | ctx | method | tok/s | accept | speed-up | efficiency | draft / tree / verify / commit ms | round ms "
+        "| peak GiB | =AR |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for c in report["cells"]:
         st = c["stage_ms_per_round"]
         split = " / ".join(f"{st.get(k, 0):.2f}" for k in ("draft", "tree", "verify", "commit"))
         lines.append(
             f"| {c['concurrency']} | {c['context']} | {c['method']} | {c['tok_s']} | {c['accept_length']} | "
-            f"{c['speedup_vs_ar']} | {c['efficiency']} | {split} | {c['peak_mem_gib']} | "
+            f"{c['speedup_vs_ar']} | {c['efficiency']} | {split} | {c.get('round_ms', '-')} | {c['peak_mem_gib']} | "
             f"{c['identical_to_ar']}/{c['compared']} |"
         )
     if report.get("skipped"):
