@@ -242,12 +242,14 @@ def test_target_supports_tree_attention_where_the_kernel_can_run():
         assert model.supports_tree_attention() == (DEVICE == "cuda")
 
 
-@pytest.mark.parametrize("kv_len", [1024, 2048, 4096, 8192])
-def test_splits_fill_the_gpu_at_batch_one(kv_len):
-    """Qwen3-8B decoding at batch 1: 8 KV heads x 1 row tile must become >= ~132 programs by splitting keys."""
+@pytest.mark.parametrize("kv_len", [256, 1024, 2048, 4096, 8192, 32768])
+def test_splits_at_batch_one_are_as_many_as_the_context_allows(kv_len):
+    """Qwen3-8B decoding at batch 1 (8 KV heads x 1 row tile): split the keys towards ~2 programs per SM, but never
+    below MIN_BLOCKS_PER_SPLIT key blocks per split nor above MAX_SPLITS."""
     splits = ta.choose_splits(row_programs=8, kv_len=kv_len, block_n=64, sm_count=132)
-    assert splits * 8 >= 128
-    assert splits <= kv_len // 64  # never a split without a key block
+    blocks = kv_len // 64
+    assert splits == min(max(1, blocks // ta.MIN_BLOCKS_PER_SPLIT), ta.MAX_SPLITS, 33)
+    assert splits * ta.MIN_BLOCKS_PER_SPLIT <= max(blocks, ta.MIN_BLOCKS_PER_SPLIT)
 
 
 def test_large_batches_do_not_split():
@@ -363,3 +365,37 @@ def test_cuda_graph_replay_matches_eager():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, ta.tree_attention(**other))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t", [1, 5])
+def test_write_kv_matches_the_cache_write(dtype, t):
+    """The one-kernel K/V store equals KVCache.write (the reference) bit for bit, for non-contiguous inputs too
+    (the layers hand over transposed views), and touches nothing else."""
+    from ddtree.models.kv_cache import KVCache
+
+    gen = torch.Generator().manual_seed(t)
+    rows, kv_heads, d, max_len = 3, 2, 64, 24
+    ref = KVCache.allocate(1, rows + 1, kv_heads, max_len, d, dtype=dtype, device=DEVICE)
+    ref.k.copy_(torch.randn(ref.k.shape, generator=gen).to(dtype))
+    ref.v.copy_(torch.randn(ref.v.shape, generator=gen).to(dtype))
+    k_cache, v_cache = ref.k[0].clone(), ref.v[0].clone()
+    k = torch.randn(rows, t, kv_heads, d, generator=gen).to(dtype).to(DEVICE).transpose(1, 2)  # [R, KV, T, D] view
+    v = torch.randn(rows, t, kv_heads, d, generator=gen).to(dtype).to(DEVICE).transpose(1, 2)
+    slots = torch.tensor([2, 0, 3], device=DEVICE)
+    write_pos = (torch.tensor([[0], [7], [max_len - t]]) + torch.arange(t)).to(DEVICE)
+    ta.write_kv(k_cache, v_cache, slots, write_pos, k, v)
+    ref.write(0, slots, write_pos, k, v)
+    assert torch.equal(k_cache, ref.k[0]) and torch.equal(v_cache, ref.v[0])
+
+
+def test_write_kv_rejects_mismatched_shapes():
+    cache = torch.zeros(2, 2, 8, 64, device=DEVICE)
+    k = torch.zeros(1, 2, 1, 64, device=DEVICE)
+    with pytest.raises(ConfigError, match="write_kv"):
+        ta.write_kv(cache, cache, torch.zeros(1, dtype=torch.long, device=DEVICE),
+                    torch.zeros(1, 2, dtype=torch.long, device=DEVICE), k, k)
+    with pytest.raises(ConfigError, match="head_dim"):
+        small = torch.zeros(2, 2, 8, 48, device=DEVICE)
+        ta.write_kv(small, small, torch.zeros(1, dtype=torch.long, device=DEVICE),
+                    torch.zeros(1, 1, dtype=torch.long, device=DEVICE), k[..., :48], k[..., :48])

@@ -49,13 +49,15 @@ def attend_over_cache(cache: KVCache, layer: int, q: Tensor, k: Tensor, v: Tenso
     With ``attn_mask`` [R, T, S] the dense reference path runs (gather positions ``0 .. S - 1`` of the slots,
     one masked SDPA/matmul call). With ``attn_mask=None`` the Triton tree-attention kernel runs on ``tree``
     (``write_pos`` must then be ``tree.start + arange(T)``); :meth:`TargetModel.forward` picks the path once.
-    The only place the target touches cache layout and visibility."""
-    cache.write(layer, slots, write_pos, k, v)
+    The only place the target touches cache layout and visibility; the kernel path also writes the K/V with one
+    kernel (:func:`ddtree.models.tree_attention.write_kv`) instead of ``KVCache.write``'s two indexing kernels."""
     if attn_mask is None:
         if tree is None:
             raise ConfigError("attend_over_cache needs attn_mask or tree; pass one of them")
+        tree_attention.write_kv(cache.k[layer], cache.v[layer], slots, write_pos, k, v)
         return tree_attention.tree_attention(q, cache.k[layer], cache.v[layer], slots, tree.start, tree.new_vis,
                                              tree.kv_len)
+    cache.write(layer, slots, write_pos, k, v)
     k_all, v_all = cache.read(layer, slots, attn_mask.shape[-1])
     return masked_attention(q, k_all.to(q.dtype), v_all.to(q.dtype), attn_mask[:, None])
 

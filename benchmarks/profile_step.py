@@ -1,0 +1,106 @@
+"""Which kernels a round's forwards spend their time in, on the GPU (eager, torch.profiler): the plain-decoding
+step (T = 1), a 17-node verify and the drafter's block, on the Qwen3-8B stand-in at a given context.
+
+Why: under CUDA graphs the engine only sees a stage's total; this lists the kernels inside it (count, total and
+mean device time), which says what is left to fuse and how far a stage is from its matmuls.
+
+    python benchmarks/profile_step.py --out $OUT/profile.md --context 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from ddtree.models import TreeVisibility, fuse_projections
+
+
+def kernel_table(prof, steps: int, cuda: bool, top: int = 18) -> list[str]:
+    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for evt in prof.events():
+        if cuda and evt.device_type == torch.autograd.DeviceType.CUDA:
+            entry = totals[evt.name[:90]]
+            entry[0] += 1
+            entry[1] += evt.device_time_total
+        elif not cuda and evt.device_type == torch.autograd.DeviceType.CPU and evt.name.startswith("aten::"):
+            entry = totals[evt.name[:90]]  # dry run on a CPU: operators instead of kernels
+            entry[0] += 1
+            entry[1] += evt.self_cpu_time_total
+    grand = sum(v[1] for v in totals.values())
+    lines = [f"device time per step: {grand / steps / 1e3:.3f} ms, kernels per step: "
+             f"{sum(v[0] for v in totals.values()) / steps:.0f}", "",
+             "| kernel | per step | ms per step | share |", "| --- | --- | --- | --- |"]
+    for name, (count, us) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]:
+        lines.append(f"| `{name}` | {count / steps:.0f} | {us / steps / 1e3:.3f} | {us / grand:.1%} |")
+    return lines
+
+
+@torch.inference_mode()
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="profile.md")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script on the demo pair itself")
+    args = ap.parse_args()
+    from ddtree.assets import demo_drafter_path, demo_target_path
+    from ddtree.models import load_drafter, load_target
+    from ddtree.models.standin import build_standin, standin_shape
+
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    target = load_target(demo_target_path(), dtype=dtype, device=dev)
+    drafter = load_drafter(demo_drafter_path(), dtype=dtype, device=dev)
+    if cuda:
+        target, drafter = build_standin(target, drafter, standin_shape("qwen3-8b"))
+    fuse_projections(target, kernels=cuda)
+    fuse_projections(drafter, kernels=cuda)
+    ctx = args.context
+    cache = target.allocate_cache(1, ctx + 160)
+    dcache = drafter.allocate_cache(1, ctx + 160)
+    slots = torch.zeros(1, dtype=torch.long, device=dev)
+    ids = torch.randint(0, target.config.vocab_size, (1, ctx), device=dev)
+    pos = torch.arange(ctx, device=dev)[None]
+    vis = torch.ones(ctx, ctx, dtype=torch.bool, device=dev).tril()[None]
+    out = target(ids, pos, cache, slots, pos, None, tree=TreeVisibility(slots, vis, ctx),
+                 logits_at=torch.tensor([[ctx - 1]], device=dev), hidden_layers=tuple(drafter.config.target_layer_ids))
+    drafter.append_context(out.hidden, pos, dcache, slots, pos)
+
+    new_ids = torch.randint(0, target.config.vocab_size, (1, 129), device=dev)
+
+    def verify(t: int):
+        x = new_ids[:, :t]
+        p = ctx + torch.arange(t, device=dev)[None]
+        v = torch.ones(t, t, dtype=torch.bool, device=dev).tril()[None]
+        return lambda: target(x, p, cache, slots, p, None, tree=TreeVisibility(torch.tensor([ctx], device=dev), v,
+                                                                                  ctx + t))
+
+    def draft():
+        start = torch.tensor([ctx], device=dev)
+        return drafter.draft_logits(target, ids[:, 0], start, dcache, slots, 16, block_len=torch.tensor([16], device=dev),
+                                    window=torch.tensor([1 << 30], device=dev), kv_len=ctx)
+
+    sections = []
+    for name, fn in (("AR step (T = 1)", verify(1)), ("verify, 17 nodes", verify(17)), ("verify, 129 nodes", verify(129)),
+                     ("drafter block (16)", draft)):
+        for _ in range(3):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            for _ in range(args.steps):
+                fn()
+            if cuda:
+                torch.cuda.synchronize()
+        sections += [f"## {name}, context {ctx}", ""] + kernel_table(prof, args.steps, cuda) + [""]
+        print("\n".join(sections[-25:]), flush=True)
+    with open(args.out, "w") as fh:
+        fh.write("# Kernels per forward (eager, H200, stand-in qwen3-8b)\n\n" + "\n".join(sections) + "\n")
+
+
+if __name__ == "__main__":
+    main()
