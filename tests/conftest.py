@@ -246,7 +246,7 @@ def tiny_engine_factory(tiny_pair, tiny_tokenizer) -> Iterator[Callable[..., obj
     def make(*, oracle: bool = False, drafter: bool = True, noise: float = 2.0, **overrides):
         target, inner = tiny_pair
         draft = OracleDrafter(inner, target, noise=noise) if oracle else inner
-        config = EngineConfig(**{"max_batch": 8, "max_len": 512, "max_budget": 32, **overrides})
+        config = EngineConfig(**{"max_batch": 8, "max_len": 512, "max_budget": 32, "overlap_rounds": True, **overrides})
         engine = Engine.from_models(target, draft if drafter else None, tiny_tokenizer, config, model_name="tiny")
         if oracle:
             draft.attach(engine)

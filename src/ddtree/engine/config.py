@@ -27,6 +27,9 @@ class EngineConfig:
     kv_memory_fraction: float | None = None  # size max_batch from free device memory instead
     cuda_graphs: bool = True  # capture decode rounds as CUDA graphs (CUDA devices only)
     gpu_kernels: bool = True  # Triton kernels on CUDA (fused layer ops, tree attention, vocab top-k); False = torch
+    # Queue round n + 1 on the device (inputs advanced there from round n's result) before reading round n, while the
+    # batch stays the same: the device never waits for the host between rounds. None = on for CUDA devices.
+    overlap_rounds: bool | None = None
     default_tree: TreeSettings = field(default_factory=TreeSettings)
     seed: int = 0
 

@@ -71,6 +71,8 @@ class _Captured:
     floats: Tensor  # [len(ROUND_FLOATS), rows] device
     longs_host: Tensor  # pinned staging copies of the two
     floats_host: Tensor
+    pad_longs: Tensor  # device copies of the padding values, for rounds whose inputs are already on the device
+    pad_floats: Tensor
     work: dict
     graphs: list  # [torch.cuda.CUDAGraph] * 4, in ModelRunner.STAGES order
 
@@ -110,11 +112,13 @@ class RoundGraphs:
         )
 
     @torch.inference_mode()
-    def run(self, longs: Tensor, floats: Tensor, sizes: dict, timer: StageTimer) -> Tensor:
-        """Replay the round for host tensors ``longs [len(ROUND_LONGS), R]`` and ``floats [len(ROUND_FLOATS), R]``.
+    def run(self, longs: Tensor, floats: Tensor, sizes: dict, timer: StageTimer) -> tuple[Tensor, Tensor, Tensor]:
+        """Replay the round for ``longs [len(ROUND_LONGS), R]`` and ``floats [len(ROUND_FLOATS), R]``, host tensors
+        (one pinned copy each) or device tensors (copied on the device, no host involvement).
 
-        Returns the device result ``[R, 2 + L]`` as :meth:`ModelRunner.round` does (a view of the capture's
-        output: read it before the next round replays the same graph)."""
+        Returns the device result ``[R, 2 + L]`` as :meth:`ModelRunner.round` does and the device inputs of the
+        real rows, all views of the capture's buffers: the next replay of the same graph overwrites them, so
+        anything that reads them must be queued before it."""
         rows = longs.shape[1]
         key = self.key_for(rows, sizes)
         cap = self.graphs.get(key)
@@ -122,16 +126,23 @@ class RoundGraphs:
             cap = self._capture(key)
         else:
             self.graphs.move_to_end(key)
-        cap.longs_host[:, :rows] = longs
-        cap.longs_host[:, rows:] = self._pad_longs
-        cap.floats_host[:, :rows] = floats
-        cap.floats_host[:, rows:] = self._pad_floats
-        cap.longs.copy_(cap.longs_host, non_blocking=True)
-        cap.floats.copy_(cap.floats_host, non_blocking=True)
+        if longs.is_cuda:  # inputs already on the device (a round advanced there from the previous one)
+            cap.longs[:, :rows].copy_(longs)
+            cap.floats[:, :rows].copy_(floats)
+            if rows < key.rows:
+                cap.longs[:, rows:].copy_(cap.pad_longs[:, rows:])
+                cap.floats[:, rows:].copy_(cap.pad_floats[:, rows:])
+        else:
+            cap.longs_host[:, :rows] = longs
+            cap.longs_host[:, rows:] = self._pad_longs
+            cap.floats_host[:, :rows] = floats
+            cap.floats_host[:, rows:] = self._pad_floats
+            cap.longs.copy_(cap.longs_host, non_blocking=True)
+            cap.floats.copy_(cap.floats_host, non_blocking=True)
         for name, graph in zip(ModelRunner.STAGES, cap.graphs, strict=False):
             with timer.stage(name):
                 graph.replay()
-        return cap.work["result"][:rows]
+        return cap.work["result"][:rows], cap.longs[:, :rows], cap.floats[:, :rows]
 
     def _capture(self, key: GraphKey) -> _Captured:
         runner = self.runner
@@ -139,6 +150,7 @@ class RoundGraphs:
         longs_host = self._pad_longs.expand(-1, key.rows).contiguous().pin_memory()
         floats_host = self._pad_floats.expand(-1, key.rows).contiguous().pin_memory()
         longs, floats = longs_host.to(dev), floats_host.to(dev)
+        pad_longs, pad_floats = longs.clone(), floats.clone()
         static = RoundInputs.from_packed(
             longs, floats, max_budget=key.max_budget, block_size=key.block_size, kv_len=key.kv_len,
             draft_kv_len=key.draft_kv_len, greedy=key.greedy, filtered=key.filtered, contiguous=key.contiguous,
@@ -159,7 +171,7 @@ class RoundGraphs:
                 getattr(runner, f"stage_{name}")(static, work)
             graphs.append(graph)
         cap = _Captured(static=static, longs=longs, floats=floats, longs_host=longs_host, floats_host=floats_host,
-                        work=work, graphs=graphs)
+                        pad_longs=pad_longs, pad_floats=pad_floats, work=work, graphs=graphs)
         self.graphs[key] = cap
         self.captures += 1
         while len(self.graphs) > self.max_graphs:

@@ -42,13 +42,22 @@ from ddtree.engine.api import (
 from ddtree.engine.config import EngineConfig
 from ddtree.engine.detok import IncrementalDetokenizer
 from ddtree.engine.request_state import Phase, RequestState
-from ddtree.engine.runner import ModelRunner, PrefillInputs, RoundInputs, StageTimer, to_host
+from ddtree.engine.runner import (
+    ROUND_LONGS,
+    HostCopy,
+    ModelRunner,
+    PrefillInputs,
+    RoundInputs,
+    StageTimer,
+    to_host,
+)
 from ddtree.errors import ConfigError, EngineError, InvalidRequestError, QueueFullError
 from ddtree.models import fuse_projections
 
 log = logging.getLogger("ddtree.engine")
 
 _NO_WINDOW = 1 << 30
+_ROOT, _START, _STEP = (ROUND_LONGS.index(name) for name in ("root_tokens", "start", "step"))
 
 
 @dataclass
@@ -82,6 +91,10 @@ class _Flight:
 
     states: list[RequestState]  # the rows, in order
     result: torch.Tensor  # [R, 2 + L] device: tokens committed, then the tokens (ModelRunner.round)
+    copy: HostCopy  # the result's copy to the host, started when the round was queued
+    longs: torch.Tensor  # [len(ROUND_LONGS), R] device inputs of the round (a follow-up round advances them)
+    floats: torch.Tensor  # [len(ROUND_FLOATS), R]
+    sizes: dict  # the host-known RoundInputs fields
     timer: StageTimer
 
 
@@ -142,6 +155,7 @@ class Engine:
         self.cache_len = config.max_len + headroom
         self.runner = ModelRunner(target, drafter, slots=max_batch, cache_len=self.cache_len,
                                   kernels=config.gpu_kernels)
+        self._overlap = config.overlap_rounds if config.overlap_rounds is not None else self.device.type == "cuda"
         self.graphs = None
         if config.cuda_graphs and self.device.type == "cuda":
             from ddtree.engine.cuda_graphs import RoundGraphs
@@ -435,14 +449,17 @@ class Engine:
                 self._guarded(self._prefill_step, prefilling)
                 worked = True
             results: list[tuple[RequestState, list[int]]] = []
+            follow_up: _Flight | None = None
             if flight is not None:
+                if self._can_follow(flight):
+                    follow_up = self._follow_up(flight)
                 results = self._collect_guarded(flight)
-                flight = None
+                flight = follow_up
                 worked = True
             pending = {state.request_id: tokens for state, tokens in results}
             decoding = [s for s in self._active.values()
                         if s.phase is Phase.DECODE and not s.ends_by_token(pending.get(s.request_id, ()))]
-            if decoding:
+            if follow_up is None and decoding:
                 try:
                     flight = self._launch(decoding, pending)
                 except Exception:
@@ -584,20 +601,57 @@ class Engine:
             filtered=_any_filter(states),
             contiguous=all(s.tree.method != "ddtree" for s in states),
         )
+        return self._queue(states, packed_longs, packed_floats, sizes)
+
+    def _queue(self, states: list[RequestState], longs: torch.Tensor, floats: torch.Tensor, sizes: dict) -> _Flight:
+        """Queue a round from packed inputs (host tensors, or device tensors for a follow-up round)."""
         timer = StageTimer(self.device)
         if self.graphs is not None and self.graphs.can_run(len(states)):
-            result = self.graphs.run(packed_longs, packed_floats, sizes, timer)
+            result, longs, floats = self.graphs.run(longs, floats, sizes, timer)
         else:
             dev = self.device
-            inp = RoundInputs.from_packed(packed_longs.contiguous().to(dev, non_blocking=True),
-                                          packed_floats.contiguous().to(dev, non_blocking=True), **sizes)
-            result = self.runner.round(inp, timer)
-        return _Flight(states=states, result=result, timer=timer)
+            longs = longs.contiguous().to(dev, non_blocking=True)
+            floats = floats.contiguous().to(dev, non_blocking=True)
+            result = self.runner.round(RoundInputs.from_packed(longs, floats, **sizes), timer)
+        return _Flight(states=states, result=result, copy=HostCopy(result), longs=longs, floats=floats, sizes=sizes,
+                       timer=timer)
+
+    def _can_follow(self, flight: _Flight) -> bool:
+        """Whether the next round can be queued before ``flight`` is read: the same rows will run it (every one still
+        decoding, nobody else decoding, prefilling or able to take a free slot) and its writes stay inside the cache
+        whatever ``flight`` accepts. Rows that finish on ``flight``'s tokens only waste their place in it."""
+        if not self._overlap or self._waiting and self._free_slots:
+            return False
+        if any(s.phase is not Phase.DECODE for s in flight.states):
+            return False
+        decoding = sum(1 for s in self._active.values() if s.phase is not Phase.DONE)
+        if decoding != len(flight.states):
+            return False
+        block, nodes = flight.sizes["block_size"], flight.sizes["max_budget"] + 1
+        return max(s.root_position for s in flight.states) + block + nodes + 1 <= self.cache_len
+
+    def _follow_up(self, flight: _Flight) -> _Flight | None:
+        """Queue the round after ``flight`` with inputs advanced on the device from its result: each row's root is
+        the last token it commits, its position and step counter move by the tokens it commits. The states hold
+        every round before ``flight``, so their positions plus one block bound this round's cache reads."""
+        try:
+            result = flight.result
+            n = result[:, 0]
+            longs = flight.longs.clone()
+            longs[_ROOT] = torch.gather(result, 1, n[:, None])[:, 0]  # result[:, 1 + n - 1]
+            longs[_START] += n
+            longs[_STEP] += n
+            reach = max(s.root_position for s in flight.states) + flight.sizes["block_size"]
+            sizes = {**flight.sizes, "kv_len": reach + flight.sizes["max_budget"] + 1, "draft_kv_len": max(1, reach)}
+            return self._queue(flight.states, longs, flight.floats, sizes)
+        except Exception:  # the host path below will launch it (and isolate a faulty row if it fails again)
+            log.warning("queuing a follow-up round failed; launching from the host instead", exc_info=True)
+            return None
 
     def _collect(self, flight: _Flight) -> list[tuple[RequestState, list[int]]]:
         """Wait for a launched round and account for it; returns each still-decoding row's committed tokens
         (rows finished or cancelled while the round ran are dropped)."""
-        (rows,) = to_host(flight.result)
+        rows = flight.copy.get()
         stages = flight.timer.collect()
         with self._lock:
             for name, secs in stages.items():

@@ -292,3 +292,25 @@ class ModelRunner:
 def to_host(*tensors: Tensor) -> list[list]:
     """The one place a round's results cross to the host (a single synchronising copy per tensor)."""
     return [t.tolist() for t in tensors]
+
+
+class HostCopy:
+    """A device tensor's copy to the host, started now and read later (the engine starts it right after queuing a
+    round and reads it when it needs the tokens, possibly after queuing the next round, whose replay overwrites the
+    device tensor: the copy is ordered before that on the stream). On a CPU it is the tensor itself."""
+
+    def __init__(self, tensor: Tensor) -> None:
+        self._event = None
+        if tensor.is_cuda:
+            self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self._host.copy_(tensor, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = tensor.clone()
+
+    def get(self) -> list:
+        """The values as nested lists (waits for the copy: the round's one host sync)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()
