@@ -39,6 +39,12 @@ Algorithm (all requests at once, a static loop over the L depths)
    best B of each depth (a stable sort of the candidates), then the best B over all depths.
 3. Scores accumulate in float32 in depth order: ``score(child) = score(parent) + log q_d(token)``.
 
+With ``fast_topk`` and a tensor a Triton kernel can run on (CUDA; budgets up to ``tree_select.MAX_BUDGET``), steps
+2-3 are one launch of :func:`ddtree.spec.tree_select.select_nodes` instead of a sort per depth: per request it
+merges each depth's candidates into a running best-B list, keeping only those that beat its B-th entry, so its
+work follows the tree rather than L * B. It selects the same nodes, scores and order as this loop, which stays the
+default and the reference.
+
 Ties (deterministic, and consistent with the pruning argument above, so the result is exact even with ties)
 ----------------------------------------------------------------------------------------------------------
 Prefixes are totally ordered by (score descending, depth ascending, rank path lexicographic ascending), where
@@ -61,7 +67,7 @@ import torch
 from torch import Tensor
 
 from ddtree.errors import ConfigError
-from ddtree.spec import vocab_topk
+from ddtree.spec import tree_select, vocab_topk
 
 
 class Trees(NamedTuple):
@@ -220,8 +226,9 @@ def build_trees(
     depth_limit: [R] long, deepest allowed depth per request (e.g. its block_size - 1 when shorter than L).
     root_tokens: [R] long token of node 0 (the last committed token).
     fast_topk: take each depth's candidates from the fused Triton top-k + logsumexp kernel where it can run
-        (see :func:`depth_candidates`); the engine passes ``EngineConfig.gpu_kernels``. The same candidates either
-        way; scores differ only by the float32 rounding of the normaliser.
+        (see :func:`depth_candidates`) and select the nodes with the Triton kernel of
+        :mod:`ddtree.spec.tree_select` (step 2-3 above); the engine passes ``EngineConfig.gpu_kernels``. The same
+        candidates and nodes either way; scores differ only by the float32 rounding of the normaliser.
 
     Budget values above ``max_budget`` behave as ``max_budget``; nodes that would need a probability-0 token are
     left invalid, so a tree can hold fewer than its budget.
@@ -240,11 +247,24 @@ def build_trees(
         blank = torch.zeros(rows, b, dtype=torch.long, device=device)
         return _assemble(root, blank.bool(), blank, blank, blank, blank.float(), max_depth=0)
 
+    if depth_limit is not None:
+        if depth_limit.shape != (rows,):
+            raise ConfigError(f"depth_limit must have shape [{rows}], got {tuple(depth_limit.shape)}")
+        depth_limit = depth_limit.to(device=device, dtype=torch.long)
+
     log_probs, cand_tokens = depth_candidates(draft_logits, width, fast_topk)  # [R, L, K'] each
     if cap_r is not None:
         rank = torch.arange(width, device=device)
         capped = (cap_r > 0).unsqueeze(1) & (rank.unsqueeze(0) >= cap_r.unsqueeze(1))  # [R, K']
         log_probs = log_probs.masked_fill(capped.unsqueeze(1), -math.inf)
+    node_ids = torch.arange(1, n, device=device).expand(rows, b)
+
+    if fast_topk and tree_select.available(log_probs, b):
+        # Steps 2-3 in one Triton launch (tree_select); the same nodes as the loop below wherever they are valid.
+        sel_score, sel_depth, sel_parent, sel_rank = tree_select.select_nodes(log_probs, budget_r, depth_limit, b)
+        sel_token = torch.gather(cand_tokens.reshape(rows, depths * width), 1, sel_depth * width + sel_rank)
+        valid = (node_ids <= budget_r.unsqueeze(1)) & torch.isfinite(sel_score)  # [R, B]
+        return _assemble(root, valid, sel_token, sel_parent, sel_depth + 1, sel_score, max_depth=depths)
 
     # Step 2: the best B prefixes of every depth (kept_score [R, B], best first), remembering for depths >= 2
     # which candidate pair each came from.
@@ -272,16 +292,13 @@ def build_trees(
         flat_parent, flat_rank = first_parent.reshape(rows, b), first_rank
     flat_score = torch.stack(all_score, 1)  # [R, L, B]
     if depth_limit is not None:
-        if depth_limit.shape != (rows,):
-            raise ConfigError(f"depth_limit must have shape [{rows}], got {tuple(depth_limit.shape)}")
-        too_deep = torch.arange(1, depths + 1, device=device).unsqueeze(0) > depth_limit.to(device).unsqueeze(1)
+        too_deep = torch.arange(1, depths + 1, device=device).unsqueeze(0) > depth_limit.unsqueeze(1)
         flat_score = flat_score.masked_fill(too_deep.unsqueeze(2), -math.inf)
     flat_score = flat_score.reshape(rows, depths * b)
 
     # Best B over all depths: stable sort over depth-major columns = (score desc, depth asc, rank path lex).
     sel_score, sel = torch.sort(flat_score, dim=1, descending=True, stable=True)
     sel_score, sel = sel_score[:, :b], sel[:, :b]  # [R, B] column of node 1..B
-    node_ids = torch.arange(1, n, device=device).expand(rows, b)
     node_of = torch.zeros(rows, depths * b, dtype=torch.long, device=device).scatter_(1, sel, node_ids)
     sel_depth = sel // b  # depth - 1
     parent_col = (sel_depth - 1) * b + torch.gather(flat_parent, 1, sel)
