@@ -48,15 +48,17 @@ def dense_reference(q, k_cache, v_cache, slots, start, new_vis, kv_len):
     return masked_attention(q, k_all, v_all, mask[:, None])
 
 
-def loop_reference(q, k_cache, v_cache, slots, start, new_vis):
-    """The visibility rule written out per (row, head, query), softmax in float64."""
+def loop_reference(q, k_cache, v_cache, slots, start, new_vis, first=None):
+    """The visibility rule written out per (row, head, query), softmax in float64; ``first`` [R] hides prefix keys
+    below it."""
     r_count, h_count, t_count, d = q.shape
     group = h_count // k_cache.shape[1]
     out = torch.zeros(q.shape, dtype=torch.float64)
     for r in range(r_count):
         s0 = int(start[r])
+        f0 = 0 if first is None else int(first[r])
         for t in range(t_count):
-            keys = list(range(s0)) + [s0 + j for j in range(t_count) if bool(new_vis[r, t, j]) or j == t]
+            keys = list(range(f0, s0)) + [s0 + j for j in range(t_count) if bool(new_vis[r, t, j]) or j == t]
             for h in range(h_count):
                 k = k_cache[int(slots[r]), h // group, keys].double()
                 v = v_cache[int(slots[r]), h // group, keys].double()
@@ -168,6 +170,20 @@ def test_plain_decoding_single_token(splits):
     case = make_case(rows=4, heads=8, kv_heads=2, t=1, kv_len=37, max_len=40, vis="tree", seed=5)
     got = ta.tree_attention(**case, block_n=16, splits=splits)
     assert (got - dense_reference(**case)).abs().max().item() < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_first_hides_the_prefix_below_it(splits):
+    """``first`` (a drafter's window): prefix keys below it are invisible; at a block boundary, inside a block,
+    inside the new tokens' block, equal to start (no prefix at all) and 0 (no effect)."""
+    case = make_case(rows=6, heads=4, kv_heads=2, t=4, kv_len=70, max_len=72, vis="tree", seed=21)
+    start = torch.tensor([0, 66, 40, 35, 50, 20])
+    case["start"] = start.to(DEVICE)
+    first = torch.tensor([0, 17, 32, 35, 49, 0])  # row 3: first == start; row 4: same block as start
+    got = ta.tree_attention(**case, first=first.to(DEVICE), block_n=16, splits=splits)
+    ref = loop_reference(case["q"].cpu(), case["k_cache"].cpu(), case["v_cache"].cpu(), case["slots"].cpu(), start,
+                         case["new_vis"].cpu(), first)
+    assert (got.cpu().double() - ref).abs().max().item() < 1e-5
 
 
 @pytest.mark.parametrize("block_m", [16, 32, 128])

@@ -89,13 +89,14 @@ if triton is not None:
 
     @triton.jit
     def _attend_blocks(acc, m_i, l_i, q, k_base, v_base, vis_base, stride_kp, stride_vp, stride_vist,
-                       block_lo, block_hi, start, end, t_idx, row_ok, offs_n, offs_d, scale_log2,
+                       block_lo, block_hi, first, start, end, t_idx, row_ok, offs_n, offs_d, scale_log2,
                        MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
                        BLOCK_N: tl.constexpr):
         """Online-softmax accumulation over key blocks [block_lo, block_hi) of one row tile.
 
         acc [BLOCK_M, D] fp32, m_i/l_i [BLOCK_M] fp32 (running max in log2 units, running sum), q [BLOCK_M, D].
-        MASKED=False only for blocks wholly inside the committed prefix (every key visible to every row)."""
+        MASKED=False only for blocks wholly inside the visible prefix [first, start) (every key visible to every
+        row); masked blocks also hide keys below ``first``."""
         for block in range(block_lo, block_hi):
             p_idx = block * BLOCK_N + offs_n  # [BLOCK_N] cache indices
             if MASKED:
@@ -111,7 +112,8 @@ if triton is not None:
                 is_new = (j >= 0) & key_ok
                 vis_ok = row_ok[:, None] & is_new[None, :]
                 seen = tl.load(vis_base + t_idx[:, None] * stride_vist + j[None, :], mask=vis_ok, other=0)
-                visible = (p_idx < start)[None, :] | (is_new[None, :] & ((seen != 0) | (j[None, :] == t_idx[:, None])))
+                visible = ((p_idx < start) & (p_idx >= first))[None, :] | (
+                    is_new[None, :] & ((seen != 0) | (j[None, :] == t_idx[:, None])))
                 qk = tl.where(visible & row_ok[:, None], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay at zero
@@ -124,7 +126,7 @@ if triton is not None:
 
     @triton.jit
     def _tree_attention_split_kernel(
-        q_ptr, k_ptr, v_ptr, slots_ptr, start_ptr, vis_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+        q_ptr, k_ptr, v_ptr, slots_ptr, start_ptr, first_ptr, vis_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
         stride_qr, stride_qh, stride_qt,  # q [R, H, T, D], unit stride over D
         stride_ks, stride_kh, stride_kp,  # k cache [slots, KV, max_len, D], unit stride over D
         stride_vs, stride_vh, stride_vp,  # v cache
@@ -132,7 +134,7 @@ if triton is not None:
         stride_visr, stride_vist,  # new_vis [R, T, T] as uint8, unit stride over t'
         T, G, num_kv, num_splits, rows_padded, scale_log2,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, HAS_FIRST: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         pid_s = tl.program_id(1)
@@ -157,22 +159,36 @@ if triton is not None:
         v_base = v_ptr + slot * stride_vs + kv * stride_vh
         vis_base = vis_ptr + r * stride_visr
 
-        # This split's share of the row's key blocks; full_blocks lie wholly inside the committed prefix.
+        # Keys below `first` are hidden (a drafter's window); blocks wholly below it are never visited.
+        if HAS_FIRST:
+            first = tl.load(first_ptr + r)
+        else:
+            first = 0
+        # This split's share of the row's key blocks [first_block, n_blocks); blocks [clean_lo, full_blocks) lie
+        # wholly inside the visible prefix [first, start) and run unmasked.
+        first_block = first // BLOCK_N
         n_blocks = tl.cdiv(end, BLOCK_N)
-        per_split = tl.cdiv(n_blocks, num_splits)
-        lo = pid_s * per_split
+        per_split = tl.cdiv(n_blocks - first_block, num_splits)
+        lo = first_block + pid_s * per_split
         hi = tl.minimum(lo + per_split, n_blocks)
         full_blocks = start // BLOCK_N
+        clean_lo = tl.minimum(tl.cdiv(first, BLOCK_N), full_blocks)
 
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if HAS_FIRST:  # the block holding `first` (partly hidden), if it is not also a block of new tokens
+            acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_base, v_base, vis_base, stride_kp, stride_vp,
+                                           stride_vist, lo, tl.minimum(hi, clean_lo), first, start, end, t_idx,
+                                           row_ok, offs_n, offs_d, scale_log2, True, DOT_PRECISION, DOT_UPCAST,
+                                           BLOCK_N)
         acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_base, v_base, vis_base, stride_kp, stride_vp,
-                                       stride_vist, lo, tl.minimum(hi, full_blocks), start, end, t_idx, row_ok,
-                                       offs_n, offs_d, scale_log2, False, DOT_PRECISION, DOT_UPCAST, BLOCK_N)
+                                       stride_vist, tl.maximum(lo, clean_lo), tl.minimum(hi, full_blocks), first,
+                                       start, end, t_idx, row_ok, offs_n, offs_d, scale_log2, False, DOT_PRECISION,
+                                       DOT_UPCAST, BLOCK_N)
         acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_base, v_base, vis_base, stride_kp, stride_vp,
-                                       stride_vist, tl.maximum(lo, full_blocks), hi, start, end, t_idx, row_ok,
-                                       offs_n, offs_d, scale_log2, True, DOT_PRECISION, DOT_UPCAST, BLOCK_N)
+                                       stride_vist, tl.maximum(lo, full_blocks), hi, first, start, end, t_idx,
+                                       row_ok, offs_n, offs_d, scale_log2, True, DOT_PRECISION, DOT_UPCAST, BLOCK_N)
 
         if DIRECT:
             out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -328,13 +344,14 @@ def _check_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, st
 
 
 def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start: Tensor, new_vis: Tensor,
-                   kv_len: int, *, block_n: int | None = None, splits: int | None = None, block_m: int | None = None,
-                   num_warps: int = 4, num_stages: int = 2) -> Tensor:
+                   kv_len: int, *, first: Tensor | None = None, block_n: int | None = None, splits: int | None = None,
+                   block_m: int | None = None, num_warps: int = 4, num_stages: int = 2) -> Tensor:
     """Attention of the new tokens over their rows' cache slots under the tree visibility rule (module docstring).
 
     q [R, H, T, D] (fp32/fp16/bf16, D in 64/128/256); k_cache, v_cache [slots, KV, max_len, D] (one layer of the
     :class:`~ddtree.models.kv_cache.KVCache`, new tokens already written at ``start + t``); slots [R] long;
-    start [R] long; new_vis [R, T, T] bool; kv_len: host int >= max(start) + T (not checked: that would sync).
+    start [R] long; new_vis [R, T, T] bool; kv_len: host int >= max(start) + T (not checked: that would sync);
+    first [R] long (optional, each <= its start): prefix keys below it are hidden too (a DFlash draft window).
     Softmax in fp32 with scale 1/sqrt(D). Returns [R, H, T, D] in q's dtype.
 
     ``block_n`` (keys per tile), ``splits`` (context splits per row), ``block_m`` (folded query rows per program,
@@ -377,8 +394,10 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, s
         part_acc = torch.empty((r * kv, splits, rows_padded, d), dtype=torch.float32, device=q.device)
     scale_log2 = d**-0.5 * math.log2(math.e)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 stays exact; halves ignore the setting
+    if first is not None and first.shape != (r,):
+        raise ConfigError(f"tree_attention: first must be [{r}], got {tuple(first.shape)}")
     _tree_attention_split_kernel[(row_tiles, splits, r * kv)](
-        q, k_cache, v_cache, slots, start, vis, out, part_m, part_l, part_acc,
+        q, k_cache, v_cache, slots, start, start if first is None else first, vis, out, part_m, part_l, part_acc,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -386,7 +405,7 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, s
         vis.stride(0), vis.stride(1),
         t, g, kv, splits, rows_padded, scale_log2,
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct, DOT_PRECISION=precision,
-        DOT_UPCAST=INTERPRETED and q.dtype == torch.bfloat16,
+        DOT_UPCAST=INTERPRETED and q.dtype == torch.bfloat16, HAS_FIRST=first is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     if not direct:
