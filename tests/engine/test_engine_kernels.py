@@ -1,5 +1,6 @@
-"""The engine with every Triton kernel on (fused layer ops, tree attention, vocabulary top-k) decodes the shipped
-demo pair exactly like plain decoding and like the torch path.
+"""The engine with every Triton kernel on (fused layer ops, tree attention in the verify and the drafter, K/V
+stores, vocabulary top-k, node selection) decodes the shipped demo pair exactly like plain decoding and like the
+torch path.
 
 Without a GPU the kernels run through Triton's interpreter (tests/conftest.py), so this checks on a CPU the wiring
 a GPU runs: ``EngineConfig(gpu_kernels=True)`` reaching ``fuse_projections``, ``build_trees(fast_topk=True)`` and
@@ -14,8 +15,15 @@ import torch
 from ddtree import triton_runtime
 from ddtree.assets import demo_drafter_path, demo_target_path
 from ddtree.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, TreeSettings
-from ddtree.models import fuse_projections, load_drafter, load_target, load_tokenizer, tree_attention
-from ddtree.spec import vocab_topk
+from ddtree.models import (
+    DFlashDrafter,
+    fuse_projections,
+    load_drafter,
+    load_target,
+    load_tokenizer,
+    tree_attention,
+)
+from ddtree.spec import tree_select, vocab_topk
 
 pytestmark = [
     pytest.mark.slow,
@@ -25,23 +33,32 @@ pytestmark = [
 ]
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-REAL_TOPK, REAL_ATTENTION = vocab_topk.topk_logsumexp, tree_attention.tree_attention
+REAL = {"topk": (vocab_topk, "topk_logsumexp"), "attention": (tree_attention, "tree_attention"),
+        "kv_store": (tree_attention, "write_kv"), "select": (tree_select, "select_nodes")}
+REAL_FUNCTIONS = {name: getattr(module, attr) for name, (module, attr) in REAL.items()}
+REAL_KERNEL_ATTEND = DFlashDrafter._kernel_attend
 PROMPT = "import os\n\ndef walk(path):\n    for root, dirs, files in os.walk(path):\n"
 
 
 def _decode(kernels: bool, monkeypatch) -> tuple[list[list[int]], dict[str, int]]:
-    calls = {"topk": 0, "attention": 0}
+    calls = dict.fromkeys(REAL, 0)
 
-    def counted_topk(*args, **kwargs):
-        calls["topk"] += 1
-        return REAL_TOPK(*args, **kwargs)
+    def counted(name):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return REAL_FUNCTIONS[name](*args, **kwargs)
 
-    def counted_attention(*args, **kwargs):
-        calls["attention"] += 1
-        return REAL_ATTENTION(*args, **kwargs)
+        return call
 
-    monkeypatch.setattr(vocab_topk, "topk_logsumexp", counted_topk)
-    monkeypatch.setattr(tree_attention, "tree_attention", counted_attention)
+    for name, (module, attr) in REAL.items():
+        monkeypatch.setattr(module, attr, counted(name))
+    calls["drafter_blocks"] = 0
+
+    def counted_blocks(self, *args, **kwargs):
+        calls["drafter_blocks"] += 1
+        return REAL_KERNEL_ATTEND(self, *args, **kwargs)
+
+    monkeypatch.setattr(DFlashDrafter, "_kernel_attend", counted_blocks)
     tokenizer = load_tokenizer(demo_target_path())
     target = load_target(demo_target_path(), dtype=torch.float32, device=DEVICE)
     drafter = load_drafter(demo_drafter_path(), dtype=torch.float32, device=DEVICE)
@@ -66,6 +83,8 @@ def _decode(kernels: bool, monkeypatch) -> tuple[list[list[int]], dict[str, int]
 def test_engine_with_every_kernel_equals_plain_decoding_and_the_torch_path(triton_kernels_on_cpu, monkeypatch):
     reference, reference_calls = _decode(False, monkeypatch)
     tokens, calls = _decode(True, monkeypatch)
-    assert reference_calls == {"topk": 0, "attention": 0}
-    assert calls["topk"] > 0 and calls["attention"] > 0  # the kernels really ran
+    assert set(reference_calls.values()) == {0}, reference_calls
+    assert min(calls.values()) > 0, calls  # every kernel really ran
+    assert calls["attention"] == calls["kv_store"]  # each kernel attention stored its new K/V with the kernel
+    assert calls["drafter_blocks"] > 0  # the drafter's blocks attended through the kernel too
     assert tokens[0] == tokens[1] == reference[0] == reference[1]

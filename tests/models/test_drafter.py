@@ -190,3 +190,35 @@ def test_check_target_rejects_mismatched_target():
     drafter = random_drafter(target_layer_ids=(0, 5))
     with pytest.raises(ConfigError, match="target_layer_ids"):
         drafter.check_target(random_target())
+
+
+def test_tree_kernel_path_equals_the_dense_path(triton_kernels_on_cpu):
+    """draft_logits(tree_kernel=True) (block K/V written into the cache, the Triton kernel reading context and block
+    by slot, the window as the kernel's first visible key) gives the dense path's logits: mixed context lengths, a
+    window, a shorter block_len and a padding row on the scratch slot. It leaves the committed context untouched."""
+    from ddtree import triton_runtime
+
+    if triton_runtime.triton is None:
+        pytest.skip("needs Triton")
+    target = random_target()
+    drafter = random_drafter(head_dim=64, block_size=5)
+    assert drafter.supports_tree_attention()
+    assert not random_drafter(head_dim=64, **CASES["sliding"]).supports_tree_attention()
+    ids = torch.randint(0, 90, (3, 14), generator=torch.Generator().manual_seed(8))
+    features = features_of(target, drafter, ids)
+    lens = [12, 5, 9]
+    cache = drafter.allocate_cache(3, 24)
+    fill_context(drafter, features, lens, cache, slots=[2, 0, 1])
+    roots = torch.tensor([int(ids[0, 12]), int(ids[1, 5]), int(ids[2, 9]), 0])
+    ctx = torch.tensor(lens + [0])
+    slots = torch.tensor([2, 0, 1, cache.scratch_slot])
+    window = torch.tensor([4, 1 << 30, 20, 1 << 30])
+    block_len = torch.tensor([5, 3, 5, 5])
+    before = cache.k.clone()
+    dense = drafter.draft_logits(target, roots, ctx, cache, slots, 5, block_len=block_len, window=window, kv_len=13)
+    fast = drafter.draft_logits(target, roots, ctx, cache, slots, 5, block_len=block_len, window=window, kv_len=13,
+                                tree_kernel=True)
+    assert rel_err(fast[:3], dense[:3]) < 1e-4
+    assert rel_err(fast[1, :2], dense[1, :2]) < 1e-4  # the short block's live depths
+    for r, n in enumerate(lens):
+        assert torch.equal(cache.k[:, slots[r], :, :n], before[:, slots[r], :, :n])

@@ -627,8 +627,10 @@ class Engine:
         decoding = sum(1 for s in self._active.values() if s.phase is not Phase.DONE)
         if decoding != len(flight.states):
             return False
+        # The next round's roots lie at most a block past the states' positions; from there it writes its tree
+        # (nodes) into the target cache and its block into the drafter's.
         block, nodes = flight.sizes["block_size"], flight.sizes["max_budget"] + 1
-        return max(s.root_position for s in flight.states) + block + nodes + 1 <= self.cache_len
+        return max(s.root_position for s in flight.states) + block + max(nodes, block) + 1 <= self.cache_len
 
     def _follow_up(self, flight: _Flight) -> _Flight | None:
         """Queue the round after ``flight`` with inputs advanced on the device from its result: each row's root is

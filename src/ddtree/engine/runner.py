@@ -138,13 +138,14 @@ class ModelRunner:
         cache_len: int,
         kernels: bool = True,
     ) -> None:
-        """kernels: use the Triton kernels where they can run (CUDA): the vocabulary top-k of tree building and
-        the verify's tree attention (``EngineConfig.gpu_kernels``; the layers' own kernels are chosen by
-        :func:`ddtree.models.fuse_projections`)."""
+        """kernels: use the Triton kernels where they can run (CUDA): the vocabulary top-k and node selection of
+        tree building, the verify's and the drafter's tree attention (``EngineConfig.gpu_kernels``; the layers' own
+        kernels are chosen by :func:`ddtree.models.fuse_projections`)."""
         self.target = target
         self.drafter = drafter
         self.fast_topk = kernels
         self.tree_kernel = kernels and target.supports_tree_attention()
+        self.draft_kernel = kernels and drafter is not None and drafter.supports_tree_attention()
         param = next(target.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.target_cache: KVCache = target.allocate_cache(slots, cache_len)
@@ -199,6 +200,7 @@ class ModelRunner:
                 block_len=inp.depth_limit + 1,
                 window=inp.window,
                 kv_len=inp.draft_kv_len,
+                tree_kernel=self.draft_kernel,
             )
 
     def stage_tree(self, inp: RoundInputs, work: dict) -> None:

@@ -33,10 +33,12 @@ import torch
 from torch import Tensor, nn
 
 from ddtree.errors import ConfigError
+from ddtree.models import tree_attention
 from ddtree.models.config import DrafterConfig
 from ddtree.models.kv_cache import KVCache
 from ddtree.models.layers import Attend, DecoderLayer, RMSNorm, Rotary, masked_attention
 from ddtree.models.target import TargetModel
+from ddtree.triton_runtime import can_run
 
 
 def draft_visibility(anchor: Tensor, depth: Tensor, query_block: Tensor, context_len: int, key_depth: Tensor,
@@ -118,6 +120,14 @@ class DFlashDrafter(nn.Module):
         return KVCache.allocate(c.num_layers, slots, c.num_kv_heads, max_len, c.head_dim,
                                 dtype=dtype or self.dtype, device=device or self.device)
 
+    def supports_tree_attention(self) -> bool:
+        """Whether :meth:`draft_logits` can attend through the Triton tree-attention kernel (``tree_kernel=True``):
+        it can run on this drafter's weights, takes its head dim, and every layer sees its whole block (a causal
+        or sliding layer's in-block rule is not the kernel's)."""
+        c = self.config
+        return (can_run(self.fc.weight) and tree_attention.supports_head_dim(c.head_dim)
+                and all(not c.layer_is_causal(i) and c.layer_window(i) is None for i in range(c.num_layers)))
+
     def check_target(self, target: TargetModel) -> None:
         """Raise ConfigError unless this drafter can run on ``target`` (shared embedding and LM head)."""
         t, c = target.config, self.config
@@ -188,20 +198,30 @@ class DFlashDrafter(nn.Module):
 
     def draft_logits(self, target: TargetModel, root_tokens: Tensor, ctx_len: Tensor, cache: KVCache,
                      slots: Tensor, block_size: int, *, block_len: Tensor | None = None,
-                     window: Tensor | None = None, kv_len: int | None = None) -> Tensor:
+                     window: Tensor | None = None, kv_len: int | None = None, tree_kernel: bool = False) -> Tensor:
         """Draft one block per request -> logits [R, block_size - 1, V] for depths 1 .. block_size - 1.
 
         root_tokens [R] last committed token (the anchor, at position ``ctx_len``); ctx_len [R] context
         positions ``0 .. ctx_len - 1`` are in the cache; slots [R]; block_size the static block length of this
         call; block_len [R] per-request block size <= block_size (outputs past it are meaningless); window [R]
         draft window (None = all context); kv_len static number of cache positions read (a bound on every
-        ``ctx_len``; None = the whole cache)."""
+        ``ctx_len``; None = the whole cache).
+
+        tree_kernel (the caller's choice, where :meth:`supports_tree_attention`): attend through the Triton
+        tree-attention kernel instead of gathering the context and building a dense mask. The block's K/V are then
+        written into the cache at ``ctx_len ..`` first (positions past the committed context: the next
+        :meth:`append_context` overwrites them) and the kernel reads context and block from the cache by slot."""
         c = self.config
         length = cache.max_len if kv_len is None else kv_len
         device = root_tokens.device
         depth = torch.arange(block_size, device=device)
         ids = torch.where(depth == 0, root_tokens[:, None], c.mask_token_id)  # [R, bs]
         positions = ctx_len[:, None] + depth  # [R, bs]
+        if tree_kernel:
+            if not self.supports_tree_attention():
+                raise ConfigError("draft_logits(tree_kernel=True) needs supports_tree_attention(); use the dense path")
+            return self.head(target, self._run_blocks(target, ids, positions, self._kernel_attend(
+                cache, slots, ctx_len, positions, block_size, block_len, window, length))[:, 1:])
         zeros = torch.zeros_like(depth)
         anchor = ctx_len[:, None].expand(-1, block_size)
         masks = self._layer_masks(lambda causal, sliding: draft_visibility(
@@ -214,6 +234,28 @@ class DFlashDrafter(nn.Module):
 
         h = self._run_blocks(target, ids, positions, attend)
         return self.head(target, h[:, 1:])
+
+    def _kernel_attend(self, cache: KVCache, slots: Tensor, ctx_len: Tensor, positions: Tensor, block_size: int,
+                       block_len: Tensor | None, window: Tensor | None, length: int) -> Attend:
+        """The block attention of :func:`draft_visibility` for full layers, as the tree kernel's (start, new_vis,
+        first): context ``[ctx_len - window, ctx_len)``, and every block key except, for live queries (depth below
+        block_len), keys at depth >= block_len."""
+        rows = ctx_len.shape[0]
+        depth = torch.arange(block_size, device=ctx_len.device)
+        new_vis = torch.ones(rows, block_size, block_size, dtype=torch.bool, device=ctx_len.device)
+        if block_len is not None:
+            hidden_key = depth[None, None, :] >= block_len[:, None, None]
+            live_query = depth[None, :, None] < block_len[:, None, None]
+            new_vis = ~(hidden_key & live_query)
+        first = None if window is None else (ctx_len - window).clamp(min=0)
+        kv_len = min(length + block_size, cache.max_len)  # ctx_len + block_size <= the engine's cache length
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            tree_attention.write_kv(cache.k[layer], cache.v[layer], slots, positions, k, v)
+            return tree_attention.tree_attention(q, cache.k[layer], cache.v[layer], slots, ctx_len, new_vis, kv_len,
+                                                 first=first)
+
+        return attend
 
     def forward_train(self, target: TargetModel, input_ids: Tensor, target_hidden: Tensor, anchors: Tensor, *,
                       block_size: int | None = None, window: int | None = None,
