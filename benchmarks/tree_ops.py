@@ -120,13 +120,13 @@ def measure(rows: int, budget: int, args: argparse.Namespace, device: torch.devi
         def build(fast_topk: bool = fast_topk) -> object:
             return build_trees(logits, budgets, max_budget=budget, fast_topk=fast_topk)
 
-        def round_(build: Callable[[], object] = build) -> object:
-            return walk_trees(build(), choices, args.depths)
+        def round_(build: Callable[[], object] = build, kernel: bool = fast_topk) -> object:
+            return walk_trees(build(), choices, args.depths, kernel=kernel)
 
         if args.count_ops:
             record[f"{prefix}build_ops"] = count_ops(build, device)
-            record[f"{prefix}walk_ops"] = count_ops(functools.partial(walk_trees, build(), choices, args.depths),
-                                                    device)
+            record[f"{prefix}walk_ops"] = count_ops(functools.partial(walk_trees, build(), choices, args.depths,
+                                                                      kernel=fast_topk), device)
         for name, fn in (("build", build), ("build_walk", round_)):
             if args.cuda_graph:
                 fn = _graphed(fn, args.warmup)

@@ -6,13 +6,31 @@ import pytest
 import torch
 from spec_oracles import walk_reference
 
+from ddtree import triton_runtime
 from ddtree.errors import ConfigError
 from ddtree.spec import Trees, build_chain, build_trees, walk_trees
 from ddtree.spec.tree import ancestor_visibility
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# kernel=True: the one-program-per-request Triton walk (through the interpreter on a CPU), against the same reference.
+KERNEL = [False, pytest.param(True, marks=pytest.mark.skipif(
+    triton_runtime.triton is None or (DEVICE == "cpu" and not triton_runtime.INTERPRETED),
+    reason="needs Triton, and without a GPU its interpreter"))]
 
-def _check_walk(trees: Trees, choices: torch.Tensor, max_depth: int) -> None:
-    result = walk_trees(trees, choices, max_depth)
+
+@pytest.fixture
+def kernel(request, triton_kernels_on_cpu) -> bool:
+    return request.param
+
+
+def _check_walk(trees: Trees, choices: torch.Tensor, max_depth: int, kernel: bool = False) -> None:
+    if kernel:
+        trees = Trees(*(t.to(DEVICE) for t in trees))
+        choices = choices.to(DEVICE)
+    result = walk_trees(trees, choices, max_depth, kernel=kernel)
+    if kernel:
+        trees = Trees(*(t.cpu() for t in trees))
+        result = type(result)(*(t.cpu() for t in result))
     for r in range(trees.tokens.shape[0]):
         tokens, choice = trees.tokens[r].tolist(), choices[r].tolist()
         path = walk_reference(tokens, trees.parents[r].tolist(), trees.valid[r].tolist(), choice)
@@ -24,8 +42,9 @@ def _check_walk(trees: Trees, choices: torch.Tensor, max_depth: int) -> None:
         assert result.new_tokens[r].tolist() == [tokens[i] for i in path[1:]] + [bonus] * (max_depth + 2 - n)
 
 
+@pytest.mark.parametrize("kernel", KERNEL, indirect=True)
 @pytest.mark.parametrize("seed", range(20))
-def test_walk_matches_reference_on_built_trees(seed: int) -> None:
+def test_walk_matches_reference_on_built_trees(seed: int, kernel: bool) -> None:
     gen = torch.Generator().manual_seed(seed)
     rows, depths, vocab, max_budget = 6, 4, 3, 14
     logits = 2 * torch.randn(rows, depths, vocab, generator=gen)
@@ -33,21 +52,23 @@ def test_walk_matches_reference_on_built_trees(seed: int) -> None:
     trees = build_trees(logits, budgets, max_budget=max_budget, root_tokens=torch.randint(0, vocab, (rows,)))
     # A small vocabulary makes long accepted paths common; biasing choices towards tokens 0/1 mixes both.
     choices = torch.randint(0, vocab, (rows, max_budget + 1), generator=gen)
-    _check_walk(trees, choices, depths)
+    _check_walk(trees, choices, depths, kernel)
 
 
-def test_walk_accepts_the_whole_chain_and_nothing() -> None:
-    logits = torch.tensor([[[0.0, 5.0, 0.0], [5.0, 0.0, 0.0], [0.0, 0.0, 5.0]]]).repeat(2, 1, 1)
+@pytest.mark.parametrize("kernel", KERNEL, indirect=True)
+def test_walk_accepts_the_whole_chain_and_nothing(kernel: bool) -> None:
+    logits = torch.tensor([[[0.0, 5.0, 0.0], [5.0, 0.0, 0.0], [0.0, 0.0, 5.0]]]).repeat(2, 1, 1).to(DEVICE)
     chain = build_chain(logits)  # tokens root, 1, 0, 2
-    everything = torch.tensor([[1, 0, 2, 1], [2, 0, 2, 1]])  # request 1 rejects at the root
-    result = walk_trees(chain, everything, 3)
+    everything = torch.tensor([[1, 0, 2, 1], [2, 0, 2, 1]], device=DEVICE)  # request 1 rejects at the root
+    result = walk_trees(chain, everything, 3, kernel=kernel)
     assert result.num_accepted.tolist() == [4, 1]
     assert result.path.tolist() == [[0, 1, 2, 3], [0, 0, 0, 0]]
     assert result.new_tokens.tolist() == [[1, 0, 2, 1], [2, 2, 2, 2]]
     assert result.bonus.tolist() == [1, 2]
 
 
-def test_walk_on_hand_made_tree_with_padding_that_would_match() -> None:
+@pytest.mark.parametrize("kernel", KERNEL, indirect=True)
+def test_walk_on_hand_made_tree_with_padding_that_would_match(kernel: bool) -> None:
     # root -> a(1) -> c(2); root -> b(3); node 4 is padding whose token/parent would match if not masked.
     tokens = torch.tensor([[9, 1, 3, 2, 5]])
     parents = torch.tensor([[-1, 0, 1, 0, 1]])
@@ -56,7 +77,7 @@ def test_walk_on_hand_made_tree_with_padding_that_would_match() -> None:
     trees = Trees(tokens, parents, depths, valid, ancestor_visibility(parents, valid, 2),
                   torch.zeros(1, 5))
     for choice in ([1, 5, 0, 0, 0], [2, 3, 0, 0, 0], [1, 3, 7, 0, 0], [4, 0, 0, 0, 0]):
-        _check_walk(trees, torch.tensor([choice]), 2)
+        _check_walk(trees, torch.tensor([choice]), 2, kernel)
 
 
 def test_walk_rejects_mismatched_shapes() -> None:

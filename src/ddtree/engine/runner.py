@@ -249,7 +249,7 @@ class ModelRunner:
 
     def stage_commit(self, inp: RoundInputs, work: dict) -> None:
         max_depth = inp.block_size - 1 if "draft_logits" in work else 0
-        walk = spec.walk_trees(work["trees"], work["choices"], max_depth)
+        walk = spec.walk_trees(work["trees"], work["choices"], max_depth, kernel=self.fast_topk)
         spec.compact_cache(self.target_cache.k, inp.slots, inp.start, walk.path, contiguous=inp.contiguous)
         spec.compact_cache(self.target_cache.v, inp.slots, inp.start, walk.path, contiguous=inp.contiguous)
         if work["hidden"] is not None:
