@@ -1,5 +1,5 @@
 """The engine with every Triton kernel on (fused layer ops, tree attention in the verify and the drafter, K/V
-stores, vocabulary top-k, node selection, the walk) decodes the shipped demo pair exactly like plain decoding and like the
+stores, vocabulary top-k, node selection, the walk, KV compaction) decodes the shipped demo pair exactly like plain decoding and like the
 torch path.
 
 Without a GPU the kernels run through Triton's interpreter (tests/conftest.py), so this checks on a CPU the wiring
@@ -23,7 +23,7 @@ from ddtree.models import (
     load_tokenizer,
     tree_attention,
 )
-from ddtree.spec import tree_select, vocab_topk, walk
+from ddtree.spec import compaction, tree_select, vocab_topk, walk
 
 pytestmark = [
     pytest.mark.slow,
@@ -35,7 +35,7 @@ pytestmark = [
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 REAL = {"topk": (vocab_topk, "topk_logsumexp"), "attention": (tree_attention, "tree_attention"),
         "kv_store": (tree_attention, "write_kv"), "select": (tree_select, "select_nodes"),
-        "walk": (walk, "_walk_kernel_launch")}
+        "walk": (walk, "_walk_kernel_launch"), "compaction": (compaction, "_compact_kernel_launch")}
 REAL_FUNCTIONS = {name: getattr(module, attr) for name, (module, attr) in REAL.items()}
 REAL_KERNEL_ATTEND = DFlashDrafter._kernel_attend
 PROMPT = "import os\n\ndef walk(path):\n    for root, dirs, files in os.walk(path):\n"

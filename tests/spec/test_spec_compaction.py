@@ -6,14 +6,27 @@ import pytest
 import torch
 from spec_oracles import compact_reference
 
+from ddtree import triton_runtime
 from ddtree.spec import build_trees, compact_cache, walk_trees
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# kernel=True: the Triton compaction (through the interpreter on a CPU), against the same loop reference.
+KERNEL = [False, pytest.param(True, marks=pytest.mark.skipif(
+    triton_runtime.triton is None or (DEVICE == "cpu" and not triton_runtime.INTERPRETED),
+    reason="needs Triton, and without a GPU its interpreter"))]
 
+
+@pytest.fixture
+def kernel(request, triton_kernels_on_cpu) -> bool:
+    return request.param
+
+
+@pytest.mark.parametrize("kernel", KERNEL, indirect=True)
 @pytest.mark.parametrize("seed", range(6))
-def test_compaction_matches_loop_on_walked_trees(seed: int) -> None:
+def test_compaction_matches_loop_on_walked_trees(seed: int, kernel: bool) -> None:
     gen = torch.Generator().manual_seed(seed)
     rows, depths, vocab, budget = 4, 4, 3, 12
-    layers, slots, heads, max_len, head_dim = 2, 6, 2, 40, 3
+    layers, slots, heads, max_len, head_dim = 2, 6, 2, 40, 4
     trees = build_trees(2 * torch.randn(rows, depths, vocab, generator=gen), budget)
     choices = torch.randint(0, vocab, (rows, budget + 1), generator=gen)
     walk = walk_trees(trees, choices, depths)
@@ -21,15 +34,20 @@ def test_compaction_matches_loop_on_walked_trees(seed: int) -> None:
     slot_ids = torch.randperm(slots, generator=gen)[:rows]
     start = torch.randint(0, max_len - budget - 1, (rows,), generator=gen)
     expected = compact_reference(cache, slot_ids.tolist(), start.tolist(), walk.path.tolist())
-    compact_cache(cache, slot_ids, start, walk.path)
-    assert torch.equal(cache, expected)
+    on = {"device": DEVICE} if kernel else {"device": "cpu"}
+    cache = cache.to(**on)
+    compact_cache(cache, slot_ids.to(**on), start.to(**on), walk.path.to(**on), kernel=kernel)
+    assert torch.equal(cache.cpu(), expected)
 
 
-def test_overlapping_moves_read_before_writing() -> None:
+@pytest.mark.parametrize("kernel", KERNEL, indirect=True)
+def test_overlapping_moves_read_before_writing(kernel: bool) -> None:
     # Path 0, 2, 3, 5: node 2 moves to start+1 while node 3 moves to start+2 (node 2's old place) etc.
-    cache = torch.arange(10.0).view(1, 1, 1, 10, 1).clone()
-    compact_cache(cache, torch.tensor([0]), torch.tensor([1]), torch.tensor([[0, 2, 3, 5, 5]]))
-    assert cache.flatten().tolist() == [0, 1, 3, 4, 6, 6, 6, 7, 8, 9]
+    dev = DEVICE if kernel else "cpu"
+    cache = torch.arange(10.0, device=dev).view(1, 1, 1, 10, 1).repeat(1, 1, 1, 1, 2)
+    compact_cache(cache, torch.tensor([0], device=dev), torch.tensor([1], device=dev),
+                  torch.tensor([[0, 2, 3, 5, 5]], device=dev), kernel=kernel)
+    assert cache[..., 0].flatten().tolist() == [0, 1, 3, 4, 6, 6, 6, 7, 8, 9]
 
 
 def test_contiguous_fast_path_leaves_memory_untouched() -> None:

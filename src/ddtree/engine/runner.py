@@ -143,7 +143,7 @@ class ModelRunner:
         kernels are chosen by :func:`ddtree.models.fuse_projections`)."""
         self.target = target
         self.drafter = drafter
-        self.fast_topk = kernels
+        self.spec_kernels = kernels  # Triton for the vocabulary pass, node selection, walk and compaction
         self.tree_kernel = kernels and target.supports_tree_attention()
         self.draft_kernel = kernels and drafter is not None and drafter.supports_tree_attention()
         param = next(target.parameters())
@@ -212,7 +212,7 @@ class ModelRunner:
                 max_budget=inp.max_budget,
                 depth_limit=inp.depth_limit,
                 root_tokens=inp.root_tokens,
-                fast_topk=self.fast_topk,
+                fast_topk=self.spec_kernels,
             )
         else:
             trees = root_only_trees(inp.root_tokens)
@@ -249,9 +249,10 @@ class ModelRunner:
 
     def stage_commit(self, inp: RoundInputs, work: dict) -> None:
         max_depth = inp.block_size - 1 if "draft_logits" in work else 0
-        walk = spec.walk_trees(work["trees"], work["choices"], max_depth, kernel=self.fast_topk)
-        spec.compact_cache(self.target_cache.k, inp.slots, inp.start, walk.path, contiguous=inp.contiguous)
-        spec.compact_cache(self.target_cache.v, inp.slots, inp.start, walk.path, contiguous=inp.contiguous)
+        walk = spec.walk_trees(work["trees"], work["choices"], max_depth, kernel=self.spec_kernels)
+        for cache in (self.target_cache.k, self.target_cache.v):
+            spec.compact_cache(cache, inp.slots, inp.start, walk.path, contiguous=inp.contiguous,
+                               kernel=self.spec_kernels)
         if work["hidden"] is not None:
             hidden = work["hidden"]  # [R, N, F]
             feats = torch.gather(hidden, 1, walk.path[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [R, L+1, F]
