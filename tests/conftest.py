@@ -183,9 +183,12 @@ class OracleDrafter(torch.nn.Module):
     def append_context(self, *args, **kwargs) -> None:
         self.inner.append_context(*args, **kwargs)
 
+    def supports_tree_attention(self) -> bool:
+        return False  # its rollout attends through the target's dense path
+
     @torch.inference_mode()
     def draft_logits(self, target, root_tokens, ctx_len, cache, slots, block_size, *, block_len=None, window=None,
-                     kv_len=None):
+                     kv_len=None, tree_kernel=False):
         from ddtree import spec
 
         r = root_tokens.shape[0]
