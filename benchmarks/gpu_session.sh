@@ -34,7 +34,7 @@ else
   kernels=()
   [ -n "${NO_KERNELS:-}" ] && kernels=(--no-kernels)
   python3 benchmarks/gpu.py --out "$OUT/c1" --no-hf "${kernels[@]}" --concurrency 1 --contexts 1024,60,8192,4096 \
-    --budgets 8,16,32,64,128,256 --time-budget 230 >/dev/null 2>&1 || echo "c1 failed"
+    --budgets 8,16,32,64,128,256 --time-budget 195 >/dev/null 2>&1 || echo "c1 failed"
   echo "c1 done at ${SECONDS}s"
   python3 benchmarks/gpu.py --out "$OUT/c64" --no-hf "${kernels[@]}" --concurrency 64,32,8 --contexts 60,1024 \
     --budgets 8,16,32 --time-budget "$(( 570 - SECONDS ))" >/dev/null 2>&1 || echo "c64 failed"
