@@ -35,7 +35,7 @@ depth 2, where the threshold is still the b-th depth-1 token), fewer deeper as t
 
 Keys
 ----
-``ordered_bits(score) << 32 | tie``, the encoding of :mod:`ddtree.spec.vocab_topk` (``_ordered_keys``), with
+``ordered_bits(score) << 32 | tie``, the encoding of :mod:`ddtree.spec.vocab_topk` (``ordered_keys``), with
 ``tie = (DMAX - depth) << 2*IB | (IMAX - a) << IB | (IMAX - c)`` below 2^31, IB = log2(b_pad): (a, c) = (parent
 rank i, token rank j) for a depth's fresh candidates, (k, IMAX) once ranked (comparisons between two keys of one
 depth always see the same form). Distinct prefixes get distinct keys, so no sort needs to be stable.
@@ -156,7 +156,7 @@ def select_nodes(
 
 
 if triton is not None:
-    from ddtree.spec.vocab_topk import _ordered_keys
+    from ddtree.spec.vocab_topk import ordered_keys
 
     _NONE = tl.constexpr(-(2**63))  # an empty slot of `best`: below every real key
 
@@ -164,7 +164,7 @@ if triton is not None:
     def _key(score, depth, a, c, IB: tl.constexpr, IMAX: tl.constexpr, DMAX: tl.constexpr):
         """Keys of prefixes at 0-based ``depth`` with tie fields (a, c) (module docstring); all int32 but score."""
         tie = ((DMAX - depth) << (2 * IB)) | ((IMAX - a) << IB) | (IMAX - c)
-        return _ordered_keys(score, 0x7FFFFFFF - tie)
+        return ordered_keys(score, 0x7FFFFFFF - tie)
 
     @triton.jit
     def _depth_of(key, IB: tl.constexpr, DMAX: tl.constexpr):

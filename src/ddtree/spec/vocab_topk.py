@@ -251,8 +251,10 @@ if triton is not None:
     LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
 
     @triton.jit
-    def _ordered_keys(x, ids):
-        """int64 keys, larger = (value larger, or equal and id smaller); x float32 (no NaN), ids int32 < 2**31."""
+    def ordered_keys(x, ids):
+        """int64 keys, larger = (value larger, or equal and id smaller); x float32 (no NaN), ids int32 < 2**31.
+
+        Public: :mod:`ddtree.spec.tree_select` builds its prefix keys with it (the same order, one encoding)."""
         x = tl.where(x == 0.0, 0.0, x)  # -0.0 == +0.0: give both the same key bits
         bits = x.to(tl.int32, bitcast=True)
         ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: flip magnitude bits, order as signed int
@@ -260,7 +262,7 @@ if triton is not None:
 
     @triton.jit
     def _key_values(keys):
-        """The float32 values of keys made by _ordered_keys (inverse of its high half)."""
+        """The float32 values of keys made by ordered_keys (inverse of its high half)."""
         high = (keys >> 32).to(tl.int32)
         return (high ^ ((high >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
@@ -325,7 +327,7 @@ if triton is not None:
             if piece_max >= threshold:  # a key of this piece may beat min(top); else nothing here can
                 # Lanes past the vocabulary hold -inf with ids >= vocab: their keys sort below every token's, so
                 # (k <= vocab) they may fill a split's list but never reach the row's top k. No mask needed.
-                keys = _ordered_keys(x, ids)
+                keys = ordered_keys(x, ids)
                 best = tl.max(keys, 0)
                 while best > low:  # at most K_PAD times: the piece's K_PAD largest would fill the list
                     top = tl.where(top == low, best, top)
@@ -351,7 +353,7 @@ if triton is not None:
         inside = ids < vocab
         x = tl.load(logits_ptr + row.to(tl.int64) * row_stride + ids, mask=inside, other=float("-inf"))
         x = x.to(tl.float32)
-        keys = tl.where(inside, _ordered_keys(x, ids), _PAD_KEY)
+        keys = tl.where(inside, ordered_keys(x, ids), _PAD_KEY)
         top = _largest(keys, K_PAD, EXTRACT)  # [K_PAD], descending
         slot = row.to(tl.int64) * chunks + chunk
         tl.store(keys_ptr + slot * K_PAD + tl.arange(0, K_PAD), top)
