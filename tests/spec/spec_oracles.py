@@ -5,7 +5,19 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import pytest
 import torch
+
+from ddtree import triton_runtime
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# Parametrize a test with ``@pytest.mark.parametrize("kernel", KERNEL, indirect=True)`` (fixture in conftest.py):
+# False runs the torch code, True the Triton kernel (through the interpreter on a CPU), each against the same
+# reference.
+KERNEL = [False, pytest.param(True, marks=pytest.mark.skipif(
+    triton_runtime.triton is None or (DEVICE == "cpu" and not triton_runtime.INTERPRETED),
+    reason="needs Triton, and without a GPU its interpreter"))]
 
 
 def log_probs(logits: torch.Tensor) -> np.ndarray:

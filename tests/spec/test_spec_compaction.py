@@ -4,21 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from spec_oracles import compact_reference
+from spec_oracles import DEVICE, KERNEL, compact_reference
 
-from ddtree import triton_runtime
 from ddtree.spec import build_trees, compact_cache, walk_trees
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# kernel=True: the Triton compaction (through the interpreter on a CPU), against the same loop reference.
-KERNEL = [False, pytest.param(True, marks=pytest.mark.skipif(
-    triton_runtime.triton is None or (DEVICE == "cpu" and not triton_runtime.INTERPRETED),
-    reason="needs Triton, and without a GPU its interpreter"))]
-
-
-@pytest.fixture
-def kernel(request, triton_kernels_on_cpu) -> bool:
-    return request.param
 
 
 @pytest.mark.parametrize("kernel", KERNEL, indirect=True)

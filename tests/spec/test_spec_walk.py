@@ -4,23 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from spec_oracles import walk_reference
+from spec_oracles import DEVICE, KERNEL, walk_reference
 
-from ddtree import triton_runtime
 from ddtree.errors import ConfigError
 from ddtree.spec import Trees, build_chain, build_trees, walk_trees
 from ddtree.spec.tree import ancestor_visibility
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# kernel=True: the one-program-per-request Triton walk (through the interpreter on a CPU), against the same reference.
-KERNEL = [False, pytest.param(True, marks=pytest.mark.skipif(
-    triton_runtime.triton is None or (DEVICE == "cpu" and not triton_runtime.INTERPRETED),
-    reason="needs Triton, and without a GPU its interpreter"))]
-
-
-@pytest.fixture
-def kernel(request, triton_kernels_on_cpu) -> bool:
-    return request.param
 
 
 def _check_walk(trees: Trees, choices: torch.Tensor, max_depth: int, kernel: bool = False) -> None:
