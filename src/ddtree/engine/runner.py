@@ -139,8 +139,8 @@ class ModelRunner:
         kernels: bool = True,
     ) -> None:
         """kernels: use the Triton kernels where they can run (CUDA): the vocabulary top-k and node selection of
-        tree building, the verify's and the drafter's tree attention (``EngineConfig.gpu_kernels``; the layers' own
-        kernels are chosen by :func:`ddtree.models.fuse_projections`)."""
+        tree building, the walk, the KV compaction, the verify's and the drafter's tree attention
+        (``EngineConfig.gpu_kernels``; the layers' own kernels are chosen by :func:`ddtree.models.fuse_projections`)."""
         self.target = target
         self.drafter = drafter
         self.spec_kernels = kernels  # Triton for the vocabulary pass, node selection, walk and compaction
@@ -309,8 +309,8 @@ class HostCopy:
             self._host.copy_(tensor, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
-        else:
-            self._host = tensor.clone()
+        else:  # CPU ops are synchronous and every round returns a fresh tensor: nothing to copy or wait for
+            self._host = tensor
 
     def get(self) -> list:
         """The values as nested lists (waits for the copy: the round's one host sync)."""
