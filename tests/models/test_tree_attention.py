@@ -154,6 +154,38 @@ def test_split_counts_agree(splits, block_n):
     assert (got - dense_reference(**case)).abs().max().item() < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("t", [1, 5, 63, 64, 65, 130])
+def test_pack_visibility_matches_a_bit_by_bit_oracle(t):
+    """Every bit (the sign bit of each word included) and each query's last visible key, against plain Python."""
+    gen = torch.Generator().manual_seed(t)
+    new_vis = torch.rand(2, t, t, generator=gen) < 0.3
+    packed = ta.pack_visibility(new_vis)
+    assert packed.bits.shape == (2, t, -(-t // 64)) and packed.bits.dtype == torch.int64
+    for r in range(2):
+        for i in range(t):
+            seen = [j for j in range(t) if bool(new_vis[r, i, j]) or j == i]
+            words = [sum(1 << (j % 64) for j in seen if j // 64 == w) for w in range(-(-t // 64))]
+            stored = [int(x) & (2**64 - 1) for x in packed.bits[r, i]]  # two's complement -> unsigned
+            assert stored == words
+            assert int(packed.last[r, i]) == max(seen)
+
+
+@pytest.mark.parametrize("vis", ["parents", "any"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_trees_wider_than_one_visibility_word(vis, splits):
+    """T = 70 > 64: the new keys span two packed words and several tiles of 16; row tiles whose queries see only
+    early keys stop early (lower-triangular ``parents``), ``any`` makes every tile visit all of them."""
+    case = make_case(rows=2, heads=2, kv_heads=2, t=70, kv_len=100, max_len=100, vis=vis, seed=23)
+    got = ta.tree_attention(**case, block_n=16, block_m=32, splits=splits)
+    assert (got - dense_reference(**case)).abs().max().item() < TOL[torch.float32]
+
+
+def test_packed_visibility_of_another_shape_is_rejected():
+    case = make_case(rows=1, t=3, kv_len=10, max_len=10, seed=2)
+    with pytest.raises(ConfigError, match="packed visibility"):
+        ta.tree_attention(**case, packed=ta.pack_visibility(case["new_vis"][:, :2, :2]))
+
+
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
 def test_matches_dense_bf16(heads, kv_heads):
     case = make_case(heads=heads, kv_heads=kv_heads, dtype=torch.bfloat16, seed=3)
@@ -266,6 +298,26 @@ def test_splits_at_batch_one_are_as_many_as_the_context_allows(kv_len):
     blocks = kv_len // 64
     assert splits == min(max(1, blocks // ta.MIN_BLOCKS_PER_SPLIT), ta.MAX_SPLITS, 33)
     assert splits * ta.MIN_BLOCKS_PER_SPLIT <= max(blocks, ta.MIN_BLOCKS_PER_SPLIT)
+
+
+@pytest.mark.parametrize("requests,t,kv_len,d", [(1, 1, 1024, 128), (1, 17, 2048, 128), (1, 129, 1024, 128),
+                                                  (1, 65, 8192, 128), (64, 9, 1024, 128), (1, 17, 1024, 256)])
+def test_chosen_tiles_are_launchable(requests, t, kv_len, d):
+    """Whatever the regime, the automatic tiles are ones the kernel accepts (and 32-key tiles for D = 256)."""
+    tiles = ta.choose_tiles(requests, 4 * t, kv_len, d)
+    assert tiles.block_m >= 16 and tiles.block_m & (tiles.block_m - 1) == 0
+    assert tiles.block_n in ta.SUPPORTED_BLOCK_N and (d <= 128 or tiles.block_n == 32)
+    assert tiles.num_stages >= 2 and tiles.min_blocks_per_split >= 1
+    # fp32 keeps the untuned tiles (64 rows, 64 keys, two stages): the tuned ones overflow shared memory
+    wide = ta.choose_tiles(requests, 4 * t, kv_len, d, elem_bytes=4)
+    assert wide.block_m <= 64 and wide.block_n <= 64 and wide.num_stages == 2
+
+
+def test_output_is_laid_out_for_the_output_projection():
+    """[R, H, T, D] over [R, T, H, D] memory: transpose(1, 2).flatten(-2) is a view, no copy."""
+    case = make_case(rows=2, heads=4, kv_heads=2, t=3, kv_len=30, max_len=30, seed=4)
+    out = ta.tree_attention(**case, block_n=16)
+    assert out.transpose(1, 2).is_contiguous()
 
 
 def test_large_batches_do_not_split():

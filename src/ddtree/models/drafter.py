@@ -249,11 +249,12 @@ class DFlashDrafter(nn.Module):
             new_vis = ~(hidden_key & live_query)
         first = None if window is None else (ctx_len - window).clamp(min=0)
         kv_len = min(length + block_size, cache.max_len)  # ctx_len + block_size <= the engine's cache length
+        packed = tree_attention.pack_visibility(new_vis)  # once for all layers
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             tree_attention.write_kv(cache.k[layer], cache.v[layer], slots, positions, k, v)
             return tree_attention.tree_attention(q, cache.k[layer], cache.v[layer], slots, ctx_len, new_vis, kv_len,
-                                                 first=first)
+                                                 first=first, packed=packed)
 
         return attend
 

@@ -56,7 +56,7 @@ def attend_over_cache(cache: KVCache, layer: int, q: Tensor, k: Tensor, v: Tenso
             raise ConfigError("attend_over_cache needs attn_mask or tree; pass one of them")
         tree_attention.write_kv(cache.k[layer], cache.v[layer], slots, write_pos, k, v)
         return tree_attention.tree_attention(q, cache.k[layer], cache.v[layer], slots, tree.start, tree.new_vis,
-                                             tree.kv_len)
+                                             tree.kv_len, packed=tree.packed)
     cache.write(layer, slots, write_pos, k, v)
     k_all, v_all = cache.read(layer, slots, attn_mask.shape[-1])
     return masked_attention(q, k_all.to(q.dtype), v_all.to(q.dtype), attn_mask[:, None])
@@ -142,6 +142,8 @@ class TargetModel(nn.Module):
             raise ConfigError("TargetModel.forward needs attn_mask or tree=TreeVisibility(...); pass one")
         elif not self.supports_tree_attention():
             attn_mask = build_attention_mask(tree.start, write_pos, tree.new_vis, tree.kv_len)
+        else:
+            tree = tree.with_packed()  # once here, not in each layer's kernel call
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             return attend_over_cache(cache, layer, q, k, v, slots, write_pos, attn_mask, tree)

@@ -2,7 +2,7 @@
 
 The dense path (:func:`ddtree.models.target.attend_over_cache`) gathers every batch row's K/V out of the cache,
 expands a boolean ``[R, T, kv_len]`` mask and runs several kernels per layer. This kernel reads K/V straight from
-the cache by slot and derives visibility from two small tensors instead:
+the cache by slot and derives visibility from small per-row tensors instead:
 
 Terms
 -----
@@ -23,14 +23,18 @@ Example: start = 5, T = 4, a tree root(0) -> a(1), root -> b(2), a -> c(3); quer
 Kernel layout
 -------------
 The G query heads sharing a KV head are folded into the query-row axis (``rows = G * T``; folded row m is head
-``kv * G + m // T``, token ``m % T``), so each K/V tile loaded from the cache serves all of them. Programs form a
-grid ``row_tiles x splits x (R * KV)``: a program takes BLOCK_M folded rows and one contiguous share of row r's
-key blocks ``[0, start[r] + T)``; the share is computed on the device from ``start[r]``, so short rows never visit
-key blocks they cannot see and every split of a row gets an equal share. Blocks wholly inside the committed prefix
-run without a mask; only the blocks that hold new tokens gather ``new_vis``. With one split the program normalises
-and writes the output itself; otherwise it writes fp32 partials (running max, sum, unnormalised output) and a
-small combine kernel merges the splits. Every size (grid, splits, scratch) comes from host ints (R, T, kv_len), so
-calls are CUDA-graph capturable.
+``kv * G + m // T``, token ``m % T``), so each K/V tile loaded from the cache serves all of them. A row's keys
+come in two parts with different costs: the committed prefix ``[first, start)`` (visible to every query; long) and
+the T new keys ``[start, start + T)`` (visible per ``new_vis``; short). Programs form a grid
+``row_tiles x (splits + 1) x (R * KV)``: programs ``0 .. splits - 1`` take BLOCK_M folded rows and an equal share
+of the prefix's key blocks (computed on the device from ``start[r]``, so short rows never visit blocks they cannot
+see), in one uniform loop whose only mask is a ``[BLOCK_N]`` range compare; program ``splits`` takes the new keys in
+tiles of up to 64 that start at ``start``, reading visibility as bits (:class:`PackedVisibility`: one int64 word per
+query per tile) and stopping after the last new key any row of its tile sees. Each writes fp32 partials (running
+max, sum, unnormalised output) and a small combine kernel merges the ``splits + 1`` of them. With one split a
+single program does both parts, normalises and writes the output itself. Keeping the masked new-token work out of
+the prefix loop lets the prefix stream at full speed and runs the tree part beside it instead of after it. Every
+size (grid, splits, scratch) comes from host ints (R, T, kv_len), so calls are CUDA-graph capturable.
 
 When it runs: :meth:`ddtree.models.target.TargetModel.forward` given ``attn_mask=None`` and ``tree=`` calls it
 when the target :meth:`~ddtree.models.target.TargetModel.supports_tree_attention` (:func:`ddtree.triton_runtime.can_run`
@@ -57,6 +61,57 @@ _WAVES = 2  # aim for this many programs per SM when splitting the context
 # the H200 at one decode token, 1k context: 16 one-block splits spent 0.70 ms per step in attention over 36 layers.
 MIN_BLOCKS_PER_SPLIT = 4
 MAX_SPLITS = 16
+# A single request with a short context is latency-bound: a handful of programs with little work each. There,
+# smaller row tiles and splits of two key blocks won (H200 sweep, run 10: T = 17 at 1k, 13.4 -> 10.3 us a layer).
+LATENCY_BOUND_KV_LEN = 2048
+
+
+class Tiles(NamedTuple):
+    """One launch configuration of the split kernel."""
+
+    block_m: int  # folded query rows per program
+    block_n: int  # prefix keys per tile
+    num_warps: int
+    num_stages: int
+    min_blocks_per_split: int
+
+
+def choose_tiles(requests: int, rows: int, kv_len: int, head_dim: int, elem_bytes: int = 2) -> Tiles:
+    """Tiles for ``requests`` rows of ``rows = G * T`` folded queries over ``kv_len`` keys, from the H200 sweep of
+    ``benchmarks/tree_attention.py`` (run 10, docs/benchmarks/gpu/run10_tree_attention_sweep.json):
+
+    - one request, short context (latency-bound): 16-row tiles and two-block splits; past 128 folded rows (T > 32)
+      128-row tiles of 128 keys with 8 warps and splits of 512 keys;
+    - otherwise one tile per 64 rows; three pipeline stages from 4k keys on (T = 129 at 8k: 98.9 -> 85.1 us);
+    - plain decoding at one request (16 rows or fewer): 128-key tiles.
+
+    The sweep ran bf16. Wider elements (fp32, ``elem_bytes`` 4) and head dims above 128 keep the untuned tiles:
+    the tuned ones need more shared memory than an H200 has (fp32 with 128 x 128 tiles asked for 256 KiB)."""
+    if head_dim > 128 or elem_bytes > 2:
+        return Tiles(min(64, max(16, _next_power_of_2(rows))), 64 if head_dim <= 128 else 32, 4, 2,
+                     MIN_BLOCKS_PER_SPLIT)
+    if requests == 1 and kv_len <= LATENCY_BOUND_KV_LEN:
+        if rows > 128:
+            return Tiles(128, 128, 8, 2, 4)
+        return Tiles(16, 64, 4, 2, 2)
+    stages = 3 if kv_len >= 4096 else 2
+    if requests == 1 and rows <= 16:
+        return Tiles(16, 128, 4, stages, 2)
+    return Tiles(min(64, max(16, _next_power_of_2(rows))), 64, 4, stages, MIN_BLOCKS_PER_SPLIT)
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+class PackedVisibility(NamedTuple):
+    """``new_vis`` as the kernel reads it: one bit per (query, key) and each query's last visible key.
+
+    Bits instead of a [T, T] byte gather: a tile of 64 new keys is one int64 word per query row (a [BLOCK_M] load
+    and shifts in registers), which also frees the registers a [BLOCK_M, BLOCK_N] pointer gather held."""
+
+    bits: Tensor  # [R, T, ceil(T / 64)] int64: bit j % 64 of word j // 64 of query t = new_vis[t, j] or j == t
+    last: Tensor  # [R, T] int32: the largest such j (a tile of queries visits the new keys up to its max only)
 
 
 class TreeVisibility(NamedTuple):
@@ -67,6 +122,26 @@ class TreeVisibility(NamedTuple):
     start: Tensor  # [R] long, committed cache length of each row = cache index of its new token 0
     new_vis: Tensor  # [R, T, T] bool, new token t sees new token t'
     kv_len: int  # static bound >= max(start) + T; sizes the context split (host int, no sync)
+    packed: PackedVisibility | None = None  # pack_visibility(new_vis), once per forward instead of once per layer
+
+    def with_packed(self) -> TreeVisibility:
+        """This visibility with :func:`pack_visibility` computed (a forward packs once and reuses it per layer)."""
+        return self if self.packed is not None else self._replace(packed=pack_visibility(self.new_vis))
+
+
+def pack_visibility(new_vis: Tensor) -> PackedVisibility:
+    """[R, T, T] bool -> :class:`PackedVisibility` (the diagonal set: every query sees its own key)."""
+    r, t, _ = new_vis.shape
+    idx = torch.arange(t, device=new_vis.device)
+    vis = new_vis | (idx[:, None] == idx[None, :])
+    words = -(-t // 64)
+    padded = torch.zeros((r, t, words * 64), dtype=torch.int64, device=new_vis.device)
+    padded[..., :t] = vis
+    shifts = torch.arange(64, device=new_vis.device, dtype=torch.int64)
+    # Distinct powers of two: the sum is the bitwise OR (bit 63 wraps to the sign bit, as intended).
+    bits = (padded.view(r, t, words, 64) << shifts).sum(-1)
+    last = torch.where(vis, idx, -1).amax(-1).to(torch.int32)
+    return PackedVisibility(bits, last)
 
 
 def supports_head_dim(head_dim: int) -> bool:
@@ -88,56 +163,72 @@ if triton is not None:
         return out
 
     @triton.jit
-    def _attend_blocks(acc, m_i, l_i, q, k_base, v_base, vis_base, stride_kp, stride_vp, stride_vist,
-                       block_lo, block_hi, first, start, end, t_idx, row_ok, offs_n, offs_d, scale_log2,
-                       MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-                       BLOCK_N: tl.constexpr):
-        """Online-softmax accumulation over key blocks [block_lo, block_hi) of one row tile.
+    def _online_softmax_step(acc, m_i, l_i, q, k, v, visible, scale_log2, DOT_PRECISION: tl.constexpr,
+                             DOT_UPCAST: tl.constexpr):
+        """Fold one key tile into the running (acc [BLOCK_M, D], max m_i in log2 units, sum l_i); ``visible``
+        [BLOCK_M, BLOCK_N] (or broadcastable) hides keys. Rows with nothing visible yet stay at zero."""
+        qk = _dot(q, tl.trans(k.to(q.dtype)), DOT_UPCAST, DOT_PRECISION) * scale_log2
+        qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(qk - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v.to(q.dtype), DOT_UPCAST, DOT_PRECISION)
+        return acc, m_new, l_i
 
-        acc [BLOCK_M, D] fp32, m_i/l_i [BLOCK_M] fp32 (running max in log2 units, running sum), q [BLOCK_M, D].
-        MASKED=False only for blocks wholly inside the visible prefix [first, start) (every key visible to every
-        row); masked blocks also hide keys below ``first``."""
+    @triton.jit
+    def _attend_prefix(acc, m_i, l_i, q, k_base, v_base, stride_kp, stride_vp, block_lo, block_hi, first, start,
+                       offs_n, offs_d, scale_log2, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+        """Key blocks [block_lo, block_hi) of the committed prefix: key p is visible to every row iff
+        first <= p < start. One uniform loop (the two edge blocks are masked like the rest: a [BLOCK_N] compare)
+        so the compiler pipelines the K/V loads across all of it."""
         for block in range(block_lo, block_hi):
-            p_idx = block * BLOCK_N + offs_n  # [BLOCK_N] cache indices
-            if MASKED:
-                key_ok = p_idx < end
-                k = tl.load(k_base + p_idx[:, None] * stride_kp + offs_d[None, :], mask=key_ok[:, None], other=0.0)
-                v = tl.load(v_base + p_idx[:, None] * stride_vp + offs_d[None, :], mask=key_ok[:, None], other=0.0)
-            else:
-                k = tl.load(k_base + p_idx[:, None] * stride_kp + offs_d[None, :])
-                v = tl.load(v_base + p_idx[:, None] * stride_vp + offs_d[None, :])
-            qk = _dot(q, tl.trans(k.to(q.dtype)), DOT_UPCAST, DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
-            if MASKED:
-                j = p_idx - start  # index among the new tokens
-                is_new = (j >= 0) & key_ok
-                vis_ok = row_ok[:, None] & is_new[None, :]
-                seen = tl.load(vis_base + t_idx[:, None] * stride_vist + j[None, :], mask=vis_ok, other=0)
-                visible = ((p_idx < start) & (p_idx >= first))[None, :] | (
-                    is_new[None, :] & ((seen != 0) | (j[None, :] == t_idx[:, None])))
-                qk = tl.where(visible & row_ok[:, None], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay at zero
-            alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(qk - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v.to(q.dtype), DOT_UPCAST, DOT_PRECISION)
-            m_i = m_new
+            p_idx = block * BLOCK_N + offs_n
+            key_ok = (p_idx >= first) & (p_idx < start)
+            k = tl.load(k_base + p_idx[:, None] * stride_kp + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+            v = tl.load(v_base + p_idx[:, None] * stride_vp + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+            acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, key_ok[None, :], scale_log2,
+                                                 DOT_PRECISION, DOT_UPCAST)
+        return acc, m_i, l_i
+
+    @triton.jit
+    def _attend_new(acc, m_i, l_i, q, k_base, v_base, bits_ptr, stride_kp, stride_vp, stride_bt, start, T, t_idx,
+                    row_ok, tile_last, offs_d, scale_log2, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+                    TREE_BN: tl.constexpr):
+        """The new tokens' keys ``start + j`` for j <= tile_last (the last key any row of the tile sees): key j is
+        visible to query t iff bit j of the packed visibility row ``bits[t]`` is set (the diagonal is). Blocks
+        start at ``start``, so block b's bits are one int64 word (TREE_BN <= 64) per query: no [M, N] gather."""
+        offs_j = tl.arange(0, TREE_BN)
+        for block in range(0, tl.cdiv(tile_last + 1, TREE_BN)):
+            j = block * TREE_BN + offs_j
+            key_ok = j < T
+            p_idx = start + j
+            k = tl.load(k_base + p_idx[:, None] * stride_kp + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+            v = tl.load(v_base + p_idx[:, None] * stride_vp + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+            word = tl.load(bits_ptr + t_idx * stride_bt + (block * TREE_BN) // 64, mask=row_ok, other=0)
+            visible = ((word[:, None] >> (j % 64)[None, :].to(tl.int64)) & 1) != 0
+            acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, visible & key_ok[None, :], scale_log2,
+                                                 DOT_PRECISION, DOT_UPCAST)
         return acc, m_i, l_i
 
     @triton.jit
     def _tree_attention_split_kernel(
-        q_ptr, k_ptr, v_ptr, slots_ptr, start_ptr, first_ptr, vis_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+        q_ptr, k_ptr, v_ptr, slots_ptr, start_ptr, first_ptr, bits_ptr, last_ptr, out_ptr, part_m_ptr, part_l_ptr,
+        part_acc_ptr,
         stride_qr, stride_qh, stride_qt,  # q [R, H, T, D], unit stride over D
         stride_ks, stride_kh, stride_kp,  # k cache [slots, KV, max_len, D], unit stride over D
         stride_vs, stride_vh, stride_vp,  # v cache
         stride_or, stride_oh, stride_ot,  # out [R, H, T, D]
-        stride_visr, stride_vist,  # new_vis [R, T, T] as uint8, unit stride over t'
+        stride_br, stride_bt,  # bits [R, T, W] int64, unit stride over W
+        stride_lr,  # last [R, T] int32, unit stride over T
         T, G, num_kv, num_splits, rows_padded, scale_log2,
-        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, HAS_FIRST: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TREE_BN: tl.constexpr,
+        DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, HAS_FIRST: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
-        pid_s = tl.program_id(1)
+        pid_s = tl.program_id(1)  # < num_splits: a share of the prefix; == num_splits: the new tokens
         pid_rk = tl.program_id(2)
         r = pid_rk // num_kv
         kv = pid_rk % num_kv
@@ -154,41 +245,36 @@ if triton is not None:
                     mask=row_ok[:, None], other=0.0)
         slot = tl.load(slots_ptr + r)
         start = tl.load(start_ptr + r)
-        end = start + T  # keys [0, end) may be visible
         k_base = k_ptr + slot * stride_ks + kv * stride_kh
         v_base = v_ptr + slot * stride_vs + kv * stride_vh
-        vis_base = vis_ptr + r * stride_visr
-
-        # Keys below `first` are hidden (a drafter's window); blocks wholly below it are never visited.
-        if HAS_FIRST:
-            first = tl.load(first_ptr + r)
-        else:
-            first = 0
-        # This split's share of the row's key blocks [first_block, n_blocks); blocks [clean_lo, full_blocks) lie
-        # wholly inside the visible prefix [first, start) and run unmasked.
-        first_block = first // BLOCK_N
-        n_blocks = tl.cdiv(end, BLOCK_N)
-        per_split = tl.cdiv(n_blocks - first_block, num_splits)
-        lo = first_block + pid_s * per_split
-        hi = tl.minimum(lo + per_split, n_blocks)
-        full_blocks = start // BLOCK_N
-        clean_lo = tl.minimum(tl.cdiv(first, BLOCK_N), full_blocks)
 
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        if HAS_FIRST:  # the block holding `first` (partly hidden), if it is not also a block of new tokens
-            acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_base, v_base, vis_base, stride_kp, stride_vp,
-                                           stride_vist, lo, tl.minimum(hi, clean_lo), first, start, end, t_idx,
-                                           row_ok, offs_n, offs_d, scale_log2, True, DOT_PRECISION, DOT_UPCAST,
-                                           BLOCK_N)
-        acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_base, v_base, vis_base, stride_kp, stride_vp,
-                                       stride_vist, tl.maximum(lo, clean_lo), tl.minimum(hi, full_blocks), first,
-                                       start, end, t_idx, row_ok, offs_n, offs_d, scale_log2, False, DOT_PRECISION,
-                                       DOT_UPCAST, BLOCK_N)
-        acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_base, v_base, vis_base, stride_kp, stride_vp,
-                                       stride_vist, tl.maximum(lo, full_blocks), hi, first, start, end, t_idx,
-                                       row_ok, offs_n, offs_d, scale_log2, True, DOT_PRECISION, DOT_UPCAST, BLOCK_N)
+        if DIRECT:  # one program does both parts
+            new_split = 0
+        else:
+            new_split = num_splits
+        if pid_s < num_splits:
+            # Keys below `first` are hidden (a drafter's window); blocks wholly below it are never visited. This
+            # program's share of the prefix blocks [first_block, cdiv(start, BLOCK_N)).
+            if HAS_FIRST:
+                first = tl.load(first_ptr + r)
+            else:
+                first = 0
+            first_block = first // BLOCK_N
+            n_blocks = tl.cdiv(start, BLOCK_N)
+            per_split = tl.cdiv(n_blocks - first_block, num_splits)
+            lo = first_block + pid_s * per_split
+            hi = tl.minimum(lo + per_split, n_blocks)
+            acc, m_i, l_i = _attend_prefix(acc, m_i, l_i, q, k_base, v_base, stride_kp, stride_vp, lo, hi, first,
+                                           start, offs_n, offs_d, scale_log2, DOT_PRECISION, DOT_UPCAST, BLOCK_N)
+        if pid_s == new_split:
+            last = tl.load(last_ptr + r * stride_lr + t_idx, mask=row_ok, other=0)
+            tile_last = tl.max(last, 0)
+            acc, m_i, l_i = _attend_new(acc, m_i, l_i, q, k_base, v_base, bits_ptr + r * stride_br, stride_kp,
+                                        stride_vp, stride_bt, start, T, t_idx, row_ok, tile_last, offs_d,
+                                        scale_log2, DOT_PRECISION, DOT_UPCAST, TREE_BN)
 
         if DIRECT:
             out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -196,7 +282,8 @@ if triton is not None:
                         + offs_d[None, :])
             tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
         else:
-            part = (pid_rk * num_splits + pid_s) * rows_padded + rows  # [BLOCK_M] into [R*KV, splits, rows_padded]
+            # [BLOCK_M] into the partials [R*KV, num_splits + 1, rows_padded]
+            part = (pid_rk * (num_splits + 1) + pid_s) * rows_padded + rows
             tl.store(part_m_ptr + part, m_i)
             tl.store(part_l_ptr + part, l_i)
             tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc)
@@ -309,13 +396,14 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNTS[index]
 
 
-def choose_splits(row_programs: int, kv_len: int, block_n: int, sm_count: int) -> int:
+def choose_splits(row_programs: int, kv_len: int, block_n: int, sm_count: int,
+                  min_blocks: int = MIN_BLOCKS_PER_SPLIT) -> int:
     """Context splits per (row, KV head, row tile) so that about ``_WAVES * sm_count`` programs run, with at least
-    ``MIN_BLOCKS_PER_SPLIT`` of ``kv_len``'s key blocks per split and at most ``MAX_SPLITS``. Host ints only: the same
+    ``min_blocks`` of ``kv_len``'s key blocks per split and at most ``MAX_SPLITS``. Host ints only: the same
     shapes always launch the same grid."""
     blocks = max(1, math.ceil(kv_len / block_n))
     wanted = max(1, math.ceil(_WAVES * sm_count / row_programs))
-    return max(1, min(wanted, blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
+    return max(1, min(wanted, blocks // min_blocks, MAX_SPLITS))
 
 
 def _check_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start: Tensor, new_vis: Tensor,
@@ -344,19 +432,23 @@ def _check_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, st
 
 
 def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start: Tensor, new_vis: Tensor,
-                   kv_len: int, *, first: Tensor | None = None, block_n: int | None = None, splits: int | None = None,
-                   block_m: int | None = None, num_warps: int = 4, num_stages: int = 2) -> Tensor:
+                   kv_len: int, *, first: Tensor | None = None, packed: PackedVisibility | None = None,
+                   block_n: int | None = None, splits: int | None = None, block_m: int | None = None,
+                   num_warps: int | None = None, num_stages: int | None = None) -> Tensor:
     """Attention of the new tokens over their rows' cache slots under the tree visibility rule (module docstring).
 
     q [R, H, T, D] (fp32/fp16/bf16, D in 64/128/256); k_cache, v_cache [slots, KV, max_len, D] (one layer of the
     :class:`~ddtree.models.kv_cache.KVCache`, new tokens already written at ``start + t``); slots [R] long;
     start [R] long; new_vis [R, T, T] bool; kv_len: host int >= max(start) + T (not checked: that would sync);
-    first [R] long (optional, each <= its start): prefix keys below it are hidden too (a DFlash draft window).
-    Softmax in fp32 with scale 1/sqrt(D). Returns [R, H, T, D] in q's dtype.
+    first [R] long (optional, each <= its start): prefix keys below it are hidden too (a DFlash draft window);
+    packed: ``pack_visibility(new_vis)`` if the caller already has it (a forward packs once for all layers).
+    Softmax in fp32 with scale 1/sqrt(D). Returns [R, H, T, D] in q's dtype (a transposed view of
+    [R, T, H, D] memory).
 
-    ``block_n`` (keys per tile), ``splits`` (context splits per row), ``block_m`` (folded query rows per program,
-    a power of two >= 16) override the automatic choice; tests use them to exercise the combine with tiny contexts,
-    ``benchmarks/tree_attention.py`` to tune them with ``num_warps`` and ``num_stages`` on a GPU."""
+    ``block_n`` (prefix keys per tile), ``splits`` (prefix splits per row; with more than one the new tokens'
+    keys get a program of their own), ``block_m`` (folded query rows per program, a power of two >= 16),
+    ``num_warps`` and ``num_stages`` override :func:`choose_tiles`; tests use them to exercise the combine with
+    tiny contexts, ``benchmarks/tree_attention.py`` to tune them on a GPU."""
     _check_inputs(q, k_cache, v_cache, slots, start, new_vis, kv_len)
     if triton is None:
         raise ConfigError("tree_attention needs Triton; install it or use the dense masked path")
@@ -364,17 +456,18 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, s
     kv = k_cache.shape[1]
     g = h // kv
     rows = g * t
-    if block_n is None:
-        block_n = 64 if d <= 128 else 32
+    tiles = choose_tiles(r, rows, kv_len, d, max(q.element_size(), k_cache.element_size()))
+    block_n = tiles.block_n if block_n is None else block_n
+    block_m = tiles.block_m if block_m is None else block_m
+    num_warps = tiles.num_warps if num_warps is None else num_warps
+    num_stages = tiles.num_stages if num_stages is None else num_stages
     if block_n not in SUPPORTED_BLOCK_N:
         raise ConfigError(f"tree_attention: block_n must be one of {SUPPORTED_BLOCK_N}, got {block_n}")
-    if block_m is None:
-        block_m = min(64, max(16, triton.next_power_of_2(rows)))
     if block_m < 16 or block_m & (block_m - 1):
         raise ConfigError(f"tree_attention: block_m must be a power of two >= 16, got {block_m}")
     row_tiles = math.ceil(rows / block_m)
     if splits is None:
-        splits = choose_splits(r * kv * row_tiles, kv_len, block_n, _sm_count(q.device))
+        splits = choose_splits(r * kv * row_tiles, kv_len, block_n, _sm_count(q.device), tiles.min_blocks_per_split)
     if not 1 <= splits <= MAX_SPLITS:
         raise ConfigError(f"tree_attention: splits must be in [1, {MAX_SPLITS}], got {splits}")
 
@@ -382,29 +475,37 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, s
         q = q.contiguous()
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ConfigError("tree_attention: the KV cache must have unit stride over head_dim")
-    vis = new_vis.contiguous().view(torch.uint8)
-    out = torch.empty((r, h, t, d), dtype=q.dtype, device=q.device)
+    if packed is None:
+        packed = pack_visibility(new_vis)
+    bits, last = packed.bits.contiguous(), packed.last.contiguous()
+    if bits.shape != (r, t, -(-t // 64)) or last.shape != (r, t):
+        raise ConfigError(f"tree_attention: packed visibility {tuple(bits.shape)}/{tuple(last.shape)} does not "
+                          f"fit new_vis {tuple(new_vis.shape)}; use pack_visibility(new_vis)")
+    # [R, H, T, D] as a view of [R, T, H, D] memory: the layers' ``out.transpose(1, 2).flatten(-2)`` for o_proj
+    # is then free instead of a copy kernel per layer (0.1 ms of a 17-node verify on the H200).
+    out = torch.empty((r, t, h, d), dtype=q.dtype, device=q.device).transpose(1, 2)
     rows_padded = row_tiles * block_m
     direct = splits == 1
     if direct:  # the partial buffers are never touched; pass out as a typed placeholder
         part_m = part_l = part_acc = out
     else:
-        part_m = torch.empty((r * kv, splits, rows_padded), dtype=torch.float32, device=q.device)
+        part_m = torch.empty((r * kv, splits + 1, rows_padded), dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
-        part_acc = torch.empty((r * kv, splits, rows_padded, d), dtype=torch.float32, device=q.device)
+        part_acc = torch.empty((r * kv, splits + 1, rows_padded, d), dtype=torch.float32, device=q.device)
     scale_log2 = d**-0.5 * math.log2(math.e)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 stays exact; halves ignore the setting
     if first is not None and first.shape != (r,):
         raise ConfigError(f"tree_attention: first must be [{r}], got {tuple(first.shape)}")
-    _tree_attention_split_kernel[(row_tiles, splits, r * kv)](
-        q, k_cache, v_cache, slots, start, start if first is None else first, vis, out, part_m, part_l, part_acc,
+    _tree_attention_split_kernel[(row_tiles, 1 if direct else splits + 1, r * kv)](
+        q, k_cache, v_cache, slots, start, start if first is None else first, bits, last, out, part_m, part_l,
+        part_acc,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        vis.stride(0), vis.stride(1),
+        bits.stride(0), bits.stride(1), last.stride(0),
         t, g, kv, splits, rows_padded, scale_log2,
-        HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct, DOT_PRECISION=precision,
+        HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, TREE_BN=min(block_n, 64), DIRECT=direct, DOT_PRECISION=precision,
         DOT_UPCAST=INTERPRETED and q.dtype == torch.bfloat16, HAS_FIRST=first is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
@@ -412,6 +513,6 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, s
         block_d = min(d, 64)
         _tree_attention_combine_kernel[(row_tiles, r * kv, d // block_d)](
             out, part_m, part_l, part_acc, out.stride(0), out.stride(1), out.stride(2),
-            t, g, kv, rows_padded, SPLITS=splits, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, num_warps=4,
+            t, g, kv, rows_padded, SPLITS=splits + 1, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, num_warps=4,
         )
     return out
