@@ -167,7 +167,10 @@ class ModelRunner:
         r, t = inp.ids.shape
         positions = inp.start[:, None] + torch.arange(t, device=self.device)
         visibility = spec.causal_visibility(t, inp.valid_len)
-        mask = spec.build_attention_mask(inp.start, positions, visibility, inp.kv_len)
+        # The tree kernel takes a causal chunk as a tree whose every node sees the ones before it (and skips the
+        # keys after a query tile's last token); elsewhere the dense mask.
+        tree = TreeVisibility(inp.start, visibility, inp.kv_len)
+        mask = None if self.tree_kernel else spec.build_attention_mask(inp.start, positions, visibility, inp.kv_len)
         out = self.target(
             inp.ids,
             positions,
@@ -175,6 +178,7 @@ class ModelRunner:
             inp.slots,
             positions,
             mask,
+            tree=tree,
             logits_at=inp.last_index[:, None],
             hidden_layers=self.feature_layers,
         )
