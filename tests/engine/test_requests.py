@@ -247,6 +247,40 @@ def test_a_slot_freed_while_its_next_round_runs_serves_the_next_request_exactly(
     assert after.token_ids == alone.token_ids and after.finish_reason == "length"
 
 
+def test_generate_keeps_at_most_max_in_flight_requests_submitted(tiny_engine_factory, monkeypatch):
+    """generate(max_in_flight=2) over five requests (eight engine slots): never more than two submitted and
+    unfinished at once, each output as in one unlimited batch."""
+    from ddtree.errors import ConfigError
+
+    engine = tiny_engine_factory()
+    tree = TreeSettings(method="ddtree", budget=8)
+    reqs = [_req(prompt=p, max_tokens=12, ignore_eos=True, tree=tree)
+            for p in ("def f(x):\n", "class A:\n", "import os\n", "for i in", "x = [")]
+    together = engine.generate(reqs)
+    in_flight, peak = [0], [0]
+    guard = threading.Lock()
+    real_submit = engine.submit
+
+    def counting_submit(request, on_chunk, **kw):
+        def wrapped(chunk):
+            if chunk.finished:
+                with guard:
+                    in_flight[0] -= 1
+            on_chunk(chunk)
+
+        with guard:
+            in_flight[0] += 1
+            peak[0] = max(peak[0], in_flight[0])
+        return real_submit(request, wrapped, **kw)
+
+    monkeypatch.setattr(engine, "submit", counting_submit)
+    limited = engine.generate(reqs, max_in_flight=2)
+    assert 1 <= peak[0] <= 2
+    assert [o.token_ids for o in limited] == [o.token_ids for o in together]
+    with pytest.raises(ConfigError, match="max_in_flight"):
+        engine.generate(reqs, max_in_flight=0)
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_ends_by_token_predicts_commit(seed):
     """The loop's prediction of which rows finish on the tokens it has not committed yet agrees with commit()

@@ -303,11 +303,19 @@ class Engine:
         self._inbox.put(("cancel", request_id))
         self._wake.set()
 
-    def generate(self, requests: Sequence[GenerationRequest], *, _count: bool = True) -> list[GenerationOutput]:
-        """Run requests to completion (blocking). All are validated before any is submitted."""
+    def generate(self, requests: Sequence[GenerationRequest], *, max_in_flight: int | None = None,
+                 _count: bool = True) -> list[GenerationOutput]:
+        """Run requests to completion (blocking). All are validated before any is submitted.
+
+        ``max_in_flight`` keeps at most that many submitted and unfinished, submitting the next as one finishes:
+        a closed loop of that many clients (what vLLM's and SGLang's benchmarks call max concurrency), instead of
+        one batch that drains to its slowest request."""
         if self._thread is None:
             raise EngineError("the engine is not started; call start() first")
+        if max_in_flight is not None and max_in_flight < 1:
+            raise ConfigError(f"max_in_flight must be >= 1, got {max_in_flight}")
         resolved = [self.validate(r) for r in requests]
+        slots = threading.Semaphore(max_in_flight or max(len(requests), 1))
         done = threading.Event()
         results: dict[int, list[StreamChunk]] = {i: [] for i in range(len(requests))}
         remaining = [len(requests)]
@@ -317,6 +325,7 @@ class Engine:
             def on_chunk(chunk: StreamChunk) -> None:
                 results[i].append(chunk)
                 if chunk.finished:
+                    slots.release()
                     with guard:
                         remaining[0] -= 1
                         if remaining[0] == 0:
@@ -326,6 +335,7 @@ class Engine:
         if not requests:
             return []
         for i, req in enumerate(requests):
+            slots.acquire()
             while True:  # a blocking caller waits for queue room instead of failing
                 try:
                     self.submit(req, collector(i), _count=_count)
