@@ -275,10 +275,35 @@ def test_generate_keeps_at_most_max_in_flight_requests_submitted(tiny_engine_fac
 
     monkeypatch.setattr(engine, "submit", counting_submit)
     limited = engine.generate(reqs, max_in_flight=2)
-    assert 1 <= peak[0] <= 2
+    assert peak[0] == 2  # the second is submitted right after the first, long before either finishes
     assert [o.token_ids for o in limited] == [o.token_ids for o in together]
     with pytest.raises(ConfigError, match="max_in_flight"):
         engine.generate(reqs, max_in_flight=0)
+
+
+def test_a_failed_request_frees_its_place_in_the_loop(tiny_engine_factory, tiny_tokenizer, monkeypatch):
+    """generate(max_in_flight=1): a request that errors still finishes, so the next one is submitted and every
+    output comes back (a missed release would block generate: the test waits 60 s for it)."""
+    engine = tiny_engine_factory()
+    real_round = engine.runner.round
+
+    def faulty_round(inp, timer):
+        if any(60 <= p < 60 + 24 for p in inp.start.tolist()):  # the second request's root positions
+            raise RuntimeError("injected fault")
+        return real_round(inp, timer)
+
+    monkeypatch.setattr(engine.runner, "round", faulty_round)
+    text = tiny_tokenizer.encode("def g(x):\n    return x + 1\n" * 40)
+    reqs = [GenerationRequest(prompt_token_ids=text[:n], tree=TreeSettings(method="ddtree", budget=8),
+                              sampling=SamplingParams(max_tokens=24, ignore_eos=True)) for n in (10, 60, 110)]
+    result: list = []
+    runner = threading.Thread(target=lambda: result.append(engine.generate(reqs, max_in_flight=1)), daemon=True)
+    runner.start()
+    runner.join(60)
+    assert result, "generate(max_in_flight=1) did not return: a finished request kept its place"
+    outs = result[0]
+    assert [o.finish_reason for o in outs] == ["length", "error", "length"]
+    assert "injected fault" in outs[1].error
 
 
 @pytest.mark.parametrize("seed", range(40))

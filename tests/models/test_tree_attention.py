@@ -171,12 +171,13 @@ def test_pack_visibility_matches_a_bit_by_bit_oracle(t):
 
 
 @pytest.mark.parametrize("vis", ["parents", "any"])
-@pytest.mark.parametrize("splits", [1, 3])
-def test_trees_wider_than_one_visibility_word(vis, splits):
-    """T = 70 > 64: the new keys span two packed words and several tiles of 16; row tiles whose queries see only
-    early keys stop early (lower-triangular ``parents``), ``any`` makes every tile visit all of them."""
+@pytest.mark.parametrize("splits,block_n", [(1, 16), (3, 16), (2, 64), (1, 128)])
+def test_trees_wider_than_one_visibility_word(vis, splits, block_n):
+    """T = 70 > 64: the new keys span two packed words, in tiles of 16 (four per word) or 64 (one word each; also
+    for 128-key prefix tiles); row tiles whose queries see only early keys stop early (lower-triangular
+    ``parents``), ``any`` makes every tile visit all of them."""
     case = make_case(rows=2, heads=2, kv_heads=2, t=70, kv_len=100, max_len=100, vis=vis, seed=23)
-    got = ta.tree_attention(**case, block_n=16, block_m=32, splits=splits)
+    got = ta.tree_attention(**case, block_n=block_n, block_m=32, splits=splits)
     assert (got - dense_reference(**case)).abs().max().item() < TOL[torch.float32]
 
 
@@ -255,6 +256,19 @@ def test_never_reads_past_the_new_tokens_and_writes_every_output(monkeypatch):
         got = ta.tree_attention(**case, block_n=16, splits=splits)
         assert torch.isfinite(got).all()
         assert (got - ref).abs().max().item() < TOL[torch.float32]
+
+
+def test_strided_slots_start_and_first():
+    """slots, start and first as views with a stride (columns of a packed buffer): each row must still read its own
+    entry, not a neighbour's."""
+    case = make_case(rows=3, heads=4, kv_heads=2, t=4, kv_len=40, max_len=48, vis="tree", seed=29)
+    first = (case["start"] // 2).clamp(max=case["start"])
+    packed = torch.stack([case["slots"], case["start"], first, torch.zeros_like(first)], 1)  # [R, 4]
+    got = ta.tree_attention(**{**case, "slots": packed[:, 0], "start": packed[:, 1]}, first=packed[:, 2],
+                            block_n=16, splits=2)
+    ref = loop_reference(case["q"].cpu(), case["k_cache"].cpu(), case["v_cache"].cpu(), case["slots"].cpu(),
+                         case["start"].cpu(), case["new_vis"].cpu(), first=first.cpu())
+    assert (got.cpu().double() - ref).abs().max().item() < TOL[torch.float32]
 
 
 def test_non_contiguous_queries():
@@ -376,6 +390,34 @@ def test_target_forward_with_tree_equals_dense_mask(monkeypatch):
     assert rel_err(kernel_cache.k, dense_cache.k) < 1e-5 and rel_err(kernel_cache.v, dense_cache.v) < 1e-5
 
 
+def test_chunked_prefill_through_the_kernel_equals_the_dense_path():
+    """ModelRunner.prefill with the kernel (a causal chunk as a tree) against the dense mask: two chunks, the second
+    continuing two rows at different starts beside a new row, ragged valid lengths. Logits and every committed
+    cache entry must agree."""
+    from ddtree.engine.runner import ModelRunner, PrefillInputs
+
+    target = random_target(head_dim=64, num_heads=4, num_kv_heads=2, num_layers=2).to(DEVICE)
+    runs = {}
+    for kernels in (False, True):
+        runner = ModelRunner(target, None, slots=3, cache_len=40, kernels=kernels)
+        assert runner.tree_kernel == kernels
+        gen = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, target.config.vocab_size, (2, 7), generator=gen).to(DEVICE)
+        first = runner.prefill(PrefillInputs(ids, *(torch.tensor(x, device=DEVICE) for x in
+                                                    ([2, 0], [0, 0], [3, 7], [2, 6])), kv_len=7))
+        ids = torch.randint(0, target.config.vocab_size, (3, 9), generator=gen).to(DEVICE)
+        second = runner.prefill(PrefillInputs(ids, *(torch.tensor(x, device=DEVICE) for x in
+                                                     ([2, 0, 1], [3, 7, 0], [9, 2, 5], [8, 1, 4])), kv_len=16))
+        runs[kernels] = (first, second, runner.target_cache.k.clone(), runner.target_cache.v.clone())
+    dense, kernel = runs[False], runs[True]
+    assert (dense[0] - kernel[0]).abs().max().item() < 1e-4
+    assert (dense[1] - kernel[1]).abs().max().item() < 1e-4
+    for slot, committed in ((2, 12), (0, 9), (1, 5)):
+        for which in (2, 3):
+            diff = dense[which][:, slot, :, :committed] - kernel[which][:, slot, :, :committed]
+            assert diff.abs().max().item() < 1e-5
+
+
 def test_target_forward_with_tree_builds_the_mask_when_the_kernel_cannot_run(monkeypatch):
     model = random_target(head_dim=64, num_heads=4, num_kv_heads=2, num_layers=1)  # CPU weights
     start, kv_len, n = torch.tensor([5]), 12, 4
@@ -403,11 +445,14 @@ def test_target_head_dims_the_kernel_lacks_use_the_dense_path():
 # ---- CUDA only: benchmark shapes and graph capture -----------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows,t", [(1, 1), (1, 33), (8, 33)])
-def test_cuda_qwen3_8b_shapes(rows, t):
-    """Qwen3-8B attention (32 heads, 8 KV heads, D = 128, bf16) at a 4k context with automatic splits."""
-    case = make_case(rows=rows, heads=32, kv_heads=8, t=t, d=128, kv_len=4096, max_len=4096, dtype=torch.bfloat16,
-                     seed=rows + t)
+@pytest.mark.parametrize("rows,t,kv_len", [(1, 1, 4096), (1, 33, 4096), (8, 33, 4096), (1, 33, 1024),
+                                           (1, 129, 1024), (1, 129, 8192)])
+def test_cuda_qwen3_8b_shapes(rows, t, kv_len):
+    """Qwen3-8B attention (32 heads, 8 KV heads, D = 128, bf16) with automatic tiles and splits in every regime of
+    choose_tiles: one request at a short context (16-row tiles; 128 x 128 tiles with 8 warps past 128 folded
+    rows), long contexts (three stages), several requests."""
+    case = make_case(rows=rows, heads=32, kv_heads=8, t=t, d=128, kv_len=kv_len, max_len=kv_len,
+                     dtype=torch.bfloat16, seed=rows + t)
     got = ta.tree_attention(**case)
     ref = dense_reference(**case)
     assert (got.float() - ref.float()).abs().max().item() < TOL[torch.bfloat16] * ref.abs().max().item()

@@ -487,6 +487,10 @@ class Engine:
         if flight is not None:
             self._collect_guarded(flight)  # let the device finish; the requests are being cancelled
         self._drain_inbox()  # deliver the final chunks of cancellations queued by shutdown()
+        # A submit that passed the accepting check just before shutdown() arrives after its cancellations: finish
+        # it too, or its caller (a generate() waiting on it) would wait forever.
+        for state in list(self._by_id.values()):
+            self._finish(state, "cancelled")
 
     def _drain_inbox(self) -> None:
         while True:

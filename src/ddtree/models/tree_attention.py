@@ -80,8 +80,8 @@ def choose_tiles(requests: int, rows: int, kv_len: int, head_dim: int, elem_byte
     """Tiles for ``requests`` rows of ``rows = G * T`` folded queries over ``kv_len`` keys, from the H200 sweep of
     ``benchmarks/tree_attention.py`` (run 10, docs/benchmarks/gpu/run10_tree_attention_sweep.json):
 
-    - one request, short context (latency-bound): 16-row tiles and two-block splits; past 128 folded rows (T > 32)
-      128-row tiles of 128 keys with 8 warps and splits of 512 keys;
+    - one request, short context (latency-bound): 16-row tiles and two-block splits; past 128 folded rows (T > 32
+      with Qwen3-8B's G = 4) 128-row tiles of 128 keys with 8 warps and splits of 512 keys;
     - otherwise one tile per 64 rows; three pipeline stages from 4k keys on (T = 129 at 8k: 98.9 -> 85.1 us);
     - plain decoding at one request (16 rows or fewer): 128-key tiles.
 
@@ -135,11 +135,15 @@ def pack_visibility(new_vis: Tensor) -> PackedVisibility:
     idx = torch.arange(t, device=new_vis.device)
     vis = new_vis | (idx[:, None] == idx[None, :])
     words = -(-t // 64)
-    padded = torch.zeros((r, t, words * 64), dtype=torch.int64, device=new_vis.device)
+    # Bytes first (two bytes of scratch per bit, not sixteen: 31 short prompts beside a 1118-token one in a prefill
+    # step are 82 MB, not 660), then eight bytes per int64 word, least significant first (little-endian, as CUDA,
+    # x86 and ARM store them).
+    padded = torch.zeros((r, t, words * 64), dtype=torch.uint8, device=new_vis.device)
     padded[..., :t] = vis
-    shifts = torch.arange(64, device=new_vis.device, dtype=torch.int64)
-    # Distinct powers of two: the sum is the bitwise OR (bit 63 wraps to the sign bit, as intended).
-    bits = (padded.view(r, t, words, 64) << shifts).sum(-1)
+    shifts = torch.arange(8, device=new_vis.device, dtype=torch.uint8)
+    # Distinct powers of two: the sum is the bitwise OR.
+    packed_bytes = (padded.view(r, t, words * 8, 8) << shifts).sum(-1, dtype=torch.uint8)
+    bits = packed_bytes.view(torch.int64)  # [R, T, words]
     last = torch.where(vis, idx, -1).amax(-1).to(torch.int32)
     return PackedVisibility(bits, last)
 
@@ -369,6 +373,7 @@ def write_kv(k_cache: Tensor, v_cache: Tensor, slots: Tensor, write_pos: Tensor,
         raise ConfigError(f"write_kv supports head_dim in {SUPPORTED_HEAD_DIMS}, got {d}; use KVCache.write")
     if r == 0 or t == 0:
         return
+    slots = slots.contiguous()  # the kernel reads slots[r] at unit stride (a no-op for the engine's inputs)
     if k.stride(-1) != 1:
         k = k.contiguous()
     if v.stride(-1) != 1:
@@ -473,6 +478,11 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, s
 
     if q.stride(-1) != 1:
         q = q.contiguous()
+    # The kernel reads slots[r], start[r], first[r] at unit stride; views of a packed buffer need a copy (no-ops for
+    # the engine's own inputs, which are contiguous rows).
+    slots, start = slots.contiguous(), start.contiguous()
+    if first is not None:
+        first = first.contiguous()
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ConfigError("tree_attention: the KV cache must have unit stride over head_dim")
     if packed is None:
