@@ -64,12 +64,12 @@ def test_ar_only_engine_rejects_speculative_methods(tiny_engine_factory):
     assert len(out.token_ids) == 16
 
 
-def test_a_fault_in_one_request_leaves_the_others_running(tiny_engine_factory, tiny_tokenizer, monkeypatch):
-    """A round that fails for one request (identified by its positions: the prompts have disjoint lengths, so
-    whatever slot it lands in) is isolated: that request errors, the others produce their usual tokens."""
-    engine = tiny_engine_factory(oracle=True)
+def _poisonable(engine, tokenizer, monkeypatch) -> tuple[list[int], list[GenerationRequest]]:
+    """Three requests with disjoint prompt lengths (10, 60, 110 tokens, 24 new each) and a list ``[lo, hi)`` that,
+    once filled, makes every round holding a root position in that range raise: a fault in one request, whatever
+    slot it lands in. Fill it with [60, 84) to poison the second request."""
     real_round = engine.runner.round
-    poisoned = []  # [lo, hi): root positions of the poisoned request
+    poisoned: list[int] = []
 
     def faulty_round(inp, timer):
         if poisoned and any(poisoned[0] <= p < poisoned[1] for p in inp.start.tolist()):
@@ -77,9 +77,17 @@ def test_a_fault_in_one_request_leaves_the_others_running(tiny_engine_factory, t
         return real_round(inp, timer)
 
     monkeypatch.setattr(engine.runner, "round", faulty_round)
-    text = tiny_tokenizer.encode("def g(x):\n    return x + 1\n" * 40)
+    text = tokenizer.encode("def g(x):\n    return x + 1\n" * 40)
     reqs = [GenerationRequest(prompt_token_ids=text[:n], tree=TreeSettings(method="ddtree", budget=8),
                               sampling=SamplingParams(max_tokens=24, ignore_eos=True)) for n in (10, 60, 110)]
+    return poisoned, reqs
+
+
+def test_a_fault_in_one_request_leaves_the_others_running(tiny_engine_factory, tiny_tokenizer, monkeypatch):
+    """A round that fails for one request is isolated: that request errors, the others produce their usual
+    tokens."""
+    engine = tiny_engine_factory(oracle=True)
+    poisoned, reqs = _poisonable(engine, tiny_tokenizer, monkeypatch)
     alone = [engine.generate([r])[0].token_ids for r in reqs]
 
     poisoned.extend([60, 60 + 24])  # the second request's root positions
@@ -285,17 +293,8 @@ def test_a_failed_request_frees_its_place_in_the_loop(tiny_engine_factory, tiny_
     """generate(max_in_flight=1): a request that errors still finishes, so the next one is submitted and every
     output comes back (a missed release would block generate: the test waits 60 s for it)."""
     engine = tiny_engine_factory()
-    real_round = engine.runner.round
-
-    def faulty_round(inp, timer):
-        if any(60 <= p < 60 + 24 for p in inp.start.tolist()):  # the second request's root positions
-            raise RuntimeError("injected fault")
-        return real_round(inp, timer)
-
-    monkeypatch.setattr(engine.runner, "round", faulty_round)
-    text = tiny_tokenizer.encode("def g(x):\n    return x + 1\n" * 40)
-    reqs = [GenerationRequest(prompt_token_ids=text[:n], tree=TreeSettings(method="ddtree", budget=8),
-                              sampling=SamplingParams(max_tokens=24, ignore_eos=True)) for n in (10, 60, 110)]
+    poisoned, reqs = _poisonable(engine, tiny_tokenizer, monkeypatch)
+    poisoned.extend([60, 60 + 24])  # the second request's root positions
     result: list = []
     runner = threading.Thread(target=lambda: result.append(engine.generate(reqs, max_in_flight=1)), daemon=True)
     runner.start()
