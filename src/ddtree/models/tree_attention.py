@@ -87,9 +87,9 @@ def choose_tiles(requests: int, rows: int, kv_len: int, head_dim: int, elem_byte
 
     The sweep ran bf16. Wider elements (fp32, ``elem_bytes`` 4) and head dims above 128 keep the untuned tiles:
     the tuned ones need more shared memory than an H200 has (fp32 with 128 x 128 tiles asked for 256 KiB)."""
+    one_tile = min(64, max(16, _next_power_of_2(rows)))  # one row tile per 64 folded rows, at least 16
     if head_dim > 128 or elem_bytes > 2:
-        return Tiles(min(64, max(16, _next_power_of_2(rows))), 64 if head_dim <= 128 else 32, 4, 2,
-                     MIN_BLOCKS_PER_SPLIT)
+        return Tiles(one_tile, 64 if head_dim <= 128 else 32, 4, 2, MIN_BLOCKS_PER_SPLIT)
     if requests == 1 and kv_len <= LATENCY_BOUND_KV_LEN:
         if rows > 128:
             return Tiles(128, 128, 8, 2, 4)
@@ -97,7 +97,7 @@ def choose_tiles(requests: int, rows: int, kv_len: int, head_dim: int, elem_byte
     stages = 3 if kv_len >= 4096 else 2
     if requests == 1 and rows <= 16:
         return Tiles(16, 128, 4, stages, 2)
-    return Tiles(min(64, max(16, _next_power_of_2(rows))), 64, 4, stages, MIN_BLOCKS_PER_SPLIT)
+    return Tiles(one_tile, 64, 4, stages, MIN_BLOCKS_PER_SPLIT)
 
 
 def _next_power_of_2(n: int) -> int:
@@ -482,6 +482,8 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, s
     # the engine's own inputs, which are contiguous rows).
     slots, start = slots.contiguous(), start.contiguous()
     if first is not None:
+        if first.shape != (r,):
+            raise ConfigError(f"tree_attention: first must be [{r}], got {tuple(first.shape)}")
         first = first.contiguous()
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ConfigError("tree_attention: the KV cache must have unit stride over head_dim")
@@ -504,8 +506,6 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, s
         part_acc = torch.empty((r * kv, splits + 1, rows_padded, d), dtype=torch.float32, device=q.device)
     scale_log2 = d**-0.5 * math.log2(math.e)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 stays exact; halves ignore the setting
-    if first is not None and first.shape != (r,):
-        raise ConfigError(f"tree_attention: first must be [{r}], got {tuple(first.shape)}")
     _tree_attention_split_kernel[(row_tiles, 1 if direct else splits + 1, r * kv)](
         q, k_cache, v_cache, slots, start, start if first is None else first, bits, last, out, part_m, part_l,
         part_acc,
