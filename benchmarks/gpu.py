@@ -155,6 +155,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script")
     ap.add_argument("--no-kernels", action="store_true", help="EngineConfig(gpu_kernels=False): the torch path")
     ap.add_argument("--c1-prompts", type=int, default=3, help="prompts run one after another in concurrency-1 cells")
+    ap.add_argument("--no-prefill-graphs", action="store_true", help="EngineConfig(prefill_graphs=False)")
     ap.add_argument("--waves", type=int, default=2,
                     help="at concurrency C > 1 a cell runs waves * C prompts, C in flight at a time")
     args = ap.parse_args()
@@ -189,7 +190,8 @@ def main() -> None:
         contexts, concurrency, budgets = [60, 1024], [1, 8], [16, 64]
     max_len = max(contexts) + args.new_tokens + 16
     config = EngineConfig(max_batch=max(concurrency), max_len=max_len, max_budget=max(*budgets, 32),
-                          prefill_chunk=2048, max_queue=4096, cuda_graphs=True, gpu_kernels=not args.no_kernels)
+                          prefill_chunk=2048, max_queue=4096, cuda_graphs=True, gpu_kernels=not args.no_kernels,
+                          prefill_graphs=not args.no_prefill_graphs)
     engine = Engine.from_models(target, drafter, tokenizer, config, model_name=f"standin-{args.shape}")
     engine.start()
     eager = Engine.from_models(target, drafter, tokenizer, EngineConfig(**{**config.__dict__, "cuda_graphs": False,
@@ -246,6 +248,7 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             _write(out_dir, report)
     report["graph_captures"] = engine.graphs.captures if engine.graphs is not None else 0
+    report["prefill_graph_captures"] = engine.prefill_graphs.captures if engine.prefill_graphs is not None else 0
     engine.shutdown(drain_timeout=0)
     del engine
     import gc

@@ -333,3 +333,31 @@ def test_ends_by_token_predicts_commit(seed):
     predicted = state.ends_by_token(tokens)
     _, _, reason = state.commit(tokens)
     assert predicted == (reason is not None)
+
+
+def test_prefill_graph_inputs_reach_the_right_rows(tiny_engine_factory, tiny_tokenizer, monkeypatch):
+    """PrefillGraphs' host packing (bucketed rows and widths, scratch-slot padding rows, valid lengths, the last
+    token's logits) on a CPU: its graph recorder swapped for one that reruns the prefill into the same output
+    buffer. The short prompts take the graphed path however the engine groups them, the long one is chunked
+    eagerly; every output must equal the plain engine's."""
+    from ddtree.engine.cuda_graphs import PrefillGraphs
+
+    prompts = ["def f(x):\n", "class Stack:\n    def push(self, x):\n", "x = [", "import os\n" * 30]
+    reqs = [_req(prompt=p, max_tokens=10, ignore_eos=True, tree=TreeSettings(method="ddtree", budget=8))
+            for p in prompts]
+    plain = tiny_engine_factory(max_batch=4, prefill_chunk=64).generate(reqs)
+
+    engine = tiny_engine_factory(max_batch=4, prefill_chunk=64)
+    graphs = PrefillGraphs(engine.runner, max_rows=4, max_width=32)
+
+    def record(fn):
+        out = fn()
+        return out, lambda: out.copy_(fn())
+
+    monkeypatch.setattr(graphs, "_record", record)
+    monkeypatch.setattr(graphs, "can_run", graphs.fits)
+    engine.prefill_graphs = graphs
+    graphed = engine.generate(reqs[:3])
+    assert graphs.captures > 0
+    graphed += engine.generate(reqs[3:])
+    assert [o.token_ids for o in graphed] == [o.token_ids for o in plain]

@@ -26,6 +26,7 @@ class EngineConfig:
     prefill_chunk: int = 512  # prompt tokens prefilled per engine step (long prompts are chunked)
     kv_memory_fraction: float | None = None  # size max_batch from free device memory instead
     cuda_graphs: bool = True  # capture decode rounds as CUDA graphs (CUDA devices only)
+    prefill_graphs: bool = True  # with cuda_graphs: also prefill chunks that start a prompt (up to 1024 tokens)
     gpu_kernels: bool = True  # Triton kernels on CUDA (fused layer ops, tree attention, vocab top-k); False = torch
     # Queue round n + 1 on the device (inputs advanced there from round n's result) before reading round n, while the
     # batch stays the same: the device never waits for the host between rounds. None = on for CUDA devices.

@@ -21,12 +21,20 @@ first, as PyTorch requires) and is bounded by ``max_graphs`` (least recently use
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from ddtree.engine.runner import ROUND_FLOATS, ROUND_LONGS, ModelRunner, RoundInputs, StageTimer
+from ddtree.engine.runner import (
+    ROUND_FLOATS,
+    ROUND_LONGS,
+    ModelRunner,
+    PrefillInputs,
+    RoundInputs,
+    StageTimer,
+)
 
 
 def bucket_rows(rows: int, max_rows: int) -> int:
@@ -177,3 +185,115 @@ class RoundGraphs:
         while len(self.graphs) > self.max_graphs:
             self.graphs.popitem(last=False)
         return cap
+
+
+@dataclass(frozen=True)
+class PrefillKey:
+    rows: int  # batch bucket
+    width: int  # chunk width bucket (power of two >= 16)
+
+
+@dataclass
+class _CapturedPrefill:
+    packed: Tensor  # [rows, width + 2] long device: ids, then slot, then valid length
+    logits: Tensor  # [rows, V] the graph's output
+    replay: Callable[[], None]  # torch.cuda.CUDAGraph.replay
+
+
+class PrefillGraphs:
+    """CUDA graphs of prefill chunks that start at position 0 (a whole short prompt, or a long one's first chunk).
+
+    Why: an eager prefill of a short prompt is mostly Python launches on the Qwen3-8B stand-in (a 60-token prompt
+    waited 25-50 ms for its first token, ~5 ms of it on the device), and each request joining a running batch
+    stalled everyone's decoding that long (runs 12-13's closed-loop cells at concurrency 64: DDTree b4's round was
+    17-23 ms of wall time for 12 ms of device stages). Prompts longer than ``max_width`` or continuing a chunked
+    prompt stay eager: their device time dwarfs the launches.
+
+    Key: (rows bucket, width bucket); padding rows prefill one token into the scratch slot, padding columns sit
+    past each row's valid length (invisible, as in the eager path). Inputs are one pinned long tensor copied with one
+    asynchronous copy; the engine reads the logits (a host sync) before it replays any prefill graph again."""
+
+    def __init__(self, runner: ModelRunner, *, max_rows: int, max_width: int, max_tokens: int = 8192,
+                 max_graphs: int = 32) -> None:
+        self.runner = runner
+        self.max_rows = max_rows
+        self.max_width = max_width
+        self.max_tokens = max_tokens
+        self.max_graphs = max_graphs
+        self.pool = None  # its own graph memory pool (made at the first capture)
+        self.graphs: OrderedDict[PrefillKey, _CapturedPrefill] = OrderedDict()
+        self.captures = 0
+
+    def key_for(self, rows: int, width: int) -> PrefillKey:
+        return PrefillKey(rows=bucket_rows(rows, self.max_rows), width=max(16, 1 << (width - 1).bit_length()))
+
+    def can_run(self, rows: int, width: int, starts: list[int]) -> bool:
+        return self.runner.device.type == "cuda" and self.fits(rows, width, starts)
+
+    def fits(self, rows: int, width: int, starts: list[int]) -> bool:
+        """A chunk this class graphs: every row from position 0, within the row, width and token limits."""
+        if rows > self.max_rows or any(starts):
+            return False
+        key = self.key_for(rows, width)
+        return key.width <= self.max_width and key.rows * key.width <= self.max_tokens
+
+    @torch.inference_mode()
+    def run(self, ids: Tensor, slots: list[int], valid_len: list[int]) -> Tensor:
+        """Prefill ``ids [R, W]`` (host, padded) into ``slots`` with ``valid_len`` real tokens per row, every row
+        from position 0; returns the device logits ``[R, V]`` at each row's last real token (a view of the graph's
+        output buffer, valid until the next prefill replay)."""
+        rows, width = ids.shape
+        key = self.key_for(rows, width)
+        cap = self.graphs.get(key)
+        if cap is None:
+            cap = self._capture(key)
+        else:
+            self.graphs.move_to_end(key)
+        host = self._padding(key)
+        host[:rows, :width] = ids
+        host[:rows, key.width] = torch.tensor(slots, dtype=torch.long)
+        host[:rows, key.width + 1] = torch.tensor(valid_len, dtype=torch.long)
+        cap.packed.copy_(host.pin_memory() if cap.packed.is_cuda else host, non_blocking=True)
+        cap.replay()
+        return cap.logits[:rows]
+
+    def _padding(self, key: PrefillKey) -> Tensor:
+        """Host inputs of an all-padding chunk: token 0, the scratch slot, one valid token."""
+        host = torch.zeros((key.rows, key.width + 2), dtype=torch.long)
+        host[:, key.width] = self.runner.target_cache.scratch_slot
+        host[:, key.width + 1] = 1
+        return host
+
+    def _capture(self, key: PrefillKey) -> _CapturedPrefill:
+        runner = self.runner
+        packed = self._padding(key).to(runner.device)
+
+        def prefill() -> Tensor:
+            # Inputs are views of `packed` and last_index is derived inside, so a replay sees the new values.
+            valid = packed[:, key.width + 1]
+            return runner.prefill(PrefillInputs(ids=packed[:, : key.width], slots=packed[:, key.width],
+                                                start=torch.zeros_like(valid), valid_len=valid, last_index=valid - 1,
+                                                kv_len=key.width))
+
+        logits, replay = self._record(prefill)
+        cap = _CapturedPrefill(packed=packed, logits=logits, replay=replay)
+        self.graphs[key] = cap
+        self.captures += 1
+        while len(self.graphs) > self.max_graphs:
+            self.graphs.popitem(last=False)
+        return cap
+
+    def _record(self, fn: Callable[[], Tensor]) -> tuple[Tensor, Callable[[], None]]:
+        """Capture ``fn`` (warm-up on a side stream first, as PyTorch requires): its output and the replay."""
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # lazy initialisation, cuBLAS workspaces, autotuning
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = fn()
+        return out, graph.replay

@@ -57,6 +57,8 @@ from ddtree.models import fuse_projections
 log = logging.getLogger("ddtree.engine")
 
 _NO_WINDOW = 1 << 30
+# Whole prompts up to this many tokens prefill through a CUDA graph (cuda_graphs.PrefillGraphs); longer ones eager.
+PREFILL_GRAPH_MAX_WIDTH = 1024
 _ROOT, _START, _STEP = (ROUND_LONGS.index(name) for name in ("root_tokens", "start", "step"))
 
 
@@ -157,10 +159,14 @@ class Engine:
                                   kernels=config.gpu_kernels)
         self._overlap = config.overlap_rounds if config.overlap_rounds is not None else self.device.type == "cuda"
         self.graphs = None
+        self.prefill_graphs = None
         if config.cuda_graphs and self.device.type == "cuda":
-            from ddtree.engine.cuda_graphs import RoundGraphs
+            from ddtree.engine.cuda_graphs import PrefillGraphs, RoundGraphs
 
             self.graphs = RoundGraphs(self.runner, max_rows=max_batch, cache_len=self.cache_len)
+            if config.prefill_graphs:
+                self.prefill_graphs = PrefillGraphs(self.runner, max_rows=max_batch,
+                                                    max_width=min(PREFILL_GRAPH_MAX_WIDTH, config.prefill_chunk))
         default_tree = config.default_tree if drafter is not None else TreeSettings(method="ar")
         self._defaults = self._validate_tree(default_tree)
         self.eos_ids = _eos_ids(target, tokenizer)
@@ -547,15 +553,18 @@ class Engine:
         dev = self.device
         start = [s.prefilled for s, _ in rows]
         takes = [t for _, t in rows]
-        inp = PrefillInputs(
-            ids=ids.to(dev),
-            slots=torch.tensor([s.slot for s, _ in rows], device=dev),
-            start=torch.tensor(start, device=dev),
-            valid_len=torch.tensor(takes, device=dev),
-            last_index=torch.tensor([t - 1 for t in takes], device=dev),
-            kv_len=max(s + width for s in start),
-        )
-        logits = self.runner.prefill(inp)
+        if self.prefill_graphs is not None and self.prefill_graphs.can_run(len(rows), width, start):
+            logits = self.prefill_graphs.run(ids, [s.slot for s, _ in rows], takes)
+        else:
+            inp = PrefillInputs(
+                ids=ids.to(dev),
+                slots=torch.tensor([s.slot for s, _ in rows], device=dev),
+                start=torch.tensor(start, device=dev),
+                valid_len=torch.tensor(takes, device=dev),
+                last_index=torch.tensor([t - 1 for t in takes], device=dev),
+                kv_len=max(s + width for s in start),
+            )
+            logits = self.runner.prefill(inp)
         done = [i for i, (s, take) in enumerate(rows) if s.prefilled + take == len(s.prompt_ids)]
         first: list[int] = []
         if done:
