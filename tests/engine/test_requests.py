@@ -361,3 +361,24 @@ def test_prefill_graph_inputs_reach_the_right_rows(tiny_engine_factory, tiny_tok
     assert graphs.captures > 0
     graphed += engine.generate(reqs[3:])
     assert [o.token_ids for o in graphed] == [o.token_ids for o in plain]
+
+
+def test_a_prefill_graph_that_fails_to_capture_falls_back_to_eager(tiny_engine_factory, monkeypatch):
+    """A capture that raises (out of memory, an op graphs refuse) disables prefill graphs; the requests still
+    prefill eagerly and decode as the plain engine does."""
+    from ddtree.engine.cuda_graphs import PrefillGraphs
+
+    reqs = [_req(prompt=p, max_tokens=8, ignore_eos=True) for p in ("def f(x):\n", "x = [")]
+    plain = tiny_engine_factory(max_batch=2).generate(reqs)
+    engine = tiny_engine_factory(max_batch=2)
+    graphs = PrefillGraphs(engine.runner, max_rows=2, max_width=32)
+
+    def broken(fn):
+        raise RuntimeError("injected capture failure")
+
+    monkeypatch.setattr(graphs, "_record", broken)
+    monkeypatch.setattr(graphs, "can_run", graphs.fits)
+    engine.prefill_graphs = graphs
+    outs = engine.generate(reqs)
+    assert engine.prefill_graphs is None
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]

@@ -195,7 +195,7 @@ class PrefillKey:
 
 @dataclass
 class _CapturedPrefill:
-    packed: Tensor  # [rows, width + 2] long device: ids, then slot, then valid length
+    packed: Tensor  # [rows * width + 2 * rows] long device: the ids row by row, then the slots, then valid lengths
     logits: Tensor  # [rows, V] the graph's output
     replay: Callable[[], None]  # torch.cuda.CUDAGraph.replay
 
@@ -250,18 +250,27 @@ class PrefillGraphs:
         else:
             self.graphs.move_to_end(key)
         host = self._padding(key)
-        host[:rows, :width] = ids
-        host[:rows, key.width] = torch.tensor(slots, dtype=torch.long)
-        host[:rows, key.width + 1] = torch.tensor(valid_len, dtype=torch.long)
+        ids_part, slots_part, valid_part = self._views(host, key)
+        ids_part[:rows, :width] = ids
+        slots_part[:rows] = torch.tensor(slots, dtype=torch.long)
+        valid_part[:rows] = torch.tensor(valid_len, dtype=torch.long)
         cap.packed.copy_(host.pin_memory() if cap.packed.is_cuda else host, non_blocking=True)
         cap.replay()
         return cap.logits[:rows]
 
+    @staticmethod
+    def _views(packed: Tensor, key: PrefillKey) -> tuple[Tensor, Tensor, Tensor]:
+        """ids [rows, width], slots [rows], valid lengths [rows]: contiguous views of one flat buffer (one copy
+        moves them all; every consumer may assume unit strides)."""
+        n = key.rows * key.width
+        return packed[:n].view(key.rows, key.width), packed[n : n + key.rows], packed[n + key.rows :]
+
     def _padding(self, key: PrefillKey) -> Tensor:
         """Host inputs of an all-padding chunk: token 0, the scratch slot, one valid token."""
-        host = torch.zeros((key.rows, key.width + 2), dtype=torch.long)
-        host[:, key.width] = self.runner.target_cache.scratch_slot
-        host[:, key.width + 1] = 1
+        host = torch.zeros(key.rows * key.width + 2 * key.rows, dtype=torch.long)
+        _, slots, valid = self._views(host, key)
+        slots.fill_(self.runner.target_cache.scratch_slot)
+        valid.fill_(1)
         return host
 
     def _capture(self, key: PrefillKey) -> _CapturedPrefill:
@@ -270,10 +279,9 @@ class PrefillGraphs:
 
         def prefill() -> Tensor:
             # Inputs are views of `packed` and last_index is derived inside, so a replay sees the new values.
-            valid = packed[:, key.width + 1]
-            return runner.prefill(PrefillInputs(ids=packed[:, : key.width], slots=packed[:, key.width],
-                                                start=torch.zeros_like(valid), valid_len=valid, last_index=valid - 1,
-                                                kv_len=key.width))
+            ids, slots, valid = self._views(packed, key)
+            return runner.prefill(PrefillInputs(ids=ids, slots=slots, start=torch.zeros_like(valid), valid_len=valid,
+                                                last_index=valid - 1, kv_len=key.width))
 
         logits, replay = self._record(prefill)
         cap = _CapturedPrefill(packed=packed, logits=logits, replay=replay)

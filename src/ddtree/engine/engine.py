@@ -553,9 +553,14 @@ class Engine:
         dev = self.device
         start = [s.prefilled for s, _ in rows]
         takes = [t for _, t in rows]
+        logits = None
         if self.prefill_graphs is not None and self.prefill_graphs.can_run(len(rows), width, start):
-            logits = self.prefill_graphs.run(ids, [s.slot for s, _ in rows], takes)
-        else:
+            try:
+                logits = self.prefill_graphs.run(ids, [s.slot for s, _ in rows], takes)
+            except Exception:  # a capture that fails (memory, an op graphs refuse) must not fail the requests
+                log.exception("prefill CUDA graph failed; prefilling eagerly from now on")
+                self.prefill_graphs = None
+        if logits is None:
             inp = PrefillInputs(
                 ids=ids.to(dev),
                 slots=torch.tensor([s.slot for s, _ in rows], device=dev),
