@@ -382,3 +382,37 @@ def test_a_prefill_graph_that_fails_to_capture_falls_back_to_eager(tiny_engine_f
     outs = engine.generate(reqs)
     assert engine.prefill_graphs is None
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+
+
+def test_prefill_graphs_past_their_cap_prefill_eagerly(tiny_engine_factory, tiny_tokenizer, monkeypatch):
+    """At ``max_graphs`` captured shapes a new shape prefills eagerly (no eviction, no recapture: a capture costs
+    more than a graph saves on one prompt); shapes already captured keep replaying. Outputs equal the plain
+    engine's either way."""
+    from ddtree.engine.cuda_graphs import PrefillGraphs
+
+    text = tiny_tokenizer.encode("def f(x):\n    return [x, x + 1]\n" * 20, add_special_tokens=False)
+    widths = (5, 20, 40)  # three width buckets (16, 32, 64), one graph allowed
+    reqs = [GenerationRequest(prompt_token_ids=text[:w], sampling=SamplingParams(max_tokens=6, ignore_eos=True))
+            for w in widths]
+    plain = tiny_engine_factory(max_batch=1).generate(reqs)
+    engine = tiny_engine_factory(max_batch=1)
+    graphs = PrefillGraphs(engine.runner, max_rows=1, max_width=64, max_graphs=1)
+    assert len(text) >= 40 and len({graphs.key_for(1, w) for w in widths}) == 3
+    replays = []
+
+    def record(fn):
+        out = fn()
+
+        def replay():
+            replays.append(1)
+            out.copy_(fn())
+
+        return out, replay
+
+    monkeypatch.setattr(graphs, "_record", record)
+    monkeypatch.setattr(graphs, "can_run", graphs.fits)
+    engine.prefill_graphs = graphs
+    outs = [engine.generate([r])[0] for r in reqs + reqs[:1]]
+    assert graphs.captures == 1 and len(graphs.graphs) == 1
+    assert len(replays) == 2  # the first prompt, captured and then replayed; the other two eager
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain + plain[:1]]

@@ -182,8 +182,6 @@ class RoundGraphs:
                         pad_longs=pad_longs, pad_floats=pad_floats, work=work, graphs=graphs)
         self.graphs[key] = cap
         self.captures += 1
-        while len(self.graphs) > self.max_graphs:
-            self.graphs.popitem(last=False)
         return cap
 
 
@@ -221,7 +219,7 @@ class PrefillGraphs:
         self.max_tokens = max_tokens
         self.max_graphs = max_graphs
         self.pool = None  # its own graph memory pool (made at the first capture)
-        self.graphs: OrderedDict[PrefillKey, _CapturedPrefill] = OrderedDict()
+        self.graphs: dict[PrefillKey, _CapturedPrefill] = {}
         self.captures = 0
 
     def key_for(self, rows: int, width: int) -> PrefillKey:
@@ -231,11 +229,19 @@ class PrefillGraphs:
         return self.runner.device.type == "cuda" and self.fits(rows, width, starts)
 
     def fits(self, rows: int, width: int, starts: list[int]) -> bool:
-        """A chunk this class graphs: every row from position 0, within the row, width and token limits."""
+        """A chunk this class graphs: every row from position 0, within the row, width and token limits, and its
+        graph captured already or room for one more.
+
+        Why no eviction (the round graphs drop their least recently used): a capture costs about three eager
+        prefills (two warm-up runs and the recording), more than a graph saves on one prompt, so a server whose
+        prompts cycle through more shapes than ``max_graphs`` would pay it on every arrival. Past the cap, new
+        shapes prefill eagerly."""
         if rows > self.max_rows or any(starts):
             return False
         key = self.key_for(rows, width)
-        return key.width <= self.max_width and key.rows * key.width <= self.max_tokens
+        if key.width > self.max_width or key.rows * key.width > self.max_tokens:
+            return False
+        return key in self.graphs or len(self.graphs) < self.max_graphs
 
     @torch.inference_mode()
     def run(self, ids: Tensor, slots: list[int], valid_len: list[int]) -> Tensor:
@@ -247,8 +253,6 @@ class PrefillGraphs:
         cap = self.graphs.get(key)
         if cap is None:
             cap = self._capture(key)
-        else:
-            self.graphs.move_to_end(key)
         host = self._padding(key)
         ids_part, slots_part, valid_part = self._views(host, key)
         ids_part[:rows, :width] = ids
@@ -287,8 +291,6 @@ class PrefillGraphs:
         cap = _CapturedPrefill(packed=packed, logits=logits, replay=replay)
         self.graphs[key] = cap
         self.captures += 1
-        while len(self.graphs) > self.max_graphs:
-            self.graphs.popitem(last=False)
         return cap
 
     def _record(self, fn: Callable[[], Tensor]) -> tuple[Tensor, Callable[[], None]]:
