@@ -1,5 +1,6 @@
 """Which kernels a round's forwards spend their time in, on the GPU (eager, torch.profiler): the plain-decoding
-step (T = 1), a 17-node verify and the drafter's block, on the Qwen3-8B stand-in at a given context.
+step (T = 1), 17- and 129-node verifies, the drafter's block (as the engine runs it: through the tree kernel on
+CUDA) and its context append for a 16-token path, on the Qwen3-8B stand-in at a given context.
 
 Why: under CUDA graphs the engine only sees a stage's total; this lists the kernels inside it (count, total and
 mean device time), which says what is left to fuse and how far a stage is from its matmuls.
@@ -82,11 +83,18 @@ def main() -> None:
     def draft():
         start = torch.tensor([ctx], device=dev)
         return drafter.draft_logits(target, ids[:, 0], start, dcache, slots, 16, block_len=torch.tensor([16], device=dev),
-                                    window=torch.tensor([1 << 30], device=dev), kv_len=ctx)
+                                    window=torch.tensor([1 << 30], device=dev), kv_len=ctx,
+                                    tree_kernel=cuda and drafter.supports_tree_attention())
+
+    path_hidden = out.hidden[:, -16:].contiguous()  # a round's accepted path: 16 tokens of target features
+    path_pos = ctx + torch.arange(16, device=dev)[None]
+
+    def append():
+        drafter.append_context(path_hidden, path_pos, dcache, slots, path_pos)
 
     sections = []
     for name, fn in (("AR step (T = 1)", verify(1)), ("verify, 17 nodes", verify(17)), ("verify, 129 nodes", verify(129)),
-                     ("drafter block (16)", draft)):
+                     ("drafter block (16)", draft), ("drafter context append (16 tokens)", append)):
         for _ in range(3):
             fn()
         if cuda:

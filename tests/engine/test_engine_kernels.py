@@ -38,6 +38,7 @@ REAL = {"topk": (vocab_topk, "topk_logsumexp"), "attention": (tree_attention, "t
         "walk": (walk, "_walk_kernel_launch"), "compaction": (compaction, "_compact_kernel_launch")}
 REAL_FUNCTIONS = {name: getattr(module, attr) for name, (module, attr) in REAL.items()}
 REAL_KERNEL_ATTEND = DFlashDrafter._kernel_attend
+REAL_APPEND_CONTEXT = DFlashDrafter.append_context
 PROMPT = "import os\n\ndef walk(path):\n    for root, dirs, files in os.walk(path):\n"
 
 
@@ -60,11 +61,19 @@ def _decode(kernels: bool, monkeypatch) -> tuple[list[list[int]], dict[str, int]
         return REAL_KERNEL_ATTEND(self, *args, **kwargs)
 
     monkeypatch.setattr(DFlashDrafter, "_kernel_attend", counted_blocks)
+    calls["context_appends"] = 0
+
+    def counted_appends(self, *args, **kwargs):
+        calls["context_appends"] += 1
+        return REAL_APPEND_CONTEXT(self, *args, **kwargs)
+
+    monkeypatch.setattr(DFlashDrafter, "append_context", counted_appends)
     tokenizer = load_tokenizer(demo_target_path())
     target = load_target(demo_target_path(), dtype=torch.float32, device=DEVICE)
     drafter = load_drafter(demo_drafter_path(), dtype=torch.float32, device=DEVICE)
     fuse_projections(target, kernels=kernels)  # the engine does this itself on CUDA only
     fuse_projections(drafter, kernels=kernels)
+    layers = len(drafter.layers)
     config = EngineConfig(device=DEVICE, dtype="float32", max_batch=2, max_len=256, max_budget=16, cuda_graphs=False,
                           gpu_kernels=kernels)
     engine = Engine.from_models(target, drafter, tokenizer, config, model_name="demo")
@@ -78,14 +87,17 @@ def _decode(kernels: bool, monkeypatch) -> tuple[list[list[int]], dict[str, int]
     finally:
         engine.shutdown()
     assert [o.error for o in outputs] == [None, None]
+    calls["drafter_context_writes"] = calls["context_appends"] * layers  # write_kv calls append_context owes
     return [o.token_ids for o in outputs], calls
 
 
 def test_engine_with_every_kernel_equals_plain_decoding_and_the_torch_path(triton_kernels_on_cpu, monkeypatch):
     reference, reference_calls = _decode(False, monkeypatch)
     tokens, calls = _decode(True, monkeypatch)
-    assert set(reference_calls.values()) == {0}, reference_calls
+    assert {k: v for k, v in reference_calls.items() if k in REAL} == dict.fromkeys(REAL, 0), reference_calls
+    assert reference_calls["drafter_blocks"] == 0, reference_calls
     assert min(calls.values()) > 0, calls  # every kernel really ran
-    assert calls["attention"] == calls["kv_store"]  # each kernel attention stored its new K/V with the kernel
+    # Each kernel attention stored its new K/V with the kernel, and so did each drafter layer's context append.
+    assert calls["kv_store"] == calls["attention"] + calls["drafter_context_writes"], calls
     assert calls["drafter_blocks"] > 0  # the drafter's blocks attended through the kernel too
     assert tokens[0] == tokens[1] == reference[0] == reference[1]

@@ -222,3 +222,52 @@ def test_tree_kernel_path_equals_the_dense_path(triton_kernels_on_cpu):
     assert rel_err(fast[1, :2], dense[1, :2]) < 1e-4  # the short block's live depths
     for r, n in enumerate(lens):
         assert torch.equal(cache.k[:, slots[r], :, :n], before[:, slots[r], :, :n])
+
+
+def test_kernel_norms_and_context_writes_equal_the_eager_drafter(triton_kernels_on_cpu, monkeypatch):
+    """Fused with kernels (the engine on a GPU), the drafter's context norm and final norm run the Triton norm and
+    append_context writes each layer's K/V with write_kv; the cache it fills and the logits it drafts equal those
+    of the same drafter without kernels (the spies prove the kernel path ran)."""
+    import copy
+
+    from ddtree import triton_runtime
+    from ddtree.models import fuse_projections, fused_ops, tree_attention
+
+    if triton_runtime.triton is None or not triton_runtime.INTERPRETED:
+        pytest.skip("needs Triton's interpreter (CPU tensors); on a GPU test_engine_kernels covers this path")
+    target = random_target()
+    eager = random_drafter(head_dim=64, block_size=5)
+    fast = copy.deepcopy(eager)
+    fuse_projections(eager, kernels=False)
+    fuse_projections(fast, kernels=True)
+    calls = {"norm": 0, "write": 0}
+    for module, name, key in ((fused_ops, "rms_norm", "norm"), (tree_attention, "write_kv", "write")):
+        original = getattr(module, name)
+
+        def spy(*args, _original=original, _key=key, **kwargs):
+            calls[_key] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, spy)
+    ids = torch.randint(0, 90, (2, 11), generator=torch.Generator().manual_seed(3))
+    features = features_of(target, eager, ids)
+    lens, slots = [10, 7], [1, 0]
+    caches = {}
+    logits = {}
+    with torch.inference_mode():
+        for name, drafter in (("eager", eager), ("fast", fast)):
+            caches[name] = drafter.allocate_cache(2, 20)
+            fill_context(drafter, features, lens, caches[name], slots)
+            logits[name] = drafter.draft_logits(target, ids[:, 0], torch.tensor(lens), caches[name],
+                                                torch.tensor(slots), 5, kv_len=12)
+            if name == "eager":
+                assert calls == {"norm": 0, "write": 0}
+    assert calls["write"] == 4 * len(fast.layers)  # two chunks per request, every layer
+    # the context norm per append, each layer's input norm and the final norm per draft
+    assert calls["norm"] == 4 + len(fast.layers) + 1
+    for r, (n, slot) in enumerate(zip(lens, slots, strict=True)):
+        for cache in ("k", "v"):
+            got = getattr(caches["fast"], cache)[:, slot, :, :n]
+            want = getattr(caches["eager"], cache)[:, slot, :, :n]
+            assert rel_err(got, want) < 1e-5, (r, cache)
+    assert rel_err(logits["fast"], logits["eager"]) < 1e-4

@@ -47,7 +47,7 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-def _grad_needed(x: Tensor, *params: Tensor | None) -> bool:
+def grad_needed(x: Tensor, *params: Tensor | None) -> bool:
     """Whether autograd must see this call: the Triton kernels and the fused weight have no backward into the
     separate parameters, so training (grad mode on, something requiring grad) keeps the eager path."""
     if not torch.is_grad_enabled():
@@ -103,7 +103,7 @@ class FusedLinear:
 
     def usable(self, x: Tensor) -> bool:
         """Intact, and autograd does not need the separate parameters for input ``x``."""
-        return self.intact() and not _grad_needed(x, *(lin.weight for lin in self.linears),
+        return self.intact() and not grad_needed(x, *(lin.weight for lin in self.linears),
                                                   *(lin.bias for lin in self.linears))
 
     def __call__(self, x: Tensor, start: int = 0) -> Tensor:
@@ -279,7 +279,7 @@ class SelfAttention(nn.Module):
         """The fused path's default: kernels chosen at :meth:`fuse`, able to run on ``x``, and autograd needs
         neither ``x`` nor the q/k norm weights (the kernels have no backward)."""
         weights = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
-        return self.use_kernels and can_run(x) and not _grad_needed(x, *weights)
+        return self.use_kernels and can_run(x) and not grad_needed(x, *weights)
 
     def project_qkv(self, x: Tensor, cos: Tensor, sin: Tensor, *,
                     kernels: bool | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -364,7 +364,7 @@ class DecoderLayer(nn.Module):
         o_proj, residual add + norm, gate/up matmul, SwiGLU, down_proj, residual add."""
         attn, norm_in, norm_post = self.self_attn, self.input_layernorm, self.post_attention_layernorm
         kernels = (attn._kernels_for(h) and self.mlp.use_kernels
-                   and not _grad_needed(h, norm_in.weight, norm_post.weight))
+                   and not grad_needed(h, norm_in.weight, norm_post.weight))
         x = fused_ops.rms_norm(h, norm_in.weight, norm_in.eps) if kernels else norm_in(h)
         q, k, v = attn.project_qkv(x, cos, sin, kernels=kernels)
         out = attend(self.index, q, k, v)  # [R, H, T, D]
