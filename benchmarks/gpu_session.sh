@@ -3,6 +3,8 @@
 #   OUT=/some/dir bash benchmarks/gpu_session.sh kernels   # kernel tests on the GPU, tree ops, vocabulary pass,
 #                                                          # tree-attention tile sweep, kernel profile, divergence
 #   OUT=/some/dir bash benchmarks/gpu_session.sh engine    # the engine on the Qwen3-8B stand-in: C=1, then 64/32/8
+#   OUT=/some/dir bash benchmarks/gpu_session.sh long      # C=64/32/8 at 4k and C=32/8 at 8k, one wave per cell
+#                                                          # (C=64 at 8k does not fit one H200; run 19)
 # If any kernel's GPU tests fail in the kernels part, the log says so; run the engine part with NO_KERNELS=1 then.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +32,15 @@ if [ "$part" = kernels ]; then
   echo "profile at ${SECONDS}s"; grep -A3 "^## " "$OUT/profile.md" | grep "device time"
   timeout $(( 580 - SECONDS )) python3 benchmarks/divergence.py --out "$OUT/div" --prompts 4 --tokens 128 | tail -6
   echo "divergence at ${SECONDS}s"
+elif [ "$part" = long ]; then
+  # Prefill-bound cells (64 x 4k prompts take seconds to prefill): one wave of C prompts each to fit 10 minutes.
+  python3 benchmarks/gpu.py --out "$OUT/c4k" --no-hf --concurrency 64,32,8 --contexts 4096 --budgets 4,8 \
+    --waves 1 --time-budget 300 >/dev/null 2>&1 || echo "c4k failed"
+  echo "c4k done at ${SECONDS}s"
+  python3 benchmarks/gpu.py --out "$OUT/c8k" --no-hf --concurrency 32,8 --contexts 8192 --budgets 4,8 \
+    --waves 1 --time-budget "$(( 560 - SECONDS ))" >/dev/null 2>&1 || echo "c8k failed"
+  echo "c8k done at ${SECONDS}s"
+  cat "$OUT/c4k/gpu.md" "$OUT/c8k/gpu.md" 2>/dev/null
 else
   kernels=()
   [ -n "${NO_KERNELS:-}" ] && kernels=(--no-kernels)
