@@ -338,13 +338,19 @@ def test_ends_by_token_predicts_commit(seed):
 def test_prefill_graph_inputs_reach_the_right_rows(tiny_engine_factory, tiny_tokenizer, monkeypatch):
     """PrefillGraphs' host packing (bucketed rows and widths, scratch-slot padding rows, valid lengths, the last
     token's logits) on a CPU: its graph recorder swapped for one that reruns the prefill into the same output
-    buffer. The short prompts take the graphed path however the engine groups them, the long one is chunked
-    eagerly; every output must equal the plain engine's."""
+    buffer. The short prompts take the graphed path however the engine groups them; the long one (150 tokens:
+    chunks of 64, 64 and 22) is chunked eagerly, its last chunk too although it fits a graph (it does not start at
+    position 0); every output must equal the plain engine's."""
+    import torch
+
     from ddtree.engine.cuda_graphs import PrefillGraphs
 
-    prompts = ["def f(x):\n", "class Stack:\n    def push(self, x):\n", "x = [", "import os\n" * 30]
-    reqs = [_req(prompt=p, max_tokens=10, ignore_eos=True, tree=TreeSettings(method="ddtree", budget=8))
-            for p in prompts]
+    prompts = ["def f(x):\n", "class Stack:\n    def push(self, x):\n", "x = ["]
+    tree = TreeSettings(method="ddtree", budget=8)
+    reqs = [_req(prompt=p, max_tokens=10, ignore_eos=True, tree=tree) for p in prompts]
+    long_ids = torch.randint(3, 200, (150,), generator=torch.Generator().manual_seed(0)).tolist()  # not repetitive
+    reqs.append(GenerationRequest(prompt_token_ids=long_ids, tree=tree,
+                                  sampling=SamplingParams(max_tokens=10, ignore_eos=True)))
     plain = tiny_engine_factory(max_batch=4, prefill_chunk=64).generate(reqs)
 
     engine = tiny_engine_factory(max_batch=4, prefill_chunk=64)
@@ -354,12 +360,23 @@ def test_prefill_graph_inputs_reach_the_right_rows(tiny_engine_factory, tiny_tok
         out = fn()
         return out, lambda: out.copy_(fn())
 
+    graphed_lens: list[int] = []
+    real_run = graphs.run
+
+    def run(ids, slots, valid_len):
+        graphed_lens.extend(valid_len)
+        return real_run(ids, slots, valid_len)
+
     monkeypatch.setattr(graphs, "_record", record)
     monkeypatch.setattr(graphs, "can_run", graphs.fits)
+    monkeypatch.setattr(graphs, "run", run)
     engine.prefill_graphs = graphs
     graphed = engine.generate(reqs[:3])
     assert graphs.captures > 0
     graphed += engine.generate(reqs[3:])
+    # every short prompt went through a graph whole; none of the long prompt's chunks did (its last one, 22 tokens
+    # from position 128, fits a graph's width but not its start)
+    assert sorted(graphed_lens) == sorted(len(tiny_tokenizer.encode(p, add_special_tokens=False)) for p in prompts)
     assert [o.token_ids for o in graphed] == [o.token_ids for o in plain]
 
 
@@ -416,3 +433,45 @@ def test_prefill_graphs_past_their_cap_prefill_eagerly(tiny_engine_factory, tiny
     assert graphs.captures == 1 and len(graphs.graphs) == 1
     assert len(replays) == 2  # the first prompt, captured and then replayed; the other two eager
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain + plain[:1]]
+
+
+def test_prefill_graph_padding_rows_write_only_the_scratch_slot(tiny_pair, monkeypatch):
+    """Three prompts in a 4-row graph: each row's logits and cache entries equal an eager prefill of that prompt
+    alone, and the padding row leaves every other slot (here a live one, 3) untouched in both caches. Deterministic,
+    unlike the engine-level test, whose grouping of arrivals decides whether a padding row exists at all."""
+    import torch
+
+    from ddtree.engine.cuda_graphs import PrefillGraphs
+    from ddtree.engine.runner import ModelRunner, PrefillInputs
+
+    target, drafter = tiny_pair
+    gen = torch.Generator().manual_seed(0)
+    lens, slots = [5, 9, 3], [2, 0, 1]
+    ids = torch.zeros(3, 9, dtype=torch.long)
+    for r, n in enumerate(lens):
+        ids[r, :n] = torch.randint(1, 60, (n,), generator=gen)
+    graphed = ModelRunner(target, drafter, slots=4, cache_len=48, kernels=False)
+    eager = ModelRunner(target, drafter, slots=4, cache_len=48, kernels=False)
+    for cache in (graphed.target_cache, graphed.drafter_cache):
+        cache.k.normal_(generator=gen)
+        cache.v.normal_(generator=gen)
+    before = [(c.k[:, 3].clone(), c.v[:, 3].clone()) for c in (graphed.target_cache, graphed.drafter_cache)]
+    graphs = PrefillGraphs(graphed, max_rows=4, max_width=32)
+
+    def record(fn):
+        out = fn()
+        return out, lambda: out.copy_(fn())
+
+    monkeypatch.setattr(graphs, "_record", record)
+    assert graphs.key_for(3, 9).rows == 4  # one padding row
+    logits = graphs.run(ids, slots, lens).clone()
+    for r, (n, slot) in enumerate(zip(lens, slots, strict=True)):
+        one = torch.tensor([slot])
+        want = eager.prefill(PrefillInputs(ids=ids[r:r + 1, :n], slots=one, start=torch.zeros(1, dtype=torch.long),
+                                           valid_len=torch.tensor([n]), last_index=torch.tensor([n - 1]), kv_len=n))
+        torch.testing.assert_close(logits[r], want[0], rtol=1e-5, atol=1e-5)
+        for got, ref in ((graphed.target_cache, eager.target_cache), (graphed.drafter_cache, eager.drafter_cache)):
+            torch.testing.assert_close(got.k[:, slot, :, :n], ref.k[:, slot, :, :n], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got.v[:, slot, :, :n], ref.v[:, slot, :, :n], rtol=1e-5, atol=1e-5)
+    for cache, (k, v) in zip((graphed.target_cache, graphed.drafter_cache), before, strict=True):
+        assert torch.equal(cache.k[:, 3], k) and torch.equal(cache.v[:, 3], v)

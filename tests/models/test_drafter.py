@@ -271,3 +271,29 @@ def test_kernel_norms_and_context_writes_equal_the_eager_drafter(triton_kernels_
             want = getattr(caches["eager"], cache)[:, slot, :, :n]
             assert rel_err(got, want) < 1e-5, (r, cache)
     assert rel_err(logits["fast"], logits["eager"]) < 1e-4
+
+
+def test_context_appends_keep_autograd_when_the_kv_projections_train(triton_kernels_on_cpu):
+    """Fused with kernels, but the K projections need grad (ctx and the norms do not): append_context must write
+    through KVCache.write, which autograd sees, not through write_kv, which it does not."""
+    from ddtree import triton_runtime
+    from ddtree.models import fuse_projections
+
+    if triton_runtime.triton is None or not triton_runtime.INTERPRETED:
+        pytest.skip("needs Triton's interpreter (CPU tensors)")
+    target = random_target()
+    drafter = random_drafter(head_dim=64, block_size=5)
+    fuse_projections(drafter, kernels=True)
+    drafter.requires_grad_(False)
+    for layer in drafter.layers:
+        layer.self_attn.k_proj.weight.requires_grad_(True)
+    ids = torch.randint(0, 90, (1, 6), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        features = features_of(target, drafter, ids)
+    cache = drafter.allocate_cache(1, 10)
+    pos = torch.arange(6)[None]
+    with torch.enable_grad():
+        drafter.append_context(features, pos, cache, torch.tensor([0]), pos)
+        assert cache.k.requires_grad
+        cache.k.sum().backward()
+    assert all(layer.self_attn.k_proj.weight.grad is not None for layer in drafter.layers)

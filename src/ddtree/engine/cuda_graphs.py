@@ -182,6 +182,8 @@ class RoundGraphs:
                         pad_longs=pad_longs, pad_floats=pad_floats, work=work, graphs=graphs)
         self.graphs[key] = cap
         self.captures += 1
+        while len(self.graphs) > self.max_graphs:  # each key keeps its stage outputs (draft logits...) allocated
+            self.graphs.popitem(last=False)
         return cap
 
 
@@ -304,6 +306,12 @@ class PrefillGraphs:
                 fn()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = fn()
+        stream = torch.cuda.current_stream()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = fn()
+        finally:
+            # An invalidated capture makes capture_end raise before torch.cuda.graph restores the stream; the
+            # engine's eager fallback must not stay on the capture stream.
+            torch.cuda.set_stream(stream)
         return out, graph.replay

@@ -174,11 +174,14 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rotary(positions, ctx.dtype)
         # One Triton kernel per layer instead of KVCache.write's two indexing kernels (0.038 of the 0.171 ms an
         # append of a 16-token path cost on the Qwen3-8B stand-in's drafter, H200 run 16).
+        # write_kv reads slots and write_pos on the cache's device, write_pos at unit stride over T; KVCache.write
+        # takes any layout. Autograd: the K/V projections may need grad even when ctx and the norms do not.
         one_kernel = (self._kernels_for(ctx) and tree_attention.supports_head_dim(self.config.head_dim)
-                      and cache.k.device == ctx.device)
+                      and cache.k.device == ctx.device == slots.device == write_pos.device
+                      and write_pos.stride(-1) == 1)
         for layer in self.layers:
             k, v = layer.self_attn.project_kv(ctx, cos, sin)
-            if one_kernel:
+            if one_kernel and not grad_needed(k, v):
                 tree_attention.write_kv(cache.k[layer.index], cache.v[layer.index], slots, write_pos, k, v)
             else:
                 cache.write(layer.index, slots, write_pos, k, v)
