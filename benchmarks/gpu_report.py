@@ -1,0 +1,79 @@
+"""Merge the JSON reports of several `benchmarks/gpu.py` runs into the one matrix report issue 9 asks for
+(``docs/benchmarks/gpu.md`` and ``docs/benchmarks/gpu.json``).
+
+Why: a device call runs at most 10 minutes, so the matrix (concurrency x context x method) is measured over several
+calls (`benchmarks/gpu_session.sh engine`, then `long`), each writing its own report. Merging is by whole
+(concurrency, context) group: a later report's group replaces an earlier one's entirely, so the methods of one row
+of the matrix always come from one run and their ratios compare like with like. Every group names its source.
+
+    python benchmarks/gpu_report.py docs/benchmarks/gpu/run15_c1_gpu.json docs/benchmarks/gpu/run15_c8-64_gpu.json \\
+        docs/benchmarks/gpu/run18_c1_gpu.json --out docs/benchmarks
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu import render_markdown  # noqa: E402  (the per-run report's table, reused as is)
+
+
+def merge_reports(reports: list[tuple[str, dict]]) -> dict:
+    """``[(source name, gpu.py report)]`` in order, later groups winning -> one report with ``sources`` (group ->
+    source name) and the cells of every group, ordered by concurrency, then context."""
+    if not reports:
+        raise ValueError("no reports to merge: pass at least one gpu.json")
+    groups: dict[tuple[int, int], tuple[str, list[dict]]] = {}
+    skipped: dict[tuple[int, int, str], dict] = {}
+    for name, report in reports:
+        fresh: dict[tuple[int, int], list[dict]] = {}
+        for cell in report["cells"]:
+            fresh.setdefault((cell["concurrency"], cell["context"]), []).append({**cell, "source": name})
+        for key, cells in fresh.items():
+            groups[key] = (name, cells)
+        for s in report.get("skipped", []):
+            skipped[(s["concurrency"], s["context"], s["method"])] = s
+    measured = {(c, x, cell["method"]) for (c, x), (_, cells) in groups.items() for cell in cells}
+    last = reports[-1][1]
+    merged = {k: last[k] for k in ("device", "torch", "shape", "params_target", "params_drafter", "standin_build_s")}
+    merged["graph_vs_eager_identical"] = ", ".join(
+        f"{name} {report.get('graph_vs_eager_identical')}" for name, report in reports)
+    order = sorted(groups)
+    merged["sources"] = {f"C{c} ctx{x}": groups[(c, x)][0] for c, x in order}
+    merged["cells"] = [cell for key in order for cell in groups[key][1]]
+    merged["skipped"] = [s for key, s in skipped.items() if key not in measured]
+    return merged
+
+
+def render(merged: dict) -> str:
+    """gpu.py's table, then where each (concurrency, context) group came from."""
+    sources = "; ".join(f"{group}: {name}" for group, name in merged["sources"].items())
+    return render_markdown(merged) + f"\nSources (one run per row group): {sources}.\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("reports", nargs="+", help="gpu.json files, oldest first (later groups replace earlier ones)")
+    ap.add_argument("--out", default="docs/benchmarks", help="directory for gpu.md and gpu.json")
+    args = ap.parse_args()
+    reports = []
+    for path in args.reports:
+        try:
+            reports.append((Path(path).stem.removesuffix("_gpu"), json.loads(Path(path).read_text())))
+        except (OSError, json.JSONDecodeError) as exc:
+            sys.exit(f"gpu_report: cannot read {path}: {exc}")
+    merged = merge_reports(reports)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "gpu.json.tmp"
+    tmp.write_text(json.dumps(merged, indent=1))
+    tmp.replace(out / "gpu.json")
+    (out / "gpu.md").write_text(render(merged))
+    print(render(merged))
+
+
+if __name__ == "__main__":
+    main()

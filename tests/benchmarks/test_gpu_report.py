@@ -1,0 +1,65 @@
+"""benchmarks/gpu_report.py: merging device runs by whole (concurrency, context) group."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_report.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("gpu_report", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _cell(conc: int, ctx: int, method: str, tok_s: float) -> dict:
+    return {"concurrency": conc, "context": ctx, "method": method, "tok_s": tok_s, "decode_tok_s": tok_s,
+            "accept_length": 1.0, "speedup_vs_ar": 1.0, "efficiency": 1.0, "stage_ms_per_round": {},
+            "round_ms": 1.0, "peak_mem_gib": 1.0, "identical_to_ar": 1, "compared": 1}
+
+
+def _report(cells: list[dict], skipped: list[dict] = (), device: str = "H200") -> dict:
+    return {"device": device, "torch": "2.11", "shape": "qwen3-8b", "params_target": 7e9, "params_drafter": 1e9,
+            "standin_build_s": 0.2, "graph_vs_eager_identical": True, "cells": cells, "skipped": list(skipped)}
+
+
+def test_a_later_run_replaces_whole_groups_and_keeps_the_rest():
+    old = _report([_cell(1, 60, "ar", 1.0), _cell(1, 60, "ddtree-b8", 2.0), _cell(1, 60, "ddtree-b16", 3.0),
+                   _cell(8, 60, "ar", 4.0)], skipped=[{"concurrency": 8, "context": 1024, "method": "ar"}])
+    new = _report([_cell(1, 60, "ar", 5.0), _cell(1, 60, "ddtree-b8", 6.0), _cell(8, 1024, "ar", 7.0)],
+                  device="H200 again")
+    merged = _module().merge_reports([("old", old), ("new", new)])
+    got = {(c["concurrency"], c["context"], c["method"]): (c["tok_s"], c["source"]) for c in merged["cells"]}
+    # (1, 60) comes wholly from the new run: its b16 (only in the old run) must not mix in
+    assert got == {(1, 60, "ar"): (5.0, "new"), (1, 60, "ddtree-b8"): (6.0, "new"), (8, 60, "ar"): (4.0, "old"),
+                   (8, 1024, "ar"): (7.0, "new")}
+    assert [(c["concurrency"], c["context"]) for c in merged["cells"]] == [(1, 60), (1, 60), (8, 60), (8, 1024)]
+    assert merged["sources"] == {"C1 ctx60": "new", "C8 ctx60": "old", "C8 ctx1024": "new"}
+    assert merged["skipped"] == []  # measured by the later run
+    assert merged["device"] == "H200 again"
+
+
+def test_the_script_writes_both_files_and_names_an_unreadable_report(tmp_path):
+    good = tmp_path / "run1_c1_gpu.json"
+    good.write_text(json.dumps(_report([_cell(1, 60, "ar", 1.0), _cell(1, 60, "ddtree-b8", 2.5)])))
+    out = tmp_path / "out"
+    subprocess.run([sys.executable, str(SCRIPT), str(good), "--out", str(out)], check=True, capture_output=True)
+    assert json.loads((out / "gpu.json").read_text())["sources"] == {"C1 ctx60": "run1_c1"}
+    assert "| 1 | 60 | ddtree-b8 | 2.5 |" in (out / "gpu.md").read_text()
+    bad = tmp_path / "broken.json"
+    bad.write_text("{not json")
+    result = subprocess.run([sys.executable, str(SCRIPT), str(bad), "--out", str(out)], capture_output=True, text=True)
+    assert result.returncode != 0 and "broken.json" in result.stderr
+
+
+def test_no_reports_is_an_error():
+    with pytest.raises(ValueError, match="at least one"):
+        _module().merge_reports([])
