@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -35,6 +36,8 @@ from ddtree.engine.runner import (
     RoundInputs,
     StageTimer,
 )
+
+T = TypeVar("T")
 
 
 def bucket_rows(rows: int, max_rows: int) -> int:
@@ -163,21 +166,15 @@ class RoundGraphs:
             longs, floats, max_budget=key.max_budget, block_size=key.block_size, kv_len=key.kv_len,
             draft_kv_len=key.draft_kv_len, greedy=key.greedy, filtered=key.filtered, contiguous=key.contiguous,
         )
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):  # warm-up: lazy initialisation, cuBLAS workspaces, autotuning
-                work: dict = {}
-                for name in ModelRunner.STAGES:
-                    getattr(runner, f"stage_{name}")(static, work)
-        torch.cuda.current_stream().wait_stream(side)
-        work = {}
-        graphs = []
-        for name in ModelRunner.STAGES:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+        def all_stages() -> None:
+            work: dict = {}
+            for name in ModelRunner.STAGES:
                 getattr(runner, f"stage_{name}")(static, work)
-            graphs.append(graph)
+
+        warm_up(all_stages)
+        work = {}
+        graphs = [record(lambda name=name: getattr(runner, f"stage_{name}")(static, work), self.pool)[0]
+                  for name in ModelRunner.STAGES]
         cap = _Captured(static=static, longs=longs, floats=floats, longs_host=longs_host, floats_host=floats_host,
                         pad_longs=pad_longs, pad_floats=pad_floats, work=work, graphs=graphs)
         self.graphs[key] = cap
@@ -299,19 +296,31 @@ class PrefillGraphs:
         """Capture ``fn`` (warm-up on a side stream first, as PyTorch requires): its output and the replay."""
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):  # lazy initialisation, cuBLAS workspaces, autotuning
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.current_stream()
-        try:
-            with torch.cuda.graph(graph, pool=self.pool):
-                out = fn()
-        finally:
-            # An invalidated capture makes capture_end raise before torch.cuda.graph restores the stream; the
-            # engine's eager fallback must not stay on the capture stream.
-            torch.cuda.set_stream(stream)
+        warm_up(fn)
+        graph, out = record(fn, self.pool)
         return out, graph.replay
+
+
+def warm_up(fn: Callable[[], object]) -> None:
+    """Run ``fn`` twice on a side stream before capturing it, as PyTorch requires (lazy initialisation, cuBLAS
+    workspaces, Triton autotuning must not happen inside a capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+
+
+def record(fn: Callable[[], T], pool) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Capture ``fn`` into a graph allocating from ``pool`` -> (graph, fn's output, whose memory the graph owns)."""
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.current_stream()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
+    finally:
+        # An invalidated capture makes capture_end raise before torch.cuda.graph restores the stream; a caller
+        # falling back to eager work must not stay on the capture stream.
+        torch.cuda.set_stream(stream)
+    return graph, out
