@@ -156,6 +156,9 @@ def main() -> None:
     ap.add_argument("--no-kernels", action="store_true", help="EngineConfig(gpu_kernels=False): the torch path")
     ap.add_argument("--c1-prompts", type=int, default=3, help="prompts run one after another in concurrency-1 cells")
     ap.add_argument("--no-prefill-graphs", action="store_true", help="EngineConfig(prefill_graphs=False)")
+    ap.add_argument("--prefill-chunk", type=int, default=2048,
+                    help="EngineConfig.prefill_chunk; the cache keeps this many positions of headroom per slot, so "
+                         "1024 lets C=64 at 8k fit one H200")
     ap.add_argument("--waves", type=int, default=2,
                     help="at concurrency C > 1 a cell runs waves * C prompts, C in flight at a time")
     args = ap.parse_args()
@@ -190,7 +193,7 @@ def main() -> None:
         contexts, concurrency, budgets = [60, 1024], [1, 8], [16, 64]
     max_len = max(contexts) + args.new_tokens + 16
     config = EngineConfig(max_batch=max(concurrency), max_len=max_len, max_budget=max(*budgets, 32),
-                          prefill_chunk=2048, max_queue=4096, cuda_graphs=True, gpu_kernels=not args.no_kernels,
+                          prefill_chunk=args.prefill_chunk, max_queue=4096, cuda_graphs=True, gpu_kernels=not args.no_kernels,
                           prefill_graphs=not args.no_prefill_graphs)
     engine = Engine.from_models(target, drafter, tokenizer, config, model_name=f"standin-{args.shape}")
     engine.start()
@@ -199,7 +202,7 @@ def main() -> None:
     eager.start()
     stream = held_out_token_stream(tokenizer, max(contexts) * 2 + 4096)
     report = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "shape": args.shape,
-              "gpu_kernels": not args.no_kernels,
+              "gpu_kernels": not args.no_kernels, "prefill_chunk": args.prefill_chunk,
               "standin_build_s": build_s, "params_target": sum(p.numel() for p in target.parameters()),
               "params_drafter": sum(p.numel() for p in drafter.parameters()), "cells": [], "skipped": []}
 

@@ -85,7 +85,7 @@ class _Captured:
     pad_longs: Tensor  # device copies of the padding values, for rounds whose inputs are already on the device
     pad_floats: Tensor
     work: dict
-    graphs: list  # [torch.cuda.CUDAGraph] * 4, in ModelRunner.STAGES order
+    graphs: list  # [torch.cuda.CUDAGraph | None] * 4, in ModelRunner.STAGES order (None: the stage does nothing)
 
 
 class RoundGraphs:
@@ -152,7 +152,8 @@ class RoundGraphs:
             cap.floats.copy_(cap.floats_host, non_blocking=True)
         for name, graph in zip(ModelRunner.STAGES, cap.graphs, strict=False):
             with timer.stage(name):
-                graph.replay()
+                if graph is not None:
+                    graph.replay()
         return cap.work["result"][:rows], cap.longs[:, :rows], cap.floats[:, :rows]
 
     def _capture(self, key: GraphKey) -> _Captured:
@@ -173,7 +174,9 @@ class RoundGraphs:
 
         warm_up(all_stages)
         work = {}
-        graphs = [record(lambda name=name: getattr(runner, f"stage_{name}")(static, work), self.pool)[0]
+        # An AR round drafts nothing: its draft stage would be an empty graph (None: nothing to replay).
+        graphs = [None if name == "draft" and not runner.drafts(static)
+                  else record(lambda name=name: getattr(runner, f"stage_{name}")(static, work), self.pool)[0]
                   for name in ModelRunner.STAGES]
         cap = _Captured(static=static, longs=longs, floats=floats, longs_host=longs_host, floats_host=floats_host,
                         pad_longs=pad_longs, pad_floats=pad_floats, work=work, graphs=graphs)

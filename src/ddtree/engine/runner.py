@@ -192,8 +192,13 @@ class ModelRunner:
     # Each stage reads the previous stage's outputs from `work` and writes its own there, so the CUDA-graph runner
     # (ddtree.engine.cuda_graphs) can capture each stage as its own graph and time it with events between replays.
 
+    def drafts(self, inp: RoundInputs) -> bool:
+        """Whether the draft stage does any work for this round (some row drafts and there is a drafter); the graph
+        runner skips capturing an empty stage (CUDA warns on an empty graph)."""
+        return self.drafter is not None and inp.block_size > 1
+
     def stage_draft(self, inp: RoundInputs, work: dict) -> None:
-        if self.drafter is not None and inp.block_size > 1:
+        if self.drafts(inp):
             work["draft_logits"] = self.drafter.draft_logits(
                 self.target,
                 inp.root_tokens,
