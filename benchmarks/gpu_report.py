@@ -7,7 +7,7 @@ calls (`benchmarks/gpu_session.sh engine`, then `long`), each writing its own re
 of the matrix always come from one run and their ratios compare like with like. Every group names its source.
 
     python benchmarks/gpu_report.py docs/benchmarks/gpu/run15_c1_gpu.json docs/benchmarks/gpu/run15_c8-64_gpu.json \\
-        docs/benchmarks/gpu/run18_c1_gpu.json --out docs/benchmarks
+        docs/benchmarks/gpu/run18_c1_gpu.json --extra docs/benchmarks/gpu/run20_c1_b512_gpu.json --out docs/benchmarks
 """
 
 from __future__ import annotations
@@ -49,23 +49,30 @@ def merge_reports(reports: list[tuple[str, dict]]) -> dict:
 
 
 def render(merged: dict) -> str:
-    """gpu.py's table, then where each (concurrency, context) group came from."""
+    """gpu.py's table, then where each (concurrency, context) group came from; then the further budgets, if any."""
     sources = "; ".join(f"{group}: {name}" for group, name in merged["sources"].items())
-    return render_markdown(merged) + f"\nSources (one run per row group): {sources}.\n"
+    text = render_markdown(merged) + f"\nSources (one run per row group): {sources}.\n"
+    if merged.get("extra"):
+        text += ("\n## Further budgets\n\nBudgets run apart from the matrix above (each group with its own AR and "
+                 "chain, from one run, so its ratios compare like with like; not merged into the groups above, whose "
+                 "AR the same cells would not share):\n\n" + render(merged["extra"]))
+    return text
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("reports", nargs="+", help="gpu.json files, oldest first (later groups replace earlier ones)")
+    ap.add_argument("--extra", nargs="+", default=[],
+                    help="gpu.json files of further budgets, reported in their own section (merged the same way)")
     ap.add_argument("--out", default="docs/benchmarks", help="directory for gpu.md and gpu.json")
     args = ap.parse_args()
-    reports = []
-    for path in args.reports:
-        try:
-            reports.append((Path(path).stem.removesuffix("_gpu"), json.loads(Path(path).read_text())))
-        except (OSError, json.JSONDecodeError) as exc:
-            sys.exit(f"gpu_report: cannot read {path}: {exc}")
-    merged = merge_reports(reports)
+    main_reports, extra_reports = _read(args.reports), _read(args.extra)
+    merged = merge_reports(main_reports)
+    if extra_reports:
+        merged["extra"] = merge_reports(extra_reports)
+    hf = [(name, r["hf_generate"]) for name, r in main_reports + extra_reports if "hf_generate" in r]
+    if hf:  # the one Hugging Face reference, from the last run that timed it
+        merged["hf_generate"] = {**hf[-1][1], "source": hf[-1][0]}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / "gpu.json.tmp"
@@ -73,6 +80,17 @@ def main() -> None:
     tmp.replace(out / "gpu.json")
     (out / "gpu.md").write_text(render(merged))
     print(render(merged))
+
+
+def _read(paths: list[str]) -> list[tuple[str, dict]]:
+    """``[(source name, report)]``; exits naming the first file that cannot be read."""
+    reports = []
+    for path in paths:
+        try:
+            reports.append((Path(path).stem.removesuffix("_gpu"), json.loads(Path(path).read_text())))
+        except (OSError, json.JSONDecodeError) as exc:
+            sys.exit(f"gpu_report: cannot read {path}: {exc}")
+    return reports
 
 
 if __name__ == "__main__":

@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# The H200 measurements, as two device calls of at most 10 minutes each (carry build/wheels for pytest):
+# The H200 measurements, as device calls of at most 10 minutes each (carry build/wheels for pytest):
 #   OUT=/some/dir bash benchmarks/gpu_session.sh kernels   # kernel tests on the GPU, tree ops, vocabulary pass,
 #                                                          # tree-attention tile sweep, kernel profile, divergence
 #   OUT=/some/dir bash benchmarks/gpu_session.sh engine    # the engine on the Qwen3-8B stand-in: C=1, then 64/32/8
-#   OUT=/some/dir bash benchmarks/gpu_session.sh long      # C=64/32/8 at 4k and C=32/8 at 8k, one wave per cell
-#                                                          # (C=64 at 8k does not fit one H200; run 19)
+#   OUT=/some/dir bash benchmarks/gpu_session.sh long      # C=64/32/8 at 4k, one wave per cell (~6 min; runs 19, 21)
+#   OUT=/some/dir bash benchmarks/gpu_session.sh long8k    # C=64/32/8 at 8k, one wave per cell (~7 min; runs 19, 21)
+#   OUT=/some/dir bash benchmarks/gpu_session.sh budgets   # GPU tests of the graphs, then budgets outside the main
+#                                                          # matrix: 512 at C=1, 32-256 at C>=8, and HF generate
+#                                                          # (~7 min; run 20)
+# Then: python benchmarks/gpu_report.py MAIN_RUNS/gpu.json ... --extra BUDGETS_RUNS/gpu.json --out docs/benchmarks
 # If any kernel's GPU tests fail in the kernels part, the log says so; run the engine part with NO_KERNELS=1 then.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,15 +36,30 @@ if [ "$part" = kernels ]; then
   echo "profile at ${SECONDS}s"; grep -A3 "^## " "$OUT/profile.md" | grep "device time"
   timeout $(( 580 - SECONDS )) python3 benchmarks/divergence.py --out "$OUT/div" --prompts 4 --tokens 128 | tail -6
   echo "divergence at ${SECONDS}s"
+elif [ "$part" = long8k ]; then
+  # 65 slots of 8k: a 1024-token prefill chunk keeps the per-slot headroom small enough to fit (peak 112 GiB).
+  python3 benchmarks/gpu.py --out "$OUT/c8k" --no-hf --concurrency 64,32,8 --contexts 8192 --budgets 4,8 --waves 1 \
+    --prefill-chunk 1024 --time-budget 540 >/dev/null 2>&1 || echo "c8k failed"
+  echo "c8k done at ${SECONDS}s"; cat "$OUT/c8k/gpu.md" 2>/dev/null
+elif [ "$part" = budgets ]; then
+  if ! python3 -c "import pytest" 2>/dev/null; then
+    pip install -q --no-index --target /tmp/pydeps build/wheels/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/pydeps"
+  fi
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda_graphs.py tests/engine/test_engine_kernels.py \
+    >"$OUT/tests.log" 2>&1
+  echo "graph and kernel tests on the GPU: rc=$? $(tail -1 "$OUT/tests.log") at ${SECONDS}s"
+  python3 benchmarks/gpu.py --out "$OUT/c1_b512" --concurrency 1 --contexts 1024,60,4096,8192 --budgets 512 \
+    --time-budget 130 >/dev/null 2>&1 || echo "c1_b512 failed"
+  echo "c1_b512 and HF generate done at ${SECONDS}s"
+  python3 benchmarks/gpu.py --out "$OUT/big" --no-hf --concurrency 8,32,64 --contexts 1024,60 \
+    --budgets 32,64,128,256 --time-budget "$(( 560 - SECONDS ))" >/dev/null 2>&1 || echo "big failed"
+  echo "big done at ${SECONDS}s"
+  cat "$OUT/c1_b512/gpu.md" "$OUT/big/gpu.md" 2>/dev/null
 elif [ "$part" = long ]; then
   # Prefill-bound cells (64 x 4k prompts take seconds to prefill): one wave of C prompts each to fit 10 minutes.
-  python3 benchmarks/gpu.py --out "$OUT/c4k" --no-hf --concurrency 64,32,8 --contexts 4096 --budgets 4,8 \
-    --waves 1 --time-budget 300 >/dev/null 2>&1 || echo "c4k failed"
-  echo "c4k done at ${SECONDS}s"
-  python3 benchmarks/gpu.py --out "$OUT/c8k" --no-hf --concurrency 32,8 --contexts 8192 --budgets 4,8 \
-    --waves 1 --time-budget "$(( 560 - SECONDS ))" >/dev/null 2>&1 || echo "c8k failed"
-  echo "c8k done at ${SECONDS}s"
-  cat "$OUT/c4k/gpu.md" "$OUT/c8k/gpu.md" 2>/dev/null
+  python3 benchmarks/gpu.py --out "$OUT/c4k" --no-hf --concurrency 64,32,8 --contexts 4096 --budgets 4,8,16 \
+    --waves 1 --time-budget 540 >/dev/null 2>&1 || echo "c4k failed"
+  echo "c4k done at ${SECONDS}s"; cat "$OUT/c4k/gpu.md" 2>/dev/null
 else
   kernels=()
   [ -n "${NO_KERNELS:-}" ] && kernels=(--no-kernels)

@@ -63,3 +63,23 @@ def test_the_script_writes_both_files_and_names_an_unreadable_report(tmp_path):
 def test_no_reports_is_an_error():
     with pytest.raises(ValueError, match="at least one"):
         _module().merge_reports([])
+
+
+def test_extra_budgets_get_their_own_section_and_leave_the_matrix_alone(tmp_path):
+    main = tmp_path / "run1_c1_gpu.json"
+    main.write_text(json.dumps(_report([_cell(1, 60, "ar", 1.0), _cell(1, 60, "ddtree-b8", 2.5)])))
+    extra = tmp_path / "run2_big_gpu.json"
+    extra.write_text(json.dumps({**_report([_cell(1, 60, "ar", 1.2), _cell(1, 60, "ddtree-b512", 1.8)]),
+                                 "hf_generate": {"tok_s": 13.5}}))
+    out = tmp_path / "out"
+    subprocess.run([sys.executable, str(SCRIPT), str(main), "--extra", str(extra), "--out", str(out)], check=True,
+                   capture_output=True)
+    merged = json.loads((out / "gpu.json").read_text())
+    assert [c["method"] for c in merged["cells"]] == ["ar", "ddtree-b8"]  # the matrix keeps its own AR
+    assert [(c["method"], c["tok_s"]) for c in merged["extra"]["cells"]] == [("ar", 1.2), ("ddtree-b512", 1.8)]
+    text = (out / "gpu.md").read_text()
+    matrix, further = text.split("## Further budgets")
+    assert "| 1 | 60 | ddtree-b8 | 2.5 |" in matrix and "ddtree-b512" not in matrix
+    assert "| 1 | 60 | ddtree-b512 | 1.8 |" in further and "run2_big" in further
+    assert merged["hf_generate"] == {"tok_s": 13.5, "source": "run2_big"}  # named once, at the top
+    assert "Hugging Face generate" in matrix and "Hugging Face generate" not in further
