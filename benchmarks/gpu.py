@@ -156,6 +156,7 @@ def main() -> None:
     ap.add_argument("--no-kernels", action="store_true", help="EngineConfig(gpu_kernels=False): the torch path")
     ap.add_argument("--c1-prompts", type=int, default=3, help="prompts run one after another in concurrency-1 cells")
     ap.add_argument("--no-prefill-graphs", action="store_true", help="EngineConfig(prefill_graphs=False)")
+    ap.add_argument("--draft-fp8", action="store_true", help="EngineConfig(draft_fp8=True): fp8 drafter projections")
     ap.add_argument("--prefill-chunk", type=int, default=2048,
                     help="EngineConfig.prefill_chunk; the cache keeps this many positions of headroom per slot, so "
                          "1024 lets C=64 at 8k fit one H200")
@@ -194,7 +195,7 @@ def main() -> None:
     max_len = max(contexts) + args.new_tokens + 16
     config = EngineConfig(max_batch=max(concurrency), max_len=max_len, max_budget=max(*budgets, 32),
                           prefill_chunk=args.prefill_chunk, max_queue=4096, cuda_graphs=True, gpu_kernels=not args.no_kernels,
-                          prefill_graphs=not args.no_prefill_graphs)
+                          prefill_graphs=not args.no_prefill_graphs, draft_fp8=args.draft_fp8)
     engine = Engine.from_models(target, drafter, tokenizer, config, model_name=f"standin-{args.shape}")
     engine.start()
     eager = Engine.from_models(target, drafter, tokenizer, EngineConfig(**{**config.__dict__, "cuda_graphs": False,
@@ -203,6 +204,7 @@ def main() -> None:
     stream = held_out_token_stream(tokenizer, max(contexts) * 2 + 4096)
     report = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "shape": args.shape,
               "gpu_kernels": not args.no_kernels, "prefill_chunk": args.prefill_chunk,
+              "draft_fp8": args.draft_fp8,
               "standin_build_s": build_s, "params_target": sum(p.numel() for p in target.parameters()),
               "params_drafter": sum(p.numel() for p in drafter.parameters()), "cells": [], "skipped": []}
 

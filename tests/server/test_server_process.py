@@ -20,7 +20,7 @@ from server_helpers import DONE, ServerProcess, free_port, parse_sse
 pytestmark = pytest.mark.slow  # each server process takes a few seconds to import torch and load
 
 FLAGS = ["--device", "cpu", "--max-batch", "8", "--max-len", "256", "--max-budget", "16", "--max-queue", "64",
-         "--budget", "4", "--topk", "2", "--log-level", "warning"]
+         "--budget", "4", "--topk", "2", "--draft-fp8", "--log-level", "warning"]
 
 
 def flags(model_dirs) -> list[str]:
@@ -42,6 +42,7 @@ def test_flags_reach_the_engine(server):
     info = httpx.get(server.url + "/server_info").json()
     assert info["model"] == "target"  # the target directory's name
     assert info["engine"]["limits"]["max_batch"] == 8 and info["engine"]["limits"]["max_len"] == 256
+    assert info["engine"]["config"]["draft_fp8"] is True  # the fp8 drafter, calibrated at load on the CPU
     assert info["default_tree"] == {"method": "ddtree", "budget": 4, "topk": 2, "block_size": 8, "draft_window": None}
     assert [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]] == ["target"]
 

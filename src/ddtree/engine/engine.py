@@ -149,6 +149,8 @@ class Engine:
             fuse_projections(target, kernels=config.gpu_kernels)
             if drafter is not None:
                 fuse_projections(drafter, kernels=config.gpu_kernels)
+        if config.draft_fp8:
+            _quantize_drafter(target, drafter, tokenizer, kernels=config.gpu_kernels)
         headroom = max(config.prefill_chunk, config.max_budget + 1, max_block) + 1
         max_batch = config.max_batch
         if config.kv_memory_fraction is not None:
@@ -867,3 +869,22 @@ def _host_available_bytes() -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     return 4 * 2**30
+
+
+def _quantize_drafter(target, drafter, tokenizer, *, kernels: bool) -> None:
+    """``EngineConfig.draft_fp8``: fp8 copies of the drafter's layer projections, their input scales calibrated on
+    :data:`ddtree.models.fp8.CALIBRATION_TEXT` (see :mod:`ddtree.models.fp8`). Runs before any graph is captured."""
+    from ddtree.models import fp8
+
+    if drafter is None:
+        raise ConfigError("draft_fp8 needs a drafter; this engine has none (draft='none')")
+    device = next(drafter.parameters()).device
+    if not fp8.fp8_supported(device):
+        raise ConfigError(f"draft_fp8 needs fp8 matmuls (a CUDA device of compute capability 8.9 or newer); "
+                          f"{device} has {torch.cuda.get_device_capability(device)}")
+    fuse_projections(drafter, kernels=kernels)  # idempotent; on the CPU the layers are fused only for fp8
+    fp8.quantize_drafter(drafter, kernels=kernels)
+    if not all(p.calibrated for p in fp8.projections(drafter)):
+        ids = tokenizer.encode(fp8.CALIBRATION_TEXT, add_special_tokens=False)[:512]
+        fp8.calibrate(drafter, target, torch.tensor([ids], device=device))
+

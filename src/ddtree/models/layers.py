@@ -68,6 +68,7 @@ class FusedLinear:
         self.linears = linears
         self.weight = weight  # [sum(out), in]
         self.bias = bias  # [sum(out)] or None
+        self.fp8 = None  # an ddtree.models.fp8.Fp8Projection of the whole projection, attached by quantize_drafter
         self._pointers = self._current_pointers()
 
     @classmethod
@@ -108,8 +109,11 @@ class FusedLinear:
 
     def __call__(self, x: Tensor, start: int = 0) -> Tensor:
         """x [..., in] -> [..., sum(out) - start]: the fused projection from output row ``start`` on (a view of the
-        weight, so projecting only k and v of q/k/v costs no copy)."""
+        weight, so projecting only k and v of q/k/v costs no copy). The whole projection goes through fp8 where
+        an fp8 copy is attached and takes the call."""
         bias = None if self.bias is None else self.bias[start:]
+        if self.fp8 is not None and start == 0:
+            return self.fp8(x, lambda: F.linear(x, self.weight, bias))
         return F.linear(x, self.weight[start:], bias)
 
 
@@ -123,6 +127,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.gate_up: FusedLinear | None = None
         self.use_kernels = False  # set by fuse(): the fused path's SwiGLU runs the Triton kernel where it can
+        self.down_fp8 = None  # an fp8 copy of down_proj (ddtree.models.fp8.quantize_drafter), or None
 
     def fuse(self, *, kernels: bool = True) -> None:
         """Back gate_proj and up_proj with one [2I, hidden] matrix (idempotent; re-fuses after ``.to()``) and
@@ -141,14 +146,20 @@ class MLP(nn.Module):
         for ``silu(gate) * up``."""
         fused = self.fused_gate_up(x)
         if fused is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down(F.silu(self.gate_proj(x)) * self.up_proj(x))
         gate_up = fused(x)  # [..., 2I]
         if kernels is None:
             kernels = self.use_kernels and can_run(x)
         if kernels:
-            return self.down_proj(fused_ops.silu_mul(gate_up))
+            return self.down(fused_ops.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down(F.silu(gate) * up)
+
+    def down(self, x: Tensor) -> Tensor:
+        """``down_proj(x)``, through the fp8 copy where one is attached and takes the call."""
+        if self.down_fp8 is None:
+            return self.down_proj(x)
+        return self.down_fp8(x, lambda: self.down_proj(x))
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> Tensor:
@@ -263,6 +274,7 @@ class SelfAttention(nn.Module):
             self.q_norm = self.k_norm = None
         self.qkv: FusedLinear | None = None
         self.use_kernels = False  # set by fuse(): the fused path's q/k norm + RoPE runs the Triton kernel where it can
+        self.o_fp8 = None  # an fp8 copy of o_proj (ddtree.models.fp8.quantize_drafter), or None
 
     def fuse(self, *, kernels: bool = True) -> None:
         """Back q_proj, k_proj and v_proj with one [(H + 2 * KV) * D, hidden] matrix (idempotent; re-fuses after
@@ -290,6 +302,12 @@ class SelfAttention(nn.Module):
             k, v = self.project_kv(x, cos, sin)
             return self.project_q(x, cos, sin), k, v
         return self._norm_rope(fused(x), cos, sin, self.num_heads, kernels)
+
+    def project_out(self, x: Tensor) -> Tensor:
+        """``o_proj(x)``, through the fp8 copy where one is attached and takes the call."""
+        if self.o_fp8 is None:
+            return self.o_proj(x)
+        return self.o_fp8(x, lambda: self.o_proj(x))
 
     def project_q(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """x [R, T, hidden] -> q [R, H, T, D] (normed, rotated)."""
@@ -356,7 +374,7 @@ class DecoderLayer(nn.Module):
         q = self.self_attn.project_q(x, cos, sin)
         k, v = self.self_attn.project_kv(x, cos, sin)
         out = attend(self.index, q, k, v)  # [R, H, T, D]
-        h = h + self.self_attn.o_proj(out.transpose(1, 2).flatten(-2))
+        h = h + self.self_attn.project_out(out.transpose(1, 2).flatten(-2))
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def _forward_fused(self, h: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
@@ -368,7 +386,7 @@ class DecoderLayer(nn.Module):
         x = fused_ops.rms_norm(h, norm_in.weight, norm_in.eps) if kernels else norm_in(h)
         q, k, v = attn.project_qkv(x, cos, sin, kernels=kernels)
         out = attend(self.index, q, k, v)  # [R, H, T, D]
-        o = attn.o_proj(out.transpose(1, 2).flatten(-2))
+        o = attn.project_out(out.transpose(1, 2).flatten(-2))
         if kernels:
             h, x = fused_ops.add_rms_norm(h, o, norm_post.weight, norm_post.eps)
         else:
