@@ -15,36 +15,23 @@ and per output channel (CUTLASS); the eager per-row activation quantisation (abs
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tree_attention import time_ms  # noqa: E402  (the same graph timing as the tile sweep)
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}  # (N, K)
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 
 
-def graph_time_us(fn, calls: int = 50, replays: int = 5) -> float:
-    """Mean microseconds per call of ``fn``, replaying a CUDA graph of ``calls`` calls (no launch overhead)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / (calls * replays) * 1e3
+def graph_time_us(fn, calls: int = 50) -> float:
+    """Mean microseconds per call of ``fn``, from a CUDA graph of ``calls`` calls (no launch overhead)."""
+    return 1e3 * time_ms(fn, reps=calls)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

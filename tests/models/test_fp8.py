@@ -103,7 +103,7 @@ def test_quantize_drafter_attaches_every_projection_and_calibrates_them():
 
 
 def test_engine_with_an_fp8_drafter_is_lossless_and_uses_fp8(tiny_pair, tiny_tokenizer, monkeypatch):
-    from ddtree.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, TreeSettings
+    from ddtree.engine import Engine, EngineConfig
 
     rows = []
     real = torch._scaled_mm
@@ -114,17 +114,24 @@ def test_engine_with_an_fp8_drafter_is_lossless_and_uses_fp8(tiny_pair, tiny_tok
     engine = Engine.from_models(target, own, tiny_tokenizer, config, model_name="fp8")
     engine.start()
     try:
-        prompts = [[5, 9, 11, 3, 7, 2, 8, 4][: 3 + i] * 3 for i in range(4)]
-        outs = {}
-        for method, budget in (("ar", 1), ("dflash", 1), ("ddtree", 8)):
-            reqs = [GenerationRequest(prompt_token_ids=p, tree=TreeSettings(method=method, budget=budget),
-                                      sampling=SamplingParams(max_tokens=24, ignore_eos=True)) for p in prompts]
-            outs[method] = [o.token_ids for o in engine.generate(reqs)]
-        assert outs["dflash"] == outs["ar"] and outs["ddtree"] == outs["ar"]
+        _assert_chain_and_tree_equal_ar(engine)
         # the tiny drafter's block is 8 rows a request: batches of an even size took fp8, odd ones fell back
         assert rows and all(r % 16 == 0 for r in rows)
     finally:
         engine.shutdown(drain_timeout=0)
+
+
+def _assert_chain_and_tree_equal_ar(engine) -> None:
+    """Greedy DFlash-chain and DDTree outputs of 4 prompts (batched, so block row counts vary) equal AR's."""
+    from ddtree.engine import GenerationRequest, SamplingParams, TreeSettings
+
+    prompts = [[5, 9, 11, 3, 7, 2, 8, 4][: 3 + i] * 3 for i in range(4)]
+    outs = {}
+    for method, budget in (("ar", 1), ("dflash", 1), ("ddtree", 8)):
+        reqs = [GenerationRequest(prompt_token_ids=p, tree=TreeSettings(method=method, budget=budget),
+                                  sampling=SamplingParams(max_tokens=24, ignore_eos=True)) for p in prompts]
+        outs[method] = [o.token_ids for o in engine.generate(reqs)]
+    assert outs["dflash"] == outs["ar"] and outs["ddtree"] == outs["ar"]
 
 
 def test_engine_refuses_draft_fp8_without_a_drafter(tiny_pair, tiny_tokenizer):
@@ -152,7 +159,7 @@ def test_the_quantize_kernel_equals_the_eager_quantisation_on_the_gpu():
 
 @cuda
 def test_a_graphed_gpu_engine_with_an_fp8_drafter_is_lossless(tiny_pair, tiny_tokenizer):
-    from ddtree.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, TreeSettings
+    from ddtree.engine import Engine, EngineConfig
 
     target, drafter = (copy.deepcopy(m).to("cuda") for m in tiny_pair)
     config = EngineConfig(max_batch=4, max_len=256, max_budget=16, draft_fp8=True, cuda_graphs=True)
@@ -160,12 +167,6 @@ def test_a_graphed_gpu_engine_with_an_fp8_drafter_is_lossless(tiny_pair, tiny_to
     engine.start()
     try:
         assert all(p.calibrated for p in fp8.projections(drafter))
-        prompts = [[5, 9, 11, 3, 7, 2, 8, 4][: 3 + i] * 3 for i in range(4)]
-        outs = {}
-        for method, budget in (("ar", 1), ("dflash", 1), ("ddtree", 8)):
-            reqs = [GenerationRequest(prompt_token_ids=p, tree=TreeSettings(method=method, budget=budget),
-                                      sampling=SamplingParams(max_tokens=24, ignore_eos=True)) for p in prompts]
-            outs[method] = [o.token_ids for o in engine.generate(reqs)]
-        assert outs["dflash"] == outs["ar"] and outs["ddtree"] == outs["ar"]
+        _assert_chain_and_tree_equal_ar(engine)
     finally:
         engine.shutdown(drain_timeout=0)
