@@ -14,14 +14,21 @@ from ddtree.errors import ConfigError
 from ddtree.models import fp8, fuse_projections
 
 
-def _projection(n: int = 48, k: int = 32, seed: int = 0) -> tuple[torch.Tensor, fp8.Fp8Projection]:
+def _linear(n: int, k: int, seed: int = 0) -> torch.nn.Linear:
     gen = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=gen) * 0.1
-    proj = fp8.Fp8Projection(w, None, kernels=False)
+    lin = torch.nn.Linear(k, n, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, generator=gen) * 0.1)
+    return lin
+
+
+def _projection(n: int = 48, k: int = 32, seed: int = 0) -> tuple[torch.Tensor, fp8.Fp8Projection]:
+    lin = _linear(n, k, seed)
+    proj = fp8.Fp8Projection(lin, kernels=False)
     proj.calibrating = True
-    proj(torch.randn(16, k, generator=gen) * 3.0, lambda: None)  # records the abs-max, returns the fallback
+    proj(torch.randn(16, k, generator=torch.Generator().manual_seed(seed + 1)) * 3.0, lambda: None)  # abs-max
     proj.finish_calibration()
-    return w, proj
+    return lin.weight.detach(), proj
 
 
 def test_projection_equals_the_dequantised_reference_and_stays_near_the_exact_one():
@@ -47,37 +54,43 @@ def test_calibration_sets_the_scale_and_larger_inputs_saturate_instead_of_overfl
     assert torch.isfinite(out).all()
     clipped = torch.full((16, 32), fp8.HEADROOM * amax)  # saturates at 448 * scale = HEADROOM * amax
     assert torch.allclose(out, proj(clipped, lambda: None))
-    empty = fp8.Fp8Projection(torch.ones(16, 16), None, kernels=False)
-    with pytest.raises(ConfigError, match="calibration saw no"):
-        empty.finish_calibration()
+    zero = fp8.Fp8Projection(_linear(16, 16), kernels=False)
+    zero.finish_calibration()  # never saw a non-zero input (a zero-initialised layer): keeps the exact path
+    assert not zero.calibrated
+    zero.amax = float("inf")
+    with pytest.raises(ConfigError, match="infinite input"):
+        zero.finish_calibration()
 
 
-@pytest.mark.parametrize("case", ["uncalibrated", "rows", "grad", "replaced", "odd_weight"])
+@pytest.mark.parametrize("case", ["uncalibrated", "rows", "grad", "trainable", "replaced", "updated", "odd_weight"])
 def test_calls_the_fp8_path_cannot_take_get_the_exact_projection(case):
-    w, proj = _projection()
+    lin = _linear(48, 32)
+    proj = fp8.Fp8Projection(lin, kernels=False)
+    proj.amax = 1.0
+    proj.finish_calibration()
     x = torch.randn(16, 32)
     if case == "uncalibrated":
-        proj = fp8.Fp8Projection(w, None, kernels=False)
+        proj = fp8.Fp8Projection(lin, kernels=False)
     elif case == "rows":
         x = torch.randn(17, 32)  # not a multiple of 16 rows
     elif case == "grad":
         x.requires_grad_(True)
-        torch.set_grad_enabled(True)  # this directory's tests run under no_grad (its conftest); training does not
+    elif case == "trainable":
+        lin.weight.requires_grad_(True)  # training the layer: its gradient must not be cut off
     elif case == "replaced":
-        live = torch.nn.Linear(32, 48, bias=False)
-        proj = fp8.Fp8Projection(live.weight, None, kernels=False, source=lambda: live.weight)
-        proj.amax = 1.0
-        proj.finish_calibration()
-        live.weight = torch.nn.Parameter(live.weight.detach().clone())  # what .to() or an assigning load does
+        lin.weight = torch.nn.Parameter(lin.weight.detach().clone())  # what .to() or an assigning load does
+    elif case == "updated":
+        with torch.no_grad():
+            lin.weight.mul_(0.5)  # what load_state_dict or an optimiser step does
     elif case == "odd_weight":
-        proj = fp8.Fp8Projection(torch.randn(40, 32), None, kernels=False)
+        proj = fp8.Fp8Projection(_linear(40, 32), kernels=False)
         proj.amax = 1.0
         proj.finish_calibration()
     sentinel = torch.zeros(1)
-    try:
+    with torch.enable_grad():  # this directory's tests run under no_grad (its conftest); training does not
         assert proj(x, lambda: sentinel) is sentinel
-    finally:
-        torch.set_grad_enabled(False)
+    if case in ("rows", "grad", "trainable"):  # the same projection still serves a call it can take
+        assert proj(torch.randn(16, 32), lambda: sentinel) is not sentinel
 
 
 def test_quantize_drafter_attaches_every_projection_and_calibrates_them():
@@ -94,6 +107,9 @@ def test_quantize_drafter_attaches_every_projection_and_calibrates_them():
     assert all(p.calibrated and p.input_scale.item() > 0 for p in procs)
     fp8.quantize_drafter(drafter, kernels=False)  # again: unchanged weights keep their (calibrated) copies
     assert list(fp8.projections(drafter)) == procs
+    twin = copy.deepcopy(drafter)  # a deep copy checks its own weights, not the original's
+    twin.layers[0].self_attn.o_proj.weight = torch.nn.Parameter(twin.layers[0].self_attn.o_proj.weight * 2)
+    assert not twin.layers[0].self_attn.o_fp8.intact() and drafter.layers[0].self_attn.o_fp8.intact()
     layer = drafter.layers[0]
     layer.mlp.down_proj.weight = torch.nn.Parameter(layer.mlp.down_proj.weight.detach().clone())
     fp8.quantize_drafter(drafter, kernels=False)  # a replaced weight gets a new, uncalibrated copy
@@ -115,8 +131,9 @@ def test_engine_with_an_fp8_drafter_is_lossless_and_uses_fp8(tiny_pair, tiny_tok
     engine.start()
     try:
         _assert_chain_and_tree_equal_ar(engine)
-        # the tiny drafter's block is 8 rows a request: batches of an even size took fp8, odd ones fell back
-        assert rows and all(r % 16 == 0 for r in rows)
+        # the tiny drafter's block is 8 rows a request: batches of an even size took fp8 (every layer's four
+        # projections), odd ones fell back; the target never did
+        assert len(rows) >= 4 * len(own.layers) and not list(fp8.projections(target))
     finally:
         engine.shutdown(drain_timeout=0)
 
@@ -142,6 +159,21 @@ def test_engine_refuses_draft_fp8_without_a_drafter(tiny_pair, tiny_tokenizer):
         Engine.from_models(target, None, tiny_tokenizer, EngineConfig(max_batch=2, max_len=64, draft_fp8=True))
     with pytest.raises(ConfigError, match="draft_fp8 must be true or false"):
         EngineConfig(draft_fp8="yes").validated()
+
+
+def test_engines_sharing_a_drafter_must_agree_on_fp8(tiny_pair, tiny_tokenizer):
+    from ddtree.engine import Engine, EngineConfig
+
+    target, drafter = tiny_pair
+    plain, quantised = copy.deepcopy(drafter), copy.deepcopy(drafter)
+    config = EngineConfig(max_batch=2, max_len=64)
+    Engine.from_models(target, plain, tiny_tokenizer, config)
+    with pytest.raises(ConfigError, match="also serves an engine with draft_fp8=False"):
+        Engine.from_models(target, plain, tiny_tokenizer, EngineConfig(max_batch=2, max_len=64, draft_fp8=True))
+    Engine.from_models(target, quantised, tiny_tokenizer, EngineConfig(max_batch=2, max_len=64, draft_fp8=True))
+    with pytest.raises(ConfigError, match="carries fp8 copies"):
+        Engine.from_models(target, quantised, tiny_tokenizer, config)
+    Engine.from_models(target, quantised, tiny_tokenizer, EngineConfig(max_batch=2, max_len=64, draft_fp8=True))
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available() or not fp8.fp8_supported(torch.device("cuda")),

@@ -20,7 +20,7 @@ from server_helpers import DONE, ServerProcess, free_port, parse_sse
 pytestmark = pytest.mark.slow  # each server process takes a few seconds to import torch and load
 
 FLAGS = ["--device", "cpu", "--max-batch", "8", "--max-len", "256", "--max-budget", "16", "--max-queue", "64",
-         "--budget", "4", "--topk", "2", "--draft-fp8", "--log-level", "warning"]
+         "--budget", "4", "--topk", "2", "--log-level", "warning"]
 
 
 def flags(model_dirs) -> list[str]:
@@ -42,9 +42,24 @@ def test_flags_reach_the_engine(server):
     info = httpx.get(server.url + "/server_info").json()
     assert info["model"] == "target"  # the target directory's name
     assert info["engine"]["limits"]["max_batch"] == 8 and info["engine"]["limits"]["max_len"] == 256
-    assert info["engine"]["config"]["draft_fp8"] is True  # the fp8 drafter, calibrated at load on the CPU
+    assert info["engine"]["config"]["draft_fp8"] is False
     assert info["default_tree"] == {"method": "ddtree", "budget": 4, "topk": 2, "block_size": 8, "draft_window": None}
     assert [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]] == ["target"]
+
+
+def test_draft_fp8_flag_serves_lossless_text(server, tiny_model_dirs, tmp_path):
+    """--draft-fp8 reaches the engine (the drafter calibrated at load, here on the CPU) and a greedy completion is
+    the same text as the default server's."""
+    proc = ServerProcess([*flags(tiny_model_dirs), "--draft-fp8"], tmp_path / "fp8.log")
+    try:
+        proc.wait_healthy()
+        assert httpx.get(proc.url + "/server_info").json()["engine"]["config"]["draft_fp8"] is True
+        body = {"prompt": "hello world", "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+        texts = [httpx.post(p.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+                 for p in (server, proc)]
+        assert texts[0] == texts[1]
+    finally:
+        proc.stop()
 
 
 def test_64_concurrent_streams(server):

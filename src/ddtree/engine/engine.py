@@ -24,6 +24,7 @@ import threading
 import time
 import uuid
 import warnings
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -149,6 +150,7 @@ class Engine:
             fuse_projections(target, kernels=config.gpu_kernels)
             if drafter is not None:
                 fuse_projections(drafter, kernels=config.gpu_kernels)
+        _check_fp8_sharing(drafter, config.draft_fp8)
         if config.draft_fp8:
             _quantize_drafter(target, drafter, tokenizer, kernels=config.gpu_kernels)
         headroom = max(config.prefill_chunk, config.max_budget + 1, max_block) + 1
@@ -871,6 +873,28 @@ def _host_available_bytes() -> int:
     return 4 * 2**30
 
 
+# Drafters an engine without draft_fp8 serves: their layers must not get fp8 copies (weakly held, so a drafter that
+# outlives its engines can be freed; a deep copy is a new drafter).
+_DRAFTERS_WITHOUT_FP8: weakref.WeakSet = weakref.WeakSet()
+
+
+def _check_fp8_sharing(drafter, draft_fp8: bool) -> None:
+    """fp8 copies live on the drafter's modules, so two engines over one drafter object must agree on
+    ``draft_fp8``: otherwise one engine's eager calls would silently take (or lose) the other's fp8 path."""
+    if drafter is None:
+        return
+    from ddtree.models import fp8
+
+    if draft_fp8 and drafter in _DRAFTERS_WITHOUT_FP8:
+        raise ConfigError("draft_fp8=True on a drafter that also serves an engine with draft_fp8=False (fp8 copies "
+                          "attach to the drafter's modules); give this engine its own copy.deepcopy(drafter)")
+    if not draft_fp8:
+        if any(True for _ in fp8.projections(drafter)):
+            raise ConfigError("this drafter carries fp8 copies from an engine with draft_fp8=True; pass "
+                              "draft_fp8=True too, or a copy.deepcopy(drafter) made before that engine was built")
+        _DRAFTERS_WITHOUT_FP8.add(drafter)
+
+
 def _quantize_drafter(target, drafter, tokenizer, *, kernels: bool) -> None:
     """``EngineConfig.draft_fp8``: fp8 copies of the drafter's layer projections, their input scales calibrated on
     :data:`ddtree.models.fp8.CALIBRATION_TEXT` (see :mod:`ddtree.models.fp8`). Runs before any graph is captured."""
@@ -880,8 +904,10 @@ def _quantize_drafter(target, drafter, tokenizer, *, kernels: bool) -> None:
         raise ConfigError("draft_fp8 needs a drafter; this engine has none (draft='none')")
     device = next(drafter.parameters()).device
     if not fp8.fp8_supported(device):
-        raise ConfigError(f"draft_fp8 needs fp8 matmuls (a CUDA device of compute capability 8.9 or newer); "
-                          f"{device} has {torch.cuda.get_device_capability(device)}")
+        found = (f"compute capability {torch.cuda.get_device_capability(device)}" if device.type == "cuda"
+                 else "no CUDA")
+        raise ConfigError(f"draft_fp8 needs fp8 matmuls (a CUDA device of compute capability 8.9 or newer, or the "
+                          f"CPU); {device} has {found}")
     fuse_projections(drafter, kernels=kernels)  # idempotent; on the CPU the layers are fused only for fp8
     fp8.quantize_drafter(drafter, kernels=kernels)
     if not all(p.calibrated for p in fp8.projections(drafter)):

@@ -15,13 +15,17 @@ call this path does not take use them), so fp8 adds half the drafter's size in m
 
 Which calls: q/k/v and gate/up (the fused projections), o_proj and down_proj of every drafter layer, when the row
 count is a multiple of 16 (cuBLASLt's fp8 rule; a draft block is 16 rows per request). The drafter's context append
-(17 rows per request, run once per round) and its ``fc`` stay in the model dtype. Turned on per engine by
-``EngineConfig.draft_fp8``.
+(17 rows per request, run once per round) and its ``fc`` stay in the model dtype. Turned on by
+``EngineConfig.draft_fp8``; the copies live on the drafter's modules, so engines sharing one drafter object must
+agree on it (the engine refuses otherwise). A copy whose owner's weight is replaced or updated in place stops
+serving calls; CUDA graphs captured before such a change keep reading the copy, as they keep reading every other
+buffer they captured: rebuild the engine after changing weights.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -68,24 +72,42 @@ def fp8_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+def _stamp(*tensors: Tensor | None) -> tuple:
+    """Address and in-place version of each tensor. A replaced weight (``.to()``, an assigning load) changes the
+    address; one updated in place (``load_state_dict``, an optimiser step) the version (views share their base's
+    counter). Inference tensors keep no version counter, and refuse in-place updates outside inference mode."""
+    out = []
+    for t in tensors:
+        if t is None:
+            out.append(None)
+            continue
+        try:
+            version = t._version
+        except RuntimeError:
+            version = None
+        out.append((t.data_ptr(), version))
+    return tuple(out)
+
+
 class Fp8Projection:
     """One linear's weight in e4m3 with its scale, and its input's static scale (see the module docstring).
 
+    ``owner`` is the ``nn.Linear`` or :class:`~ddtree.models.layers.FusedLinear` whose ``weight`` and ``bias`` this
+    copies. It is kept so that a copy that no longer matches its owner's live weight (replaced, updated in place)
+    turns itself off instead of serving stale values, and so that a deep copy of the model checks its own weights.
     Deliberately not an ``nn.Module``: nothing here belongs in ``state_dict()``."""
 
-    def __init__(self, weight: Tensor, bias: Tensor | None, *, kernels: bool,
-                 source: Callable[[], Tensor] | None = None) -> None:
-        w = weight.detach()
-        # The live weight this copies (a module attribute): a replaced parameter (``.to()``, an assigning load)
-        # turns the copy off instead of serving stale values.
-        self.source = source or (lambda: weight)
-        self._source_ptr = weight.data_ptr()
+    def __init__(self, owner: Any, *, kernels: bool) -> None:
+        self.owner = owner
+        self._stamp = _stamp(owner.weight, owner.bias)
+        w = owner.weight.detach()
         self.out_features, self.in_features = w.shape
         # cuBLASLt's fp8 GEMM wants both dims of the weight a multiple of 16
         self.shape_ok = self.out_features % ROW_MULTIPLE == 0 and self.in_features % ROW_MULTIPLE == 0
         self.weight_scale = (w.abs().amax().float().clamp(min=1e-12) / E4M3_MAX).reshape(())
-        self.weight = (w.float() / self.weight_scale).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)  # [N, K], row-major
-        self.bias = None if bias is None else bias.detach()
+        # row-major [N, K] whatever the source's strides, so weight.t() is the column-major operand _scaled_mm wants
+        self.weight = (w.float() / self.weight_scale).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3).contiguous()
+        self.bias = None if owner.bias is None else owner.bias.detach()
         self.kernels = kernels  # quantise inputs with the Triton kernel where it can run
         self.input_scale = torch.ones((), dtype=torch.float32, device=w.device)
         self.inv_input_scale = torch.ones((), dtype=torch.float32, device=w.device)
@@ -94,24 +116,30 @@ class Fp8Projection:
         self.calibrated = False
 
     def finish_calibration(self) -> None:
-        """Fix the input scale from the abs-max seen while calibrating (in place: graphs may hold the tensors)."""
-        if self.amax <= 0.0 or self.amax != self.amax or self.amax == float("inf"):
-            raise ConfigError(f"fp8 calibration saw no finite non-zero input for a {self.in_features}-wide "
-                              f"projection (abs-max {self.amax}); the calibration pass did not reach it")
-        scale = self.amax * HEADROOM / E4M3_MAX
+        """Fix the input scale from the abs-max seen while calibrating (in place: graphs may hold the tensors). An
+        input that was exactly zero throughout (a zero-initialised layer) leaves the projection uncalibrated: its
+        calls keep the model-dtype path."""
+        self.calibrating = False
+        if self.amax == float("inf"):
+            raise ConfigError(f"fp8 calibration saw an infinite input to a {self.in_features}-wide projection; "
+                              "the drafter overflows on the calibration text")
+        if self.amax <= 0.0:
+            return
+        scale = max(self.amax * HEADROOM / E4M3_MAX, 1e-30)  # 1 / scale stays finite in fp32
         self.input_scale.fill_(scale)
         self.inv_input_scale.fill_(1.0 / scale)
-        self.calibrating, self.calibrated = False, True
+        self.calibrated = True
 
     def accepts(self, x: Tensor) -> bool:
-        """Calibrated, weight dims and rows multiples of 16, same device, autograd needs nothing (fp8 has no backward here) and
-        the source weight is still the one copied."""
-        return (self.calibrated and self.shape_ok and x.shape[-1] == self.in_features and x.device == self.weight.device
-                and (x.numel() // self.in_features) % ROW_MULTIPLE == 0 and not grad_needed(x) and self.intact())
+        """Calibrated, weight dims and rows multiples of 16, same device, autograd needs nothing (fp8 has no
+        backward: neither ``x`` nor the owner's parameters may need grad) and the owner's weight unchanged."""
+        return (self.calibrated and self.shape_ok and x.shape[-1] == self.in_features
+                and x.device == self.weight.device and (x.numel() // self.in_features) % ROW_MULTIPLE == 0
+                and not grad_needed(x, self.owner.weight, self.owner.bias) and self.intact())
 
     def intact(self) -> bool:
-        """Whether the live weight is still the tensor this copies."""
-        return self.source().data_ptr() == self._source_ptr
+        """Whether the owner's weight and bias are still the tensors (and versions) this copies."""
+        return _stamp(self.owner.weight, self.owner.bias) == self._stamp
 
     def __call__(self, x: Tensor, fallback: Callable[[], Tensor]) -> Tensor:
         """x [..., K] -> [..., N] in x's dtype through fp8, or ``fallback()`` (the model-dtype projection) for a
@@ -160,15 +188,13 @@ def quantize_drafter(drafter: nn.Module, *, kernels: bool) -> int:
         if attn.qkv is None or mlp.gate_up is None:
             raise ConfigError("quantize_drafter needs fused projections: call fuse_projections(drafter) first")
         if not fresh(attn.qkv.fp8):
-            attn.qkv.fp8 = Fp8Projection(attn.qkv.weight, attn.qkv.bias, kernels=kernels)
+            attn.qkv.fp8 = Fp8Projection(attn.qkv, kernels=kernels)
         if not fresh(attn.o_fp8):
-            attn.o_fp8 = Fp8Projection(attn.o_proj.weight, attn.o_proj.bias, kernels=kernels,
-                                       source=lambda attn=attn: attn.o_proj.weight)
+            attn.o_fp8 = Fp8Projection(attn.o_proj, kernels=kernels)
         if not fresh(mlp.gate_up.fp8):
-            mlp.gate_up.fp8 = Fp8Projection(mlp.gate_up.weight, mlp.gate_up.bias, kernels=kernels)
+            mlp.gate_up.fp8 = Fp8Projection(mlp.gate_up, kernels=kernels)
         if not fresh(mlp.down_fp8):
-            mlp.down_fp8 = Fp8Projection(mlp.down_proj.weight, mlp.down_proj.bias, kernels=kernels,
-                                         source=lambda mlp=mlp: mlp.down_proj.weight)
+            mlp.down_fp8 = Fp8Projection(mlp.down_proj, kernels=kernels)
     return len(layers)
 
 
