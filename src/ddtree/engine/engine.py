@@ -889,7 +889,7 @@ def _check_fp8_sharing(drafter, draft_fp8: bool) -> None:
         raise ConfigError("draft_fp8=True on a drafter that also serves an engine with draft_fp8=False (fp8 copies "
                           "attach to the drafter's modules); give this engine its own copy.deepcopy(drafter)")
     if not draft_fp8:
-        if any(True for _ in fp8.projections(drafter)):
+        if any(fp8.projections(drafter)):
             raise ConfigError("this drafter carries fp8 copies from an engine with draft_fp8=True; pass "
                               "draft_fp8=True too, or a copy.deepcopy(drafter) made before that engine was built")
         _DRAFTERS_WITHOUT_FP8.add(drafter)
@@ -913,4 +913,3 @@ def _quantize_drafter(target, drafter, tokenizer, *, kernels: bool) -> None:
     if not all(p.calibrated for p in fp8.projections(drafter)):
         ids = tokenizer.encode(fp8.CALIBRATION_TEXT, add_special_tokens=False)[:512]
         fp8.calibrate(drafter, target, torch.tensor([ids], device=device))
-
