@@ -8,6 +8,8 @@
 #   OUT=/some/dir bash benchmarks/gpu_session.sh budgets   # GPU tests of the graphs, then budgets outside the main
 #                                                          # matrix: 512 at C=1, 32-256 at C>=8, and HF generate
 #                                                          # (~7 min; run 20)
+#   OUT=/some/dir bash benchmarks/gpu_session.sh fp8       # the fp8 drafter: its GPU tests, C=1 at 1k and 60, C=64
+#                                                          # and 8 at 60, all with --draft-fp8 (~4 min; run 23)
 # Then: python benchmarks/gpu_report.py MAIN_RUNS/gpu.json ... --extra BUDGETS_RUNS/gpu.json --out docs/benchmarks
 # If any kernel's GPU tests fail in the kernels part, the log says so; run the engine part with NO_KERNELS=1 then.
 set -uo pipefail
@@ -41,6 +43,19 @@ elif [ "$part" = long8k ]; then
   python3 benchmarks/gpu.py --out "$OUT/c8k" --no-hf --concurrency 64,32,8 --contexts 8192 --budgets 4,8 --waves 1 \
     --prefill-chunk 1024 --time-budget 540 >/dev/null 2>&1 || echo "c8k failed"
   echo "c8k done at ${SECONDS}s"; cat "$OUT/c8k/gpu.md" 2>/dev/null
+elif [ "$part" = fp8 ]; then
+  if ! python3 -c "import pytest" 2>/dev/null; then
+    pip install -q --no-index --target /tmp/pydeps build/wheels/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/pydeps"
+  fi
+  timeout 130 python3 -m pytest -q -p no:cacheprovider tests/models/test_fp8.py >"$OUT/fp8_tests.log" 2>&1
+  echo "fp8 tests on the GPU: rc=$? $(tail -1 "$OUT/fp8_tests.log") at ${SECONDS}s"
+  python3 benchmarks/gpu.py --out "$OUT/c1_fp8" --no-hf --draft-fp8 --concurrency 1 --contexts 1024,60 \
+    --budgets 8,16,64,128 --time-budget 150 >/dev/null 2>&1 || echo "c1_fp8 failed"
+  echo "c1_fp8 done at ${SECONDS}s"
+  python3 benchmarks/gpu.py --out "$OUT/c64_fp8" --no-hf --draft-fp8 --concurrency 64,8 --contexts 60 \
+    --budgets 4,8,16 --time-budget "$(( 500 - SECONDS ))" >/dev/null 2>&1 || echo "c64_fp8 failed"
+  echo "c64_fp8 done at ${SECONDS}s"
+  cat "$OUT/c1_fp8/gpu.md" "$OUT/c64_fp8/gpu.md" 2>/dev/null
 elif [ "$part" = budgets ]; then
   if ! python3 -c "import pytest" 2>/dev/null; then
     pip install -q --no-index --target /tmp/pydeps build/wheels/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/pydeps"
