@@ -35,3 +35,21 @@ def test_generate_rejects_bad_settings_with_a_clear_message(tiny_model_dirs):
     ])
     assert res.exit_code != 0
     assert "draft_window" in str(res.exception) or "draft_window" in res.output
+
+
+def test_generate_with_the_fp8_drafter_on_the_demo_pair_matches_ar(monkeypatch):
+    """--draft-fp8 on the embedded demo pair (block 16: one request's draft takes the fp8 path): same tokens."""
+    import torch
+
+    calls = []
+    real = torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    runner = CliRunner()
+    outs = {}
+    for method, extra in (("ar", []), ("ddtree", ["--draft-fp8"])):
+        res = runner.invoke(app, ["generate", "--method", method, "--budget", "8", "--max-tokens", "16",
+                                  "--ignore-eos", "--prompt", "def fibonacci(n):", "--json", "--device", "cpu",
+                                  "--max-len", "256", *extra])
+        assert res.exit_code == 0, res.output
+        outs[method] = json.loads(res.stdout)["token_ids"]
+    assert outs["ddtree"] == outs["ar"] and calls

@@ -40,13 +40,15 @@ def generate(
     device: str = typer.Option("auto"),
     dtype: str = typer.Option("auto"),
     max_len: int = typer.Option(16384, "--max-len", help="Context limit (prompt + completion)."),
+    draft_fp8: bool = typer.Option(False, "--draft-fp8", help="The drafter's layer projections in fp8 (lossless; "
+                                   "acceptance may move; a GPU of compute capability >= 8.9, or the CPU)."),
 ) -> None:
     """Generate a completion for one prompt with AR, the DFlash chain or a DDTree tree."""
     tree = TreeSettings(method=method, budget=budget, topk=topk, block_size=block_size,  # type: ignore[arg-type]
                         draft_window=_parse_window(draft_window))
     config = EngineConfig(
         target=target, draft=draft, device=device, dtype=dtype, max_batch=1, max_len=max_len,
-        max_budget=max(budget, 1), max_block_size=block_size, default_tree=tree,
+        max_budget=max(budget, 1), max_block_size=block_size, default_tree=tree, draft_fp8=draft_fp8,
     )
     from ddtree.engine.engine import Engine
 
