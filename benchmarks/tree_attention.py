@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from ddtree.engine.cuda_graphs import warm_up
 from ddtree.models import tree_attention as ta
 
 
@@ -35,11 +36,7 @@ def case(t: int, kv_len: int, rows: int = 1, heads: int = 32, kv_heads: int = 8,
 def time_ms(fn, reps: int = 20) -> float:
     """Device time of one call, from a CUDA graph of ``reps`` calls (eager timing would measure Python launch
     overhead, ~0.1 ms a call, not the kernels)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()  # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
+    warm_up(fn)  # compile and warm up outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(reps):

@@ -16,6 +16,7 @@ import math
 
 import torch
 
+from ddtree.engine.cuda_graphs import warm_up
 from ddtree.spec import vocab_topk
 
 SHAPES = ((15, 8), (15, 16), (15, 64), (15, 512), (960, 8), (960, 16), (960, 64))
@@ -31,12 +32,7 @@ def torch_path(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, tor
 
 def graphed_ms(fn, repeats: int) -> float:
     """Median replay time of ``fn`` captured in a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
+    warm_up(fn)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
