@@ -5,6 +5,9 @@ current automatic choice.
 Why: at 8k context a 129-node tree's attention is ~0.6 TFLOP over 36 layers, so the verify of large trees at long
 context is bound by how well this kernel uses the tensor cores; the defaults were picked for small trees.
 
+Each timed call reads its own copy of the K/V cache (enough copies for ~3x the L2), as a layer of the engine reads
+keys the L2 no longer holds; ``--l2-resident`` repeats one copy (runs 7-26 did, and run 26 shows it misleads).
+
     python benchmarks/tree_attention.py --out $OUT/tree_attention.json
 """
 
@@ -21,26 +24,45 @@ from ddtree.engine.cuda_graphs import warm_up
 from ddtree.models import tree_attention as ta
 
 
-def case(t: int, kv_len: int, rows: int = 1, heads: int = 32, kv_heads: int = 8, d: int = 128):
+def case(t: int, kv_len: int, rows: int = 1, heads: int = 32, kv_heads: int = 8, d: int = 128,
+         copies: int = 1) -> list[dict]:
+    """One verify shape's inputs, ``copies`` times over with distinct K/V caches (the queries, slots and
+    visibility are shared): :func:`time_ms` cycles through them so that a timed call reads its keys from HBM, as
+    the engine's 36 layers do, instead of from the L2 cache the previous call left them in."""
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     q = torch.randn(rows, heads, t, d, device=dev, dtype=torch.bfloat16, generator=gen)
-    k = torch.randn(rows + 1, kv_heads, kv_len, d, device=dev, dtype=torch.bfloat16, generator=gen)
-    v = torch.randn_like(k)
     vis = torch.ones(t, t, dtype=torch.bool, device=dev).tril().expand(rows, t, t).contiguous()
     start = torch.full((rows,), kv_len - t, device=dev)
-    return dict(q=q, k_cache=k, v_cache=v, slots=torch.arange(rows, device=dev), start=start, new_vis=vis,
-                kv_len=kv_len)
+    cases = []
+    for _ in range(copies):
+        k = torch.randn(rows + 1, kv_heads, kv_len, d, device=dev, dtype=torch.bfloat16, generator=gen)
+        cases.append(dict(q=q, k_cache=k, v_cache=torch.randn_like(k), slots=torch.arange(rows, device=dev),
+                          start=start, new_vis=vis, kv_len=kv_len))
+    return cases
 
 
-def time_ms(fn, reps: int = 20) -> float:
-    """Device time of one call, from a CUDA graph of ``reps`` calls (eager timing would measure Python launch
-    overhead, ~0.1 ms a call, not the kernels)."""
-    warm_up(fn)  # compile and warm up outside the capture
+def copies_beyond_l2(t: int, kv_len: int, rows: int, kv_heads: int = 8, d: int = 128) -> int:
+    """K/V copies whose bytes together are ~3x the GPU's L2 (50 MB on an H200), at most 64: a 4k-context call
+    reads 16.8 MB, which an L2 holds, so repeating one call times L2 reads (run 26 tuned decode tiles that way and
+    the engine did not get faster)."""
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    per_call = 2 * (rows + 1) * kv_heads * kv_len * d * 2
+    return max(1, min(64, math.ceil(3 * l2 / per_call)))
+
+
+def time_ms(fns, reps: int = 20) -> float:
+    """Device time of one call, from a CUDA graph of ``reps`` calls, call i running ``fns[i % len(fns)]`` (one
+    per K/V copy of :func:`case`). Graph-timed because eager timing would measure Python launch overhead (~0.1 ms
+    a call), not the kernels."""
+    fns = fns if isinstance(fns, list) else [fns]
+    reps = max(reps, len(fns))
+    for fn in fns:
+        warm_up(fn)  # compile and warm up outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
+        for i in range(reps):
+            fns[i % len(fns)]()
     graph.replay()
     torch.cuda.synchronize()
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -75,12 +97,25 @@ def main() -> None:
                                         "1:1024:1,1:8192:1,9:1024:64,1:1024:64,16:1024:1")
     ap.add_argument("--baseline", default="", help="older tree_attention.py to time at its defaults")
     ap.add_argument("--time-budget", type=float, default=300.0)
+    # The tile grid, each a comma list ("none" among the splits: choose_splits' count for those tiles).
+    ap.add_argument("--block-m", default="16,32,64,128")
+    ap.add_argument("--block-n", default="64,128")
+    ap.add_argument("--warps", default="4,8")
+    ap.add_argument("--stages", default="2,3")
+    ap.add_argument("--splits", default="none,4,8,16")
+    ap.add_argument("--l2-resident", action="store_true",
+                    help="time one K/V copy over and over (runs 7-26 did; it favours tiles that only win from L2)")
     args = ap.parse_args()
     import time
 
     deadline = time.perf_counter() + args.time_budget
     baseline = load_baseline(args.baseline)
-    grid = list(itertools.product((16, 32, 64, 128), (64, 128), (4, 8), (2, 3), (None, 4, 8, 16)))
+
+    def ints(text: str) -> list[int | None]:
+        return [None if item == "none" else int(item) for item in text.split(",")]
+
+    grid = list(itertools.product(ints(args.block_m), ints(args.block_n), ints(args.warps), ints(args.stages),
+                                  ints(args.splits)))
     results = []
     print("| T | ctx | R | baseline ms | default ms | best ms | best (block_m, block_n, warps, stages, splits) |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
@@ -88,27 +123,34 @@ def main() -> None:
         if time.perf_counter() > deadline:
             break
         t, ctx, rows = map(int, shape.split(":"))
-        base_case = case(t, ctx, rows=rows)
-        base = time_ms(lambda c=base_case: baseline.tree_attention(**c)) if baseline is not None else None
-        c = {**base_case, "packed": ta.pack_visibility(base_case["new_vis"])}  # packed once per forward, as there
-        default = time_ms(lambda c=c: ta.tree_attention(**c))
+        base_cases = case(t, ctx, rows=rows, copies=1 if args.l2_resident else copies_beyond_l2(t, ctx, rows))
+        packed = ta.pack_visibility(base_cases[0]["new_vis"])  # packed once per forward, as there
+        cs = [{**c, "packed": packed} for c in base_cases]
+        # The baseline gets the packed visibility too (a module from before packing existed gets none), so both
+        # columns time the attention alone.
+        base_cs = cs if baseline is not None and hasattr(baseline, "pack_visibility") else base_cases
+        base = time_ms([lambda c=c: baseline.tree_attention(**c) for c in base_cs]) if baseline is not None else None
+        default = time_ms([lambda c=c: ta.tree_attention(**c) for c in cs])
         timings = {}
         for config in grid:
             bm, bn, warps, stages, splits = config
             if bm > max(16, 2 ** math.ceil(math.log2(4 * t))) or time.perf_counter() > deadline:
                 continue  # more rows per tile than the G * T = 4T folded rows (rounded up) need
             try:
-                timings[config] = time_ms(
+                timings[config] = time_ms([
                     lambda c=c, bm=bm, bn=bn, w=warps, s=stages, sp=splits: ta.tree_attention(
-                        **c, block_m=bm, block_n=bn, num_warps=w, num_stages=s, splits=sp))
+                        **c, block_m=bm, block_n=bn, num_warps=w, num_stages=s, splits=sp) for c in cs])
             except Exception as exc:  # e.g. out of shared memory for the largest tiles
                 timings[config] = float("inf")
                 print(f"  T={t} ctx={ctx} {config}: {type(exc).__name__}", flush=True)
         if not timings:
-            break
+            if time.perf_counter() > deadline:
+                break
+            continue  # no tile of the grid fits this shape
         best = min(timings, key=timings.get)
-        results.append({"t": t, "context": ctx, "rows": rows, "baseline_ms": base, "default_ms": default,
-                        "best_ms": timings[best], "best": best, "all": {str(k): v for k, v in timings.items()}})
+        results.append({"t": t, "context": ctx, "rows": rows, "kv_copies": len(cs), "baseline_ms": base,
+                        "default_ms": default, "best_ms": timings[best], "best": best,
+                        "all": {str(k): v for k, v in timings.items()}})
         base_s = f"{base:.4f}" if base is not None else "-"
         print(f"| {t} | {ctx} | {rows} | {base_s} | {default:.4f} | {timings[best]:.4f} | {best} |", flush=True)
         with open(args.out, "w") as fh:  # after every shape, so a time-boxed run keeps what it measured

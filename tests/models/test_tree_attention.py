@@ -145,7 +145,7 @@ def test_matches_plain_loop_oracle():
     assert (got.cpu().double() - ref).abs().max().item() < 1e-5
 
 
-@pytest.mark.parametrize("splits", [1, 2, 3, 7, None])
+@pytest.mark.parametrize("splits", [1, 2, 3, 7, 32, None])
 @pytest.mark.parametrize("block_n", [16, 32])
 def test_split_counts_agree(splits, block_n):
     """More splits than a short row has key blocks leave empty splits; the combine must weigh them zero."""
@@ -213,6 +213,21 @@ def test_first_hides_the_prefix_below_it(splits):
     start = torch.tensor([0, 66, 40, 35, 50, 20])
     case["start"] = start.to(DEVICE)
     first = torch.tensor([0, 17, 32, 35, 49, 0])  # row 3: first == start; row 4: same block as start
+    got = ta.tree_attention(**case, first=first.to(DEVICE), block_n=16, splits=splits)
+    ref = loop_reference(case["q"].cpu(), case["k_cache"].cpu(), case["v_cache"].cpu(), case["slots"].cpu(), start,
+                         case["new_vis"].cpu(), first)
+    assert (got.cpu().double() - ref).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("splits", [1, 2, 4])
+def test_prefix_edges_on_and_off_block_boundaries_count_every_key_once(splits):
+    """``first`` and ``start`` on, just before and just after 16-key block boundaries, with zero, one and several
+    whole blocks between them, and splits whose shares end mid-prefix: each visible key counted exactly once."""
+    pairs = [(0, 16), (0, 17), (1, 31), (15, 32), (16, 47), (17, 48), (0, 64), (33, 64), (47, 49), (5, 5)]
+    first = torch.tensor([f for f, _ in pairs])
+    start = torch.tensor([s for _, s in pairs])
+    case = make_case(rows=len(pairs), heads=4, kv_heads=2, t=3, kv_len=67, max_len=68, vis="tree", seed=5)
+    case["start"] = start.to(DEVICE)
     got = ta.tree_attention(**case, first=first.to(DEVICE), block_n=16, splits=splits)
     ref = loop_reference(case["q"].cpu(), case["k_cache"].cpu(), case["v_cache"].cpu(), case["slots"].cpu(), start,
                          case["new_vis"].cpu(), first)
@@ -307,10 +322,10 @@ def test_target_supports_tree_attention_where_the_kernel_can_run():
 @pytest.mark.parametrize("kv_len", [256, 1024, 2048, 4096, 8192, 32768])
 def test_splits_at_batch_one_are_as_many_as_the_context_allows(kv_len):
     """Qwen3-8B decoding at batch 1 (8 KV heads x 1 row tile): split the keys towards ~2 programs per SM, but never
-    below MIN_BLOCKS_PER_SPLIT key blocks per split nor above MAX_SPLITS."""
+    below MIN_BLOCKS_PER_SPLIT key blocks per split nor above AUTO_MAX_SPLITS."""
     splits = ta.choose_splits(row_programs=8, kv_len=kv_len, block_n=64, sm_count=132)
     blocks = kv_len // 64
-    assert splits == min(max(1, blocks // ta.MIN_BLOCKS_PER_SPLIT), ta.MAX_SPLITS, 33)
+    assert splits == min(max(1, blocks // ta.MIN_BLOCKS_PER_SPLIT), ta.AUTO_MAX_SPLITS, 33)
     assert splits * ta.MIN_BLOCKS_PER_SPLIT <= max(blocks, ta.MIN_BLOCKS_PER_SPLIT)
 
 
@@ -336,6 +351,20 @@ def test_output_is_laid_out_for_the_output_projection():
 
 def test_large_batches_do_not_split():
     assert ta.choose_splits(row_programs=64 * 8 * 3, kv_len=4096, block_n=64, sm_count=132) == 1
+
+
+@pytest.mark.parametrize("row_programs,kv_len,splits", [
+    (72, 8192, 8),  # one request, T = 129: 9 row tiles x 8 KV heads (2 waves would be 4 splits)
+    (40, 4096, 8),  # one request, T = 65 (7 without the floor)
+    (64, 8192, 8),  # 8 requests of T = 9 (5 without it)
+    (64, 2048, 5),  # below LONG_CONTEXT: the waves alone
+    (256, 8192, 2),  # row programs past one wave of SMs: the waves alone
+    (40, 4096 + 64, 8),
+])
+def test_long_contexts_split_at_least_eight_ways_while_row_programs_leave_sms_idle(row_programs, kv_len, splits):
+    """Verify calls (T > 1) only: plain decoding keeps the waves' count (8 rows of T = 1 at 8k: 5 splits)."""
+    assert ta.choose_splits(row_programs=row_programs, kv_len=kv_len, block_n=64, sm_count=132, verify=True) == splits
+    assert ta.choose_splits(row_programs=64, kv_len=8192, block_n=64, sm_count=132) == 5
 
 
 # ---- TargetModel forward with tree= ------------------------------------------------------------------------------
