@@ -10,6 +10,8 @@
 #                                                          # (~7 min; run 20)
 #   OUT=/some/dir bash benchmarks/gpu_session.sh fp8       # the fp8 drafter: its GPU tests, C=1 at 1k and 60, C=64
 #                                                          # and 8 at 60, all with --draft-fp8 (~4 min; run 23)
+#   OUT=/some/dir bash benchmarks/gpu_session.sh c1x8      # C=1 with 8 prompts a cell, budgets 16-128, every context
+#                                                          # (~3.5 min; run 30)
 # Then: python benchmarks/gpu_report.py MAIN_RUNS/gpu.json ... --extra BUDGETS_RUNS/gpu.json --out docs/benchmarks
 # If any kernel's GPU tests fail in the kernels part, the log says so; run the engine part with NO_KERNELS=1 then.
 set -uo pipefail
@@ -70,6 +72,11 @@ elif [ "$part" = budgets ]; then
     --budgets 32,64,128,256 --time-budget "$(( 560 - SECONDS ))" >/dev/null 2>&1 || echo "big failed"
   echo "big done at ${SECONDS}s"
   cat "$OUT/c1_b512/gpu.md" "$OUT/big/gpu.md" 2>/dev/null
+elif [ "$part" = c1x8 ]; then
+  # Three prompts a cell (the engine part) rank budgets poorly at long contexts; eight took 175 s of matrix in run 30.
+  python3 benchmarks/gpu.py --out "$OUT/c1x8" --no-hf --concurrency 1 --contexts 4096,8192,1024,60 \
+    --budgets 16,32,64,128 --c1-prompts 8 --time-budget 250 >/dev/null 2>&1 || echo "c1x8 failed"
+  echo "c1x8 done at ${SECONDS}s"; cat "$OUT/c1x8/gpu.md" 2>/dev/null
 elif [ "$part" = long ]; then
   # Prefill-bound cells (64 x 4k prompts take seconds to prefill): one wave of C prompts each to fit 10 minutes.
   python3 benchmarks/gpu.py --out "$OUT/c4k" --no-hf --concurrency 64,32,8 --contexts 4096 --budgets 4,8,16 \
