@@ -43,11 +43,12 @@ def case(t: int, kv_len: int, rows: int = 1, heads: int = 32, kv_heads: int = 8,
 
 
 def copies_beyond_l2(t: int, kv_len: int, rows: int, kv_heads: int = 8, d: int = 128) -> int:
-    """K/V copies whose bytes together are ~3x the GPU's L2 (50 MB on an H200), at most 64: a 4k-context call
-    reads 16.8 MB, which an L2 holds, so repeating one call times L2 reads (run 26 tuned decode tiles that way and
-    the engine did not get faster)."""
+    """K/V copies whose bytes read together are ~3x the GPU's L2 (60 MiB as torch reports an H200's), at most 64: a
+    4k-context call at one row reads 16.8 MB, which an L2 holds, so repeating one call times L2 reads (run 26 tuned
+    decode tiles that way and the engine did not get faster). Calls read slots 0..rows-1 of a case's rows + 1
+    (runs 27-29 counted the unread scratch slot too, so at one row they cycled through ~1.6x the L2)."""
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    per_call = 2 * (rows + 1) * kv_heads * kv_len * d * 2
+    per_call = 2 * rows * kv_heads * kv_len * d * 2  # K and V, bf16
     return max(1, min(64, math.ceil(3 * l2 / per_call)))
 
 

@@ -154,6 +154,13 @@ def test_split_counts_agree(splits, block_n):
     assert (got - dense_reference(**case)).abs().max().item() < TOL[torch.float32]
 
 
+def test_max_splits_each_with_keys_to_read():
+    """MAX_SPLITS splits that all get prefix blocks (38 blocks of 16 keys): the combine merges 33 partials."""
+    case = make_case(rows=2, heads=4, kv_heads=2, t=3, kv_len=610, max_len=610, vis="tree", seed=17)
+    got = ta.tree_attention(**case, block_n=16, splits=ta.MAX_SPLITS)
+    assert (got - dense_reference(**case)).abs().max().item() < TOL[torch.float32]
+
+
 @pytest.mark.parametrize("t", [1, 5, 63, 64, 65, 130])
 def test_pack_visibility_matches_a_bit_by_bit_oracle(t):
     """Every bit (the sign bit of each word included) and each query's last visible key, against plain Python."""
@@ -219,14 +226,15 @@ def test_first_hides_the_prefix_below_it(splits):
     assert (got.cpu().double() - ref).abs().max().item() < 1e-5
 
 
-@pytest.mark.parametrize("splits", [1, 2, 4])
+@pytest.mark.parametrize("splits", [1, 2, 3, 4])
 def test_prefix_edges_on_and_off_block_boundaries_count_every_key_once(splits):
     """``first`` and ``start`` on, just before and just after 16-key block boundaries, with zero, one and several
     whole blocks between them, and splits whose shares end mid-prefix: each visible key counted exactly once."""
-    pairs = [(0, 16), (0, 17), (1, 31), (15, 32), (16, 47), (17, 48), (0, 64), (33, 64), (47, 49), (5, 5)]
+    pairs = [(0, 16), (0, 17), (1, 31), (15, 32), (16, 47), (17, 48), (0, 64), (33, 64), (47, 49), (5, 5),
+             (1, 48), (0, 80), (31, 81)]
     first = torch.tensor([f for f, _ in pairs])
     start = torch.tensor([s for _, s in pairs])
-    case = make_case(rows=len(pairs), heads=4, kv_heads=2, t=3, kv_len=67, max_len=68, vis="tree", seed=5)
+    case = make_case(rows=len(pairs), heads=4, kv_heads=2, t=3, kv_len=84, max_len=84, vis="tree", seed=5)
     case["start"] = start.to(DEVICE)
     got = ta.tree_attention(**case, first=first.to(DEVICE), block_n=16, splits=splits)
     ref = loop_reference(case["q"].cpu(), case["k_cache"].cpu(), case["v_cache"].cpu(), case["slots"].cpu(), start,
@@ -355,19 +363,39 @@ def test_large_batches_do_not_split():
 
 @pytest.mark.parametrize("row_programs,kv_len,splits", [
     (72, 8192, 8),  # one request, T = 129: 9 row tiles x 8 KV heads (2 waves would be 4 splits)
-    (40, 4096, 8),  # one request, T = 65 (7 without the floor)
+    (40, 4096, 8),  # one request, T = 65 at exactly LONG_CONTEXT keys (7 without the floor)
     (64, 8192, 8),  # 8 requests of T = 9 (5 without it)
-    (64, 2048, 5),  # below LONG_CONTEXT: the waves alone
-    (256, 8192, 2),  # row programs past one wave of SMs: the waves alone
-    (40, 4096 + 64, 8),
+    (132, 8192, 8),  # one row program per SM: still floored
+    (133, 8192, 2),  # more row programs than SMs: the waves alone
+    (64, 4095, 5),  # below LONG_CONTEXT: the waves alone
 ])
 def test_long_contexts_split_at_least_eight_ways_while_row_programs_leave_sms_idle(row_programs, kv_len, splits):
-    """Verify calls (T > 1) only: plain decoding keeps the waves' count (8 rows of T = 1 at 8k: 5 splits)."""
-    assert ta.choose_splits(row_programs=row_programs, kv_len=kv_len, block_n=64, sm_count=132, verify=True) == splits
+    assert ta.choose_splits(row_programs=row_programs, kv_len=kv_len, block_n=64, sm_count=132,
+                            multi_token=True) == splits
+
+
+def test_plain_decoding_keeps_the_waves_split_count():
+    """One new token a row lost with the floor on the H200 (run 28), so it keeps the waves' count."""
     assert ta.choose_splits(row_programs=64, kv_len=8192, block_n=64, sm_count=132) == 5
+    assert ta.choose_splits(row_programs=64, kv_len=8192, block_n=64, sm_count=132, multi_token=False) == 5
 
 
-# ---- TargetModel forward with tree= ------------------------------------------------------------------------------
+@pytest.mark.parametrize("t,multi", [(1, False), (3, True)])
+def test_tree_attention_floors_the_splits_of_multi_token_calls_only(monkeypatch, t, multi):
+    """tree_attention tells choose_splits whether the call has several new tokens a row (T > 1)."""
+    seen = []
+    real = ta.choose_splits
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("multi_token"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ta, "choose_splits", spy)
+    case = make_case(rows=1, heads=4, kv_heads=2, t=t, kv_len=40, max_len=40, vis="causal", seed=3)
+    got = ta.tree_attention(**case)
+    assert seen == [multi]
+    assert (got - dense_reference(**case)).abs().max().item() < TOL[torch.float32]
+
 
 def _verify_pair(model, cache, prompt_len: int, start: torch.Tensor, new_vis: torch.Tensor, kv_len: int):
     """Prefill rows to ``start`` through the dense path, then return the tree's (ids, positions, write_pos)."""

@@ -63,11 +63,11 @@ _WAVES = 2  # aim for this many programs per SM when splitting the context
 MIN_BLOCKS_PER_SPLIT = 4
 AUTO_MAX_SPLITS = 16  # what choose_splits picks at most
 MAX_SPLITS = 32  # the most a caller may ask for (the tile sweep; the combine unrolls over splits + 1 partials)
-# Verify-shaped calls (T > 1) over long contexts (at least LONG_CONTEXT keys) whose row programs alone fill less
-# than one wave of SMs get at least LONG_CONTEXT_MIN_SPLITS splits even where _WAVES asks fewer (session 8, run 28,
-# K/V beyond L2: T = 129 at 8k 85.3 -> 79.4 us, T = 65 at 4k 36.4 -> 34.2, 8 rows of T = 9 at 8k 103.2 -> 89.0,
-# of T = 17 127.1 -> 120.5). Plain decoding (T = 1) lost with it (8 rows at 8k: 74.8 -> 81.1 us) and keeps _WAVES
-# (run 29).
+# Calls of several new tokens a row (T > 1: verifies, the drafter's blocks) over long contexts (at least
+# LONG_CONTEXT keys) whose row programs are at most one per SM get at least LONG_CONTEXT_MIN_SPLITS splits even
+# where _WAVES asks fewer (session 8, run 28, K/V beyond L2: T = 129 at 8k 85.3 -> 79.4 us, T = 65 at 4k 36.4 ->
+# 34.2, 8 rows of T = 9 at 8k 103.2 -> 89.0, of T = 17 127.1 -> 120.5). Plain decoding (T = 1) lost with it (8 rows
+# at 8k: 74.8 -> 81.1 us) and keeps _WAVES (run 29).
 LONG_CONTEXT = 4096
 LONG_CONTEXT_MIN_SPLITS = 8
 # A single request with a short context is latency-bound: a handful of programs with little work each. There,
@@ -411,14 +411,14 @@ def _sm_count(device: torch.device) -> int:
 
 
 def choose_splits(row_programs: int, kv_len: int, block_n: int, sm_count: int,
-                  min_blocks: int = MIN_BLOCKS_PER_SPLIT, verify: bool = False) -> int:
+                  min_blocks: int = MIN_BLOCKS_PER_SPLIT, multi_token: bool = False) -> int:
     """Context splits per (row, KV head, row tile) so that about ``_WAVES * sm_count`` programs run (for a
-    ``verify`` call, T > 1, at least ``LONG_CONTEXT_MIN_SPLITS`` at long contexts when the row programs are fewer
-    than the SMs), with at least ``min_blocks`` of ``kv_len``'s key blocks per split and at most
+    ``multi_token`` call, T > 1, at least ``LONG_CONTEXT_MIN_SPLITS`` at long contexts when the row programs are at
+    most one per SM), with at least ``min_blocks`` of ``kv_len``'s key blocks per split and at most
     ``AUTO_MAX_SPLITS``. Host ints only: the same shapes always launch the same grid."""
     blocks = max(1, math.ceil(kv_len / block_n))
     wanted = max(1, math.ceil(_WAVES * sm_count / row_programs))
-    if verify and kv_len >= LONG_CONTEXT and row_programs <= sm_count:
+    if multi_token and kv_len >= LONG_CONTEXT and row_programs <= sm_count:
         wanted = max(wanted, LONG_CONTEXT_MIN_SPLITS)
     return max(1, min(wanted, blocks // min_blocks, AUTO_MAX_SPLITS))
 
@@ -485,7 +485,7 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, s
     row_tiles = math.ceil(rows / block_m)
     if splits is None:
         splits = choose_splits(r * kv * row_tiles, kv_len, block_n, _sm_count(q.device), tiles.min_blocks_per_split,
-                               verify=t > 1)
+                               multi_token=t > 1)
     if not 1 <= splits <= MAX_SPLITS:
         raise ConfigError(f"tree_attention: splits must be in [1, {MAX_SPLITS}], got {splits}")
 
