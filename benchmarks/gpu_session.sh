@@ -12,6 +12,8 @@
 #                                                          # and 8 at 60, all with --draft-fp8 (~4 min; run 23)
 #   OUT=/some/dir bash benchmarks/gpu_session.sh c1x8      # C=1 with 8 prompts a cell, budgets 16-128, every context
 #                                                          # (~3.5 min; run 30)
+#   OUT=/some/dir bash benchmarks/gpu_session.sh rows      # one verify forward's cost against its row count (16 vs
+#                                                          # 17, 64 vs 65, ...) at contexts 60 and 4096 (not run yet)
 # Then: python benchmarks/gpu_report.py MAIN_RUNS/gpu.json ... --extra BUDGETS_RUNS/gpu.json --out docs/benchmarks
 # If any kernel's GPU tests fail in the kernels part, the log says so; run the engine part with NO_KERNELS=1 then.
 set -uo pipefail
@@ -72,6 +74,9 @@ elif [ "$part" = budgets ]; then
     --budgets 32,64,128,256 --time-budget "$(( 560 - SECONDS ))" >/dev/null 2>&1 || echo "big failed"
   echo "big done at ${SECONDS}s"
   cat "$OUT/c1_b512/gpu.md" "$OUT/big/gpu.md" 2>/dev/null
+elif [ "$part" = rows ]; then
+  timeout 400 python3 benchmarks/verify_rows.py --out "$OUT/verify_rows.json" --contexts 60,4096 | grep "^|"
+  echo "rows done at ${SECONDS}s"
 elif [ "$part" = c1x8 ]; then
   # Three prompts a cell (the engine part) rank budgets poorly at long contexts; eight took 175 s of matrix in run 30.
   python3 benchmarks/gpu.py --out "$OUT/c1x8" --no-hf --concurrency 1 --contexts 4096,8192,1024,60 \

@@ -1,0 +1,30 @@
+"""benchmarks/verify_rows.py's dry run on the CPU (the demo pair, eager): one timing per (context, rows), the JSON
+and the table say the same."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "verify_rows.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("verify_rows", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_dry_run_times_every_row_count_at_every_context(tmp_path, capsys):
+    script = load_script()
+    out = tmp_path / "rows.json"
+    script.main(["--device", "cpu", "--contexts", "8,12", "--rows", "1,3,5", "--reps", "1", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert set(data["ms"]) == {"8", "12"}
+    for per_rows in data["ms"].values():
+        assert set(per_rows) == {"1", "3", "5"} and all(v > 0 for v in per_rows.values())
+    printed = capsys.readouterr().out
+    assert "| rows | ms at context 8 | ms at context 12 |" in printed
+    assert printed.count("\n| 5 | ") == 1
