@@ -39,19 +39,13 @@ def kernel_table(prof, steps: int, cuda: bool, top: int = 18) -> list[str]:
     return lines
 
 
-@torch.inference_mode()
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="profile.md")
-    ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script on the demo pair itself")
-    args = ap.parse_args()
+def load_standin_pair(dev: torch.device):
+    """(target, drafter) with fused projections: on CUDA the Qwen3-8B stand-in built from the demo pair (bf16),
+    on a CPU the demo pair itself (fp32, a dry run of a script)."""
     from ddtree.assets import demo_drafter_path, demo_target_path
     from ddtree.models import load_drafter, load_target
     from ddtree.models.standin import build_standin, standin_shape
 
-    dev = torch.device(args.device)
     cuda = dev.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     target = load_target(demo_target_path(), dtype=dtype, device=dev)
@@ -60,6 +54,20 @@ def main() -> None:
         target, drafter = build_standin(target, drafter, standin_shape("qwen3-8b"))
     fuse_projections(target, kernels=cuda)
     fuse_projections(drafter, kernels=cuda)
+    return target, drafter
+
+
+@torch.inference_mode()
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="profile.md")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script on the demo pair itself")
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    target, drafter = load_standin_pair(dev)
     ctx = args.context
     cache = target.allocate_cache(1, ctx + 160)
     dcache = drafter.allocate_cache(1, ctx + 160)

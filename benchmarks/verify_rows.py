@@ -16,11 +16,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from ddtree.models import TreeVisibility, fuse_projections
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profile_step import load_standin_pair  # noqa: E402  (the stand-in as the kernel profile builds it)
+from tree_attention import time_ms  # noqa: E402  (graph timing, as the tile sweep does it)
+
+from ddtree.models import TreeVisibility  # noqa: E402
 
 DEFAULT_ROWS = "1,16,17,32,33,48,63,64,65,96,127,128,129,256,257"
 
@@ -28,46 +34,22 @@ DEFAULT_ROWS = "1,16,17,32,33,48,63,64,65,96,127,128,129,256,257"
 def _timer(fn, cuda: bool, reps: int) -> float:
     """ms per call: from a CUDA graph of ``reps`` calls on a GPU (the engine replays graphs; eager timing would
     measure Python launches), from plain calls on a CPU."""
-    if not cuda:
+    if cuda:
+        return time_ms(fn, reps)
+    fn()
+    begin = time.perf_counter()
+    for _ in range(reps):
         fn()
-        begin = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        return (time.perf_counter() - begin) * 1e3 / reps
-    from ddtree.engine.cuda_graphs import warm_up
-
-    warm_up(fn)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(3):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return begin.elapsed_time(end) / (3 * reps)
+    return (time.perf_counter() - begin) * 1e3 / reps
 
 
 @torch.inference_mode()
 def measure(contexts: list[int], rows: list[int], device: str = "cuda", reps: int = 10) -> dict:
     """{context: {T: ms}} for a causal chain of T new tokens after a committed context (a tree's visibility costs
     the same in the kernel: it reads per-query bits either way)."""
-    from ddtree.assets import demo_drafter_path, demo_target_path
-    from ddtree.models import load_drafter, load_target
-    from ddtree.models.standin import build_standin, standin_shape
-
     dev = torch.device(device)
     cuda = dev.type == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
-    target = load_target(demo_target_path(), dtype=dtype, device=dev)
-    drafter = load_drafter(demo_drafter_path(), dtype=dtype, device=dev)
-    if cuda:
-        target, drafter = build_standin(target, drafter, standin_shape("qwen3-8b"))
-    fuse_projections(target, kernels=cuda)
+    target, drafter = load_standin_pair(dev)
     hidden_layers = tuple(drafter.config.target_layer_ids)  # a verify also hands the drafter its features
     cache = target.allocate_cache(1, max(contexts) + max(rows) + 16)
     slots = torch.zeros(1, dtype=torch.long, device=dev)

@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from benchmark_scripts import load_script, script_path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_report.py"
+SCRIPT = script_path("gpu_report")
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("gpu_report", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gpu_report")
 
 
 def _cell(conc: int, ctx: int, method: str, tok_s: float) -> dict:

@@ -3,22 +3,13 @@ and the table say the same."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "verify_rows.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("verify_rows", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from benchmark_scripts import load_script
 
 
 def test_dry_run_times_every_row_count_at_every_context(tmp_path, capsys):
-    script = load_script()
+    script = load_script("verify_rows")
     out = tmp_path / "rows.json"
     script.main(["--device", "cpu", "--contexts", "8,12", "--rows", "1,3,5", "--reps", "1", "--out", str(out)])
     data = json.loads(out.read_text())
