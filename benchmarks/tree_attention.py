@@ -42,7 +42,7 @@ def case(t: int, kv_len: int, rows: int = 1, heads: int = 32, kv_heads: int = 8,
     return cases
 
 
-def copies_beyond_l2(t: int, kv_len: int, rows: int, kv_heads: int = 8, d: int = 128) -> int:
+def copies_beyond_l2(kv_len: int, rows: int, kv_heads: int = 8, d: int = 128) -> int:
     """K/V copies whose bytes read together are ~3x the GPU's L2 (60 MiB as torch reports an H200's), at most 64: a
     4k-context call at one row reads 16.8 MB, which an L2 holds, so repeating one call times L2 reads (run 26 tuned
     decode tiles that way and the engine did not get faster). Calls read slots 0..rows-1 of a case's rows + 1
@@ -124,7 +124,7 @@ def main() -> None:
         if time.perf_counter() > deadline:
             break
         t, ctx, rows = map(int, shape.split(":"))
-        base_cases = case(t, ctx, rows=rows, copies=1 if args.l2_resident else copies_beyond_l2(t, ctx, rows))
+        base_cases = case(t, ctx, rows=rows, copies=1 if args.l2_resident else copies_beyond_l2(ctx, rows))
         packed = ta.pack_visibility(base_cases[0]["new_vis"])  # packed once per forward, as there
         cs = [{**c, "packed": packed} for c in base_cases]
         # The baseline gets the packed visibility too (a module from before packing existed gets none), so both
