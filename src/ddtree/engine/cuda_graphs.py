@@ -46,8 +46,14 @@ def bucket_rows(rows: int, max_rows: int) -> int:
 
 
 def bucket_nodes(budget: int) -> int:
-    """Tree budget bucket: 0 (AR), then powers of two."""
-    return 0 if budget == 0 else 1 << (budget - 1).bit_length()
+    """Tree budget bucket: 0 (AR), then 2^k - 1 and 2^k (1, 2, 3, 4, 7, 8, 15, 16, ...).
+
+    Why both: a verify carries the budget's nodes plus the root, so budget 2^k - 1 fills exactly 2^k rows, a GEMM
+    tile boundary, while budget 2^k spills one row past it. Rounding 63 up to 64 would make it pay for 65 rows."""
+    if budget == 0:
+        return 0
+    power = 1 << (budget - 1).bit_length()
+    return power if budget == power else power - 1
 
 
 def bucket_length(length: int, cap: int) -> int:
