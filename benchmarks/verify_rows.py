@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profile_step import load_standin_pair  # noqa: E402  (the stand-in as the kernel profile builds it)
 from tree_attention import time_ms  # noqa: E402  (graph timing, as the tile sweep does it)
 
-from ddtree.models import TreeVisibility  # noqa: E402
+from ddtree.models import TreeVisibility, gemm_backend  # noqa: E402
 
 DEFAULT_ROWS = "1,16,17,32,33,48,63,64,65,96,127,128,129,256,257"
 
@@ -91,13 +91,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rows", default=DEFAULT_ROWS, help="comma list of new tokens a forward carries")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--blas", choices=("rule", "cublas", "cublaslt"), default="rule",
+                    help="the library for every matmul, or the engine's choice by row count (ddtree.models."
+                         "gemm_backend)")
     args = ap.parse_args(argv)
+    if args.blas != "rule":  # cuBLAS and cuBLASLt pick different kernels for the skinny shapes of decoding
+        gemm_backend.enabled = False
+        torch.backends.cuda.preferred_blas_library(args.blas)
     contexts = [int(c) for c in args.contexts.split(",")]
     rows = [int(t) for t in args.rows.split(",")]
     results = measure(contexts, rows, args.device, args.reps)
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (dry run, demo pair)"
     with open(args.out, "w") as fh:
-        json.dump({"device": device, "ms": {str(c): {str(t): v for t, v in r.items()} for c, r in results.items()}},
+        json.dump({"device": device, "blas": args.blas, "ms": {str(c): {str(t): v for t, v in r.items()} for c, r in results.items()}},
                   fh, indent=1)
     print(table(results))
 

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from ddtree.errors import ConfigError
 from ddtree.models import fused_ops, tree_attention
 from ddtree.models.config import DrafterConfig
+from ddtree.models.gemm_backend import blas_for_rows
 from ddtree.models.kv_cache import KVCache
 from ddtree.models.layers import Attend, DecoderLayer, RMSNorm, Rotary, grad_needed, masked_attention
 from ddtree.models.target import TargetModel
@@ -214,8 +215,9 @@ class DFlashDrafter(nn.Module):
         if self.config.input_embedding_scale != 1.0:
             h = h * self.config.input_embedding_scale
         cos, sin = self.rotary(positions, h.dtype)
-        for layer in self.layers:
-            h = layer(h, cos, sin, attend)
+        with blas_for_rows(ids.numel(), ids.device):
+            for layer in self.layers:
+                h = layer(h, cos, sin, attend)
         return self._norm(self.norm, h)
 
     def draft_logits(self, target: TargetModel, root_tokens: Tensor, ctx_len: Tensor, cache: KVCache,

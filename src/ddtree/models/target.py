@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from ddtree.errors import ConfigError
 from ddtree.models import tree_attention
 from ddtree.models.config import TargetConfig
+from ddtree.models.gemm_backend import blas_for_rows
 from ddtree.models.kv_cache import KVCache
 from ddtree.models.layers import DecoderLayer, RMSNorm, Rotary, masked_attention
 from ddtree.models.tree_attention import TreeVisibility
@@ -148,7 +149,8 @@ class TargetModel(nn.Module):
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             return attend_over_cache(cache, layer, q, k, v, slots, write_pos, attn_mask, tree)
 
-        return self._run(input_ids, positions, attend, logits_at, hidden_layers)
+        with blas_for_rows(input_ids.numel(), input_ids.device):
+            return self._run(input_ids, positions, attend, logits_at, hidden_layers)
 
     def forward_train(self, input_ids: Tensor, hidden_layers: tuple[int, ...] = (), *,
                       with_logits: bool = True) -> TargetOutput:
