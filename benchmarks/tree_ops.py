@@ -112,7 +112,7 @@ def measure(rows: int, budget: int, args: argparse.Namespace, device: torch.devi
     # The engine's choice on CUDA (EngineConfig.gpu_kernels); on CPU the kernel cannot run and the torch path does.
     fast_default = device.type == "cuda"
     record: dict = {"rows": rows, "budget": budget,
-                    "triton": fast_default and min(budget, args.vocab) <= vocab_topk.FAST_MAX_K
+                    "triton": fast_default and vocab_topk.kernel_takes(rows * args.depths, min(budget, args.vocab))
                     and vocab_topk.available(logits)}
     variants = [("", fast_default)] + ([("torch_", False)] if args.no_triton else [])
     for prefix, fast_topk in variants:
@@ -206,7 +206,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="also time every cell with the torch vocabulary pass (build_trees(fast_topk=False))")
     parser.add_argument("--count-ops", action="store_true",
                         help="count GPU kernels (CUDA) or aten ops (CPU) of one build and one walk")
+    parser.add_argument("--fast-max-k", type=int, default=None,
+                        help="widest vocabulary pass the Triton kernel takes, at any row count (vocab_topk.FAST_MAX_K, "
+                             "and no FAST_MAX_WORK limit: to time wider ones against torch's)")
     args = parser.parse_args(argv)
+    if args.fast_max_k is not None:
+        vocab_topk.FAST_MAX_K, vocab_topk.FAST_MAX_WORK = args.fast_max_k, 1 << 62
     device = torch.device(args.device)
     if args.cuda_graph and device.type != "cuda":
         parser.error("--cuda-graph needs --device cuda")

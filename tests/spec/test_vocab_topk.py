@@ -19,6 +19,7 @@ from ddtree.errors import ConfigError
 from ddtree.spec import Trees, build_trees, vocab_topk
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SHIPPED_LIMITS = {"FAST_MAX_K": vocab_topk.FAST_MAX_K, "FAST_MAX_WORK": vocab_topk.FAST_MAX_WORK}  # before fixtures
 
 pytestmark = pytest.mark.skipif(
     triton_runtime.triton is None or (DEVICE == "cpu" and not triton_runtime.INTERPRETED),
@@ -31,6 +32,7 @@ def _kernel_allowed(monkeypatch, triton_kernels_on_cpu):
     """Let the kernel run on CPU tensors through the interpreter (a no-op on a GPU machine); the conftest fixture
     also lets the interpreter take the running strategy's data-dependent loop bounds."""
     monkeypatch.setattr(vocab_topk, "FAST_MAX_K", 1 << 20)  # the trees below use the kernel at every width
+    monkeypatch.setattr(vocab_topk, "FAST_MAX_WORK", 1 << 62)  # and row count
 
 
 def test_build_trees_uses_the_kernel_only_when_asked_and_up_to_fast_max_k(monkeypatch):
@@ -45,6 +47,33 @@ def test_build_trees_uses_the_kernel_only_when_asked_and_up_to_fast_max_k(monkey
     default = build_trees(logits, 8)  # fast_topk=False: the torch path
     assert calls == [8]
     assert torch.equal(default.tokens, narrow.tokens)
+
+
+def test_wide_lists_use_the_kernel_only_for_few_rows(monkeypatch):
+    calls = []
+    real = vocab_topk.topk_logsumexp
+    monkeypatch.setattr(vocab_topk, "topk_logsumexp", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    monkeypatch.setattr(vocab_topk, "FAST_MAX_K", 128)
+    monkeypatch.setattr(vocab_topk, "FAST_MAX_WORK", 6 * 20)
+    gen = torch.Generator().manual_seed(1)
+    few, many = torch.randn(2, 3, 300, generator=gen).to(DEVICE), torch.randn(3, 3, 300, generator=gen).to(DEVICE)
+    fast_few, fast_many = build_trees(few, 20, fast_topk=True), build_trees(many, 20, fast_topk=True)
+    assert calls == [6]  # 9 rows x 20 > FAST_MAX_WORK went to torch.topk
+    build_trees(many, 16, fast_topk=True)  # up to RUNNING_MAX_K the kernel takes any row count
+    assert calls == [6, 9]
+    assert torch.equal(fast_few.tokens, build_trees(few, 20).tokens)
+    assert torch.equal(fast_many.tokens, build_trees(many, 20).tokens)
+
+
+def test_kernel_limits_follow_the_h200_measurements(monkeypatch):
+    """The shipped limits, at the shapes of run 32 (15 rows a request): kept where the kernel won, not where it
+    lost."""
+    for name, value in SHIPPED_LIMITS.items():
+        monkeypatch.setattr(vocab_topk, name, value)
+    takes = vocab_topk.kernel_takes
+    assert takes(15, 128) and takes(8 * 15, 128) and takes(32 * 15, 64) and takes(64 * 15, 32)
+    assert not takes(32 * 15, 128) and not takes(64 * 15, 64) and not takes(15, 129)
+    assert takes(64 * 15, 16) and takes(10**6, 8)
 
 
 def _canonical_top(row: list[float], k: int) -> list[int]:

@@ -56,7 +56,7 @@ with one program summing a whole row in 256-entry pieces. Every log-prob of a de
 depth's ranking never changes; only scores across depths move by that much.
 
 When it runs: ``build_trees(..., fast_topk=True)`` (the caller's choice) uses it for widths up to
-:data:`FAST_MAX_K` when :func:`available` - :func:`ddtree.triton_runtime.can_run` (a CUDA tensor; a CPU tensor
+:data:`FAST_MAX_K` (with wide lists, for few enough rows: :func:`kernel_takes`) when :func:`available` - :func:`ddtree.triton_runtime.can_run` (a CUDA tensor; a CPU tensor
 only under Triton's interpreter inside ``triton_runtime.cpu_interpreter()``, which tests use) and a supported dtype.
 """
 
@@ -71,10 +71,16 @@ from ddtree.errors import ConfigError
 from ddtree.triton_runtime import can_run, tl, triton
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# build_trees uses the kernel only up to this many candidates per depth. Measured on the H200 (CUDA graphs, V = 151936,
-# L = 15, docs/benchmarks/gpu/run4_tree_ops.md): at width 8 and 16 it beats torch.topk + logsumexp at R = 1 and 64
-# (R = 64, B = 16: 2.72 vs 3.07 ms); at width 512 each chunk's sort dominates and it loses (R = 64: 10.8 vs 3.6 ms).
-FAST_MAX_K = 16
+# build_trees uses the kernel (see kernel_takes) up to FAST_MAX_K candidates per depth, and above RUNNING_MAX_K only
+# while rows x width stays within FAST_MAX_WORK. Measured on the H200 (CUDA graphs, L = 15 depths, so a request is
+# 15 rows; build + walk against torch.topk + logsumexp): widths 8 and 16 win at R = 1 and 64 requests (V = 151936,
+# R = 64, B = 16: 2.72 vs 3.07 ms, docs/benchmarks/gpu/run4_tree_ops.md); widths 31-128 win at R = 1 and 8 (0.08-0.80
+# against 0.41-1.12 ms, run 31) and at V = 8192 up to R = 64, B = 128 (0.37 vs 0.93 ms, run 32). At V = 151936 the
+# "sort" strategy's per-chunk sorts grow with rows x width: R = 32 wins at B = 32 and 64 (1.42 vs 1.87, 1.80 vs
+# 2.04 ms) and loses at 128 (2.68 vs 2.07); R = 64 wins at 32 (2.70 vs 3.05) and loses at 64 (3.47 vs 3.24).
+# Width 512 loses (R = 64: 10.8 vs 3.6 ms).
+FAST_MAX_K = 128
+FAST_MAX_WORK = 32768  # rows x width above RUNNING_MAX_K: 480 x 64 won, 960 x 64 and 480 x 128 lost (run 32)
 STRATEGIES = ("running", "extract", "sort")
 RUNNING_MAX_K = 16  # strategy=None: "running" up to this k, "sort" above (larger k: not yet timed on the H200)
 DEFAULT_CHUNK = 4096  # "extract" / "sort": vocabulary entries per first-stage program (38 per row at V = 151936)
@@ -90,6 +96,12 @@ MAX_SPLITS = 32  # at most this many programs per row (each adds a warm-up and K
 FALLBACK_SM_COUNT = 1
 MERGE_BLOCK = 8192  # candidate keys one merge program selects from (bounds its registers)
 MAX_VOCAB = 2**30  # token ids and chunk offsets stay far from int32 overflow
+
+
+def kernel_takes(rows: int, k: int) -> bool:
+    """Whether :func:`ddtree.spec.tree.depth_candidates` should use this kernel for ``rows`` rows of top ``k``
+    (host ints: graph capturable). The H200 measurements behind the limits are at :data:`FAST_MAX_K`."""
+    return k <= FAST_MAX_K and (k <= RUNNING_MAX_K or rows * k <= FAST_MAX_WORK)
 
 
 def available(t: Tensor) -> bool:
