@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from ddtree.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, TreeSettings
+from ddtree.models import gemm_backend
 
 BUDGETS = (8, 16, 32, 64, 128, 256, 512)
 
@@ -60,13 +61,15 @@ def prompts_for(stream: list[int], context: int, count: int, salt: int) -> list[
     return out
 
 
-def run_cell(engine, prompts, tree: TreeSettings, new_tokens: int, *, concurrency: int | None = None) -> dict:
+def run_cell(engine, prompts, tree: TreeSettings, new_tokens: int | list[int], *,
+             concurrency: int | None = None) -> dict:
     """Every prompt, at most ``concurrency`` in flight (a closed loop of that many clients, vLLM's and SGLang's
     ``--max-concurrency``: the next request starts as one finishes); None = all at once. With more prompts than
     the concurrency, acceptance averages over texts and the throughput is the loop's, not one batch's drain to
-    its slowest request."""
-    reqs = [GenerationRequest(prompt_token_ids=p, tree=tree,
-                              sampling=SamplingParams(max_tokens=new_tokens, ignore_eos=True)) for p in prompts]
+    its slowest request. ``new_tokens``: one count for every prompt, or one per prompt."""
+    counts = new_tokens if isinstance(new_tokens, list) else [new_tokens] * len(prompts)
+    reqs = [GenerationRequest(prompt_token_ids=p, tree=tree, sampling=SamplingParams(max_tokens=n, ignore_eos=True))
+            for p, n in zip(prompts, counts, strict=True)]
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     outs = engine.generate(reqs, max_in_flight=concurrency)
@@ -98,6 +101,22 @@ def run_cell(engine, prompts, tree: TreeSettings, new_tokens: int, *, concurrenc
         "errors": errors,
         "tokens": [o.token_ids for o in outs],
     }
+
+
+def warm_up_lengths(concurrency: int, longest: int) -> list[int]:
+    """New tokens per warm-up prompt: ``concurrency`` prompts whose lengths fall in groups, so that as they finish
+    the batch passes through every power-of-two row count the cell's drain will (the round graphs are captured
+    per row bucket: C, C/2, ..., 1), then one more prompt, which arrives when the first group finishes (a single
+    prompt's prefill while others decode, as in the cell's closed loop) and, as long as the longest, stays to the
+    end. Prompt i belongs to group ``i.bit_length()``: after the groups above g finish, 2^g prompts remain with
+    the extra one, within the bucket of 2^(g+1) rows, and the extra one alone at last. Without this the cell itself captured the smaller buckets'
+    graphs inside its timing (run 32: C = 8 chain and b8 at 1k lost 20-45% of their tok/s to it, one run in two).
+    """
+    if concurrency == 1:
+        return [longest]
+    groups = (concurrency - 1).bit_length()
+    lengths = [longest * (groups - i.bit_length() + 1) // (groups + 1) for i in range(concurrency)]
+    return lengths + [longest]
 
 
 def plan_cells(contexts, concurrency, budgets, max_verify_tokens):
@@ -162,7 +181,10 @@ def main() -> None:
                          "1024 lets C=64 at 8k fit one H200")
     ap.add_argument("--waves", type=int, default=2,
                     help="at concurrency C > 1 a cell runs waves * C prompts, C in flight at a time")
+    ap.add_argument("--no-blas-rule", action="store_true",
+                    help="cuBLAS for every matmul (ddtree.models.gemm_backend off), for an A/B of the rule")
     args = ap.parse_args()
+    gemm_backend.enabled = not args.no_blas_rule
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
@@ -204,7 +226,7 @@ def main() -> None:
     stream = held_out_token_stream(tokenizer, max(contexts) * 2 + 4096)
     report = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "shape": args.shape,
               "gpu_kernels": not args.no_kernels, "prefill_chunk": args.prefill_chunk,
-              "draft_fp8": args.draft_fp8,
+              "draft_fp8": args.draft_fp8, "blas_rule": not args.no_blas_rule,
               "standin_build_s": build_s, "params_target": sum(p.numel() for p in target.parameters()),
               "params_drafter": sum(p.numel() for p in drafter.parameters()), "cells": [], "skipped": []}
 
@@ -229,7 +251,9 @@ def main() -> None:
                 report["skipped"].append({"concurrency": conc, "context": ctx, "method": name})
                 continue
             tree = TreeSettings(method=method, budget=max(budget, 1))
-            run_cell(engine, prompts[:conc], tree, args.new_tokens if ctx <= 60 else 24)  # warm-up: captures graphs
+            # Warm-up, untimed: the cell's shapes once, so their graphs are captured before the clock starts.
+            lengths = warm_up_lengths(conc, max(args.new_tokens if ctx <= 60 else 24, 16 * conc.bit_length()))
+            run_cell(engine, prompts[:len(lengths)], tree, lengths, concurrency=conc)
             torch.cuda.reset_peak_memory_stats()
             cell = run_cell(engine, prompts, tree, args.new_tokens, concurrency=conc)
             if method == "ar":
