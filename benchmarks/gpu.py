@@ -109,9 +109,12 @@ def warm_up_lengths(concurrency: int, longest: int) -> list[int]:
     per row bucket: C, C/2, ..., 1), then one more prompt, which arrives when the first group finishes (a single
     prompt's prefill while others decode, as in the cell's closed loop) and, as long as the longest, stays to the
     end. Prompt i belongs to group ``i.bit_length()``: after the groups above g finish, 2^g prompts remain with
-    the extra one, within the bucket of 2^(g+1) rows, and the extra one alone at last. Without this the cell itself captured the smaller buckets'
-    graphs inside its timing (run 32: C = 8 chain and b8 at 1k lost 20-45% of their tok/s to it, one run in two).
-    """
+    the extra one, within the bucket of 2^(g+1) rows, and the extra one alone at last.
+
+    Why: graphs are captured on first use, and a warm-up whose prompts all finish together (the previous one)
+    left the smaller buckets to be captured inside the timed cell. This does not remove every first-use cost
+    from the cells: runs 32-35 still lost 10-55% of some C >= 8 cells' tok/s with equal stage times (see
+    docs/benchmarks.md, session 9)."""
     if concurrency == 1:
         return [longest]
     groups = (concurrency - 1).bit_length()
