@@ -10,10 +10,11 @@
 #                                                          # (~7 min; run 20)
 #   OUT=/some/dir bash benchmarks/gpu_session.sh fp8       # the fp8 drafter: its GPU tests, C=1 at 1k and 60, C=64
 #                                                          # and 8 at 60, all with --draft-fp8 (~4 min; run 23)
-#   OUT=/some/dir bash benchmarks/gpu_session.sh c1x8      # C=1 with 8 prompts a cell, budgets 16-128, every context
-#                                                          # (~3.5 min; run 30)
+#   OUT=/some/dir bash benchmarks/gpu_session.sh c1x8      # C=1 with 8 prompts a cell, budgets 2^k - 1 and 2^k from
+#                                                          # 15 to 128, every context (~4.5 min; run 33)
 #   OUT=/some/dir bash benchmarks/gpu_session.sh rows      # one verify forward's cost against its row count (16 vs
-#                                                          # 17, 64 vs 65, ...) at contexts 60 and 4096 (not run yet)
+#                                                          # 17, 64 vs 65, ...) at contexts 60 and 4096, cuBLAS and
+#                                                          # cuBLASLt (~1.5 min; run 31)
 # Then: python benchmarks/gpu_report.py MAIN_RUNS/gpu.json ... --extra BUDGETS_RUNS/gpu.json --out docs/benchmarks
 # If any kernel's GPU tests fail in the kernels part, the log says so; run the engine part with NO_KERNELS=1 then.
 set -uo pipefail
@@ -75,12 +76,15 @@ elif [ "$part" = budgets ]; then
   echo "big done at ${SECONDS}s"
   cat "$OUT/c1_b512/gpu.md" "$OUT/big/gpu.md" 2>/dev/null
 elif [ "$part" = rows ]; then
-  timeout 400 python3 benchmarks/verify_rows.py --out "$OUT/verify_rows.json" --contexts 60,4096 | grep "^|"
+  for lib in cublas cublaslt; do
+    timeout 250 python3 benchmarks/verify_rows.py --blas $lib --out "$OUT/verify_rows_$lib.json" --contexts 60,4096 \
+      | grep "^|"
+  done
   echo "rows done at ${SECONDS}s"
 elif [ "$part" = c1x8 ]; then
-  # Three prompts a cell (the engine part) rank budgets poorly at long contexts; eight took 175 s of matrix in run 30.
+  # Three prompts a cell (the engine part) rank budgets poorly at long contexts; eight took 246 s in all in run 33.
   python3 benchmarks/gpu.py --out "$OUT/c1x8" --no-hf --concurrency 1 --contexts 4096,8192,1024,60 \
-    --budgets 16,32,64,128 --c1-prompts 8 --time-budget 250 >/dev/null 2>&1 || echo "c1x8 failed"
+    --budgets 15,31,32,63,64,127,128 --c1-prompts 8 --time-budget 400 >/dev/null 2>&1 || echo "c1x8 failed"
   echo "c1x8 done at ${SECONDS}s"; cat "$OUT/c1x8/gpu.md" 2>/dev/null
 elif [ "$part" = long ]; then
   # Prefill-bound cells (64 x 4k prompts take seconds to prefill): one wave of C prompts each to fit 10 minutes.
