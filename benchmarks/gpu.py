@@ -70,10 +70,24 @@ def run_cell(engine, prompts, tree: TreeSettings, new_tokens: int | list[int], *
     counts = new_tokens if isinstance(new_tokens, list) else [new_tokens] * len(prompts)
     reqs = [GenerationRequest(prompt_token_ids=p, tree=tree, sampling=SamplingParams(max_tokens=n, ignore_eos=True))
             for p, n in zip(prompts, counts, strict=True)]
+    submitted: dict[int, float] = {}
+    submit = engine.submit
+
+    def recording_submit(req, *args, **kwargs):  # when generate() hands each request over (the closed loop's clock)
+        submitted[id(req)] = time.perf_counter()
+        return submit(req, *args, **kwargs)
+
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    outs = engine.generate(reqs, max_in_flight=concurrency)
+    engine.submit = recording_submit  # an instance attribute: generate() calls self.submit
+    try:
+        outs = engine.generate(reqs, max_in_flight=concurrency)
+    finally:
+        del engine.submit
     wall = time.perf_counter() - t0
+    # Per request (submitted, first token, finished), seconds from the cell's start: where its wall time went.
+    timeline = [[round(submitted[id(r)] - t0, 4), round(submitted[id(r)] - t0 + (o.stats.ttft_s or 0.0), 4),
+                 round(submitted[id(r)] - t0 + (o.stats.latency_s or 0.0), 4)] for r, o in zip(reqs, outs, strict=True)]
     errors = [o.error for o in outs if o.finish_reason == "error"]
     completion = sum(len(o.token_ids) for o in outs)
     rounds = sum(o.stats.verify_rounds for o in outs)
@@ -100,6 +114,7 @@ def run_cell(engine, prompts, tree: TreeSettings, new_tokens: int | list[int], *
         "round_ms": round_ms,
         "errors": errors,
         "tokens": [o.token_ids for o in outs],
+        "timeline": timeline,
     }
 
 
@@ -162,7 +177,7 @@ def hf_generate_reference(target, tokenizer_len: int, context: int, new_tokens: 
             "missing_keys": len(missing), "unexpected_keys": len(unexpected)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--shape", default="qwen3-8b", help="stand-in shape, or 'none' for the demo pair as is")
@@ -186,7 +201,7 @@ def main() -> None:
                     help="at concurrency C > 1 a cell runs waves * C prompts, C in flight at a time")
     ap.add_argument("--no-blas-rule", action="store_true",
                     help="cuBLAS for every matmul (ddtree.models.gemm_backend off), for an A/B of the rule")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     gemm_backend.enabled = not args.no_blas_rule
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -255,7 +270,8 @@ def main() -> None:
                 continue
             tree = TreeSettings(method=method, budget=max(budget, 1))
             # Warm-up, untimed: the cell's shapes once, so their graphs are captured before the clock starts.
-            lengths = warm_up_lengths(conc, max(args.new_tokens if ctx <= 60 else 24, 16 * conc.bit_length()))
+            longest = min(args.new_tokens, max(args.new_tokens if ctx <= 60 else 24, 16 * conc.bit_length()))
+            lengths = warm_up_lengths(conc, longest)
             run_cell(engine, prompts[:len(lengths)], tree, lengths, concurrency=conc)
             torch.cuda.reset_peak_memory_stats()
             cell = run_cell(engine, prompts, tree, args.new_tokens, concurrency=conc)
@@ -275,6 +291,7 @@ def main() -> None:
                 "round_ms": round(cell["round_ms"], 3),
                 "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
                 "identical_to_ar": sum(same), "compared": len(same), "errors": cell["errors"][:3],
+                "wall_s": round(cell["wall_s"], 4), "timeline": cell["timeline"],
             }
             report["cells"].append(row)
             print(json.dumps(row), flush=True)

@@ -15,6 +15,9 @@
 #   OUT=/some/dir bash benchmarks/gpu_session.sh rows      # one verify forward's cost against its row count (16 vs
 #                                                          # 17, 64 vs 65, ...) at contexts 60 and 4096, cuBLAS and
 #                                                          # cuBLASLt (~1.5 min; run 31)
+#   OUT=/some/dir bash benchmarks/gpu_session.sh twice     # the same C=8 cells (1k; AR, chain, b8, b16) in two gpu.py
+#                                                          # processes, with per-request timelines: the first-use
+#                                                          # stalls of runs 32-35 (~4 min)
 # Then: python benchmarks/gpu_report.py MAIN_RUNS/gpu.json ... --extra BUDGETS_RUNS/gpu.json --out docs/benchmarks
 # If any kernel's GPU tests fail in the kernels part, the log says so; run the engine part with NO_KERNELS=1 then.
 set -uo pipefail
@@ -81,6 +84,12 @@ elif [ "$part" = rows ]; then
       | grep "^|"
   done
   echo "rows done at ${SECONDS}s"
+elif [ "$part" = twice ]; then
+  for i in 1 2; do
+    python3 benchmarks/gpu.py --out "$OUT/c8_run$i" --no-hf --concurrency 8 --contexts 1024 --budgets 8,16 \
+      --time-budget 150 >/dev/null 2>&1 || echo "c8 run $i failed"
+    echo "c8 run $i done at ${SECONDS}s"; grep "^| 8 " "$OUT/c8_run$i/gpu.md" 2>/dev/null
+  done
 elif [ "$part" = c1x8 ]; then
   # Three prompts a cell (the engine part) rank budgets poorly at long contexts; eight took 246 s in all in run 33.
   python3 benchmarks/gpu.py --out "$OUT/c1x8" --no-hf --concurrency 1 --contexts 4096,8192,1024,60 \
