@@ -11,8 +11,9 @@ replays. Off CUDA nothing changes.
 The choice is torch's process-wide ``torch.backends.cuda.preferred_blas_library``, set for the forward and
 restored after it: an engine runs its forwards on one thread. Matmuls that another thread runs meanwhile (a second
 engine, a training step) may go through either library; both compute the same product, rounded differently in
-the last bits, which greedy decoding already tolerates between row counts (different kernels too). Autograd's
-backward runs after the forward returns, under the caller's own choice.
+the last bits, the same kind of difference that different row counts already make (cuBLAS picks other kernels;
+docs/benchmarks.md reports the bf16 divergence from AR it causes). Autograd's backward runs after the forward
+returns, under the caller's own choice.
 """
 
 from __future__ import annotations
