@@ -56,8 +56,9 @@ with one program summing a whole row in 256-entry pieces. Every log-prob of a de
 depth's ranking never changes; only scores across depths move by that much.
 
 When it runs: ``build_trees(..., fast_topk=True)`` (the caller's choice) uses it for widths up to
-:data:`FAST_MAX_K` (with wide lists, for few enough rows: :func:`kernel_takes`) when :func:`available` - :func:`ddtree.triton_runtime.can_run` (a CUDA tensor; a CPU tensor
-only under Triton's interpreter inside ``triton_runtime.cpu_interpreter()``, which tests use) and a supported dtype.
+:data:`FAST_MAX_K`, wide lists only for few enough rows (:func:`kernel_takes`), when :func:`available` -
+:func:`ddtree.triton_runtime.can_run` (a CUDA tensor; a CPU tensor only under Triton's interpreter inside
+``triton_runtime.cpu_interpreter()``, which tests use) and a supported dtype.
 """
 
 from __future__ import annotations
