@@ -103,8 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     results = measure(contexts, rows, args.device, args.reps)
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (dry run, demo pair)"
     with open(args.out, "w") as fh:
-        json.dump({"device": device, "blas": args.blas, "ms": {str(c): {str(t): v for t, v in r.items()} for c, r in results.items()}},
-                  fh, indent=1)
+        ms = {str(c): {str(t): v for t, v in r.items()} for c, r in results.items()}
+        json.dump({"device": device, "blas": args.blas, "ms": ms}, fh, indent=1)
     print(table(results))
 
 
