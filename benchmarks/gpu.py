@@ -61,6 +61,19 @@ def prompts_for(stream: list[int], context: int, count: int, salt: int) -> list[
     return out
 
 
+def mean_in_flight(timeline: list[list[float]], wall: float) -> float:
+    """Requests in flight averaged over the cell's wall time, from the (submitted, first token, finished) timeline.
+    Below C it says how much of the cell the closed loop spent filling up or draining: a method whose requests take
+    different times (speculative decoding: acceptance varies with the text) drains for longer than AR, whose
+    fixed-length requests all finish together."""
+    events = sorted([(s, 1) for s, _, _ in timeline] + [(f, -1) for _, _, f in timeline])
+    area, in_flight, last = 0.0, 0, 0.0
+    for t, step in events:
+        area += in_flight * (t - last)
+        in_flight, last = in_flight + step, t
+    return area / max(wall, 1e-9)
+
+
 def run_cell(engine, prompts, tree: TreeSettings, new_tokens: int | list[int], *,
              concurrency: int | None = None) -> dict:
     """Every prompt, at most ``concurrency`` in flight (a closed loop of that many clients, vLLM's and SGLang's
@@ -116,6 +129,47 @@ def run_cell(engine, prompts, tree: TreeSettings, new_tokens: int | list[int], *
         "tokens": [o.token_ids for o in outs],
         "timeline": timeline,
     }
+
+
+class CompileLog:
+    """Every Triton compilation in this process (``triton.knobs.compilation.listener``): when, which kernel, whether
+    the on-disk cache had it, and how long it took. Why: runs 32-35 lost 10-55% of some C >= 8 cells' tok/s in the
+    first gpu.py process on a fresh machine, with equal device time per round; a kernel specialization first met
+    inside a timed cell (a new prefill length, say) compiles there, and only the first process pays, since the
+    next finds it in Triton's disk cache."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[float, str, bool, float]] = []  # (perf_counter, kernel, cache hit, seconds)
+
+    def install(self) -> None:
+        try:
+            from triton import knobs
+        except ImportError:  # no Triton (a CPU build): nothing compiles
+            return
+        knobs.compilation.listener = self
+
+    def uninstall(self) -> None:
+        try:
+            from triton import knobs
+        except ImportError:
+            return
+        if knobs.compilation.listener is self:
+            knobs.compilation.listener = None
+
+    def __call__(self, *, src, metadata, metadata_group, times, cache_hit) -> None:
+        spent = times.ir_initialization + sum(d for _, d in times.lowering_stages) + times.store_results
+        self.events.append((time.perf_counter(), str(metadata.get("name", "?")), bool(cache_hit), spent / 1e6))
+
+    def between(self, start: float, end: float) -> dict:
+        """Compilations in [start, end): count, how many the disk cache served, seconds, kernels compiled."""
+        hits = [e for e in self.events if start <= e[0] < end]
+        return {"count": len(hits), "disk_hits": sum(e[2] for e in hits), "s": round(sum(e[3] for e in hits), 3),
+                "kernels": sorted({e[1] for e in hits if not e[2]})[:12]}
+
+
+def graph_captures(engine) -> int:
+    """Round and prefill graphs captured so far (a capture inside a timed cell is a first-use cost too)."""
+    return sum(g.captures for g in (engine.graphs, engine.prefill_graphs) if g is not None)
 
 
 def warm_up_lengths(concurrency: int, longest: int) -> list[int]:
@@ -197,12 +251,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prefill-chunk", type=int, default=2048,
                     help="EngineConfig.prefill_chunk; the cache keeps this many positions of headroom per slot, so "
                          "1024 lets C=64 at 8k fit one H200")
-    ap.add_argument("--waves", type=int, default=2,
-                    help="at concurrency C > 1 a cell runs waves * C prompts, C in flight at a time")
+    ap.add_argument("--waves", type=int, default=4,
+                    help="at concurrency C > 1 a cell runs waves * C prompts, C in flight at a time (the drain at "
+                         "the end, fewer than C in flight, weighs less the more waves)")
+    ap.add_argument("--warm-up", choices=("cell", "short"), default="cell",
+                    help="untimed run before each cell: 'cell' runs it once in full (one prompt at C = 1), so every "
+                         "graph bucket it reaches (rows x cache length) is captured before the clock starts; 'short' "
+                         "is sessions 8-9's staggered short prompts, which left captures inside the cells")
     ap.add_argument("--no-blas-rule", action="store_true",
                     help="cuBLAS for every matmul (ddtree.models.gemm_backend off), for an A/B of the rule")
     args = ap.parse_args(argv)
     gemm_backend.enabled = not args.no_blas_rule
+    compiles = CompileLog()
+    compiles.install()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
@@ -269,12 +330,17 @@ def main(argv: list[str] | None = None) -> None:
                 report["skipped"].append({"concurrency": conc, "context": ctx, "method": name})
                 continue
             tree = TreeSettings(method=method, budget=max(budget, 1))
-            # Warm-up, untimed: the cell's shapes once, so their graphs are captured before the clock starts.
-            longest = min(args.new_tokens, max(args.new_tokens if ctx <= 60 else 24, 16 * conc.bit_length()))
-            lengths = warm_up_lengths(conc, longest)
-            run_cell(engine, prompts[:len(lengths)], tree, lengths, concurrency=conc)
+            t_warm, captures_before = time.perf_counter(), graph_captures(engine)
+            if args.warm_up == "short":  # sessions 8-9: staggered short prompts, the row buckets only
+                longest = min(args.new_tokens, max(args.new_tokens if ctx <= 60 else 24, 16 * conc.bit_length()))
+                lengths = warm_up_lengths(conc, longest)
+                run_cell(engine, prompts[:len(lengths)], tree, lengths, concurrency=conc)
+            else:  # the cell once, untimed: every graph and kernel it will meet exists before the clock starts
+                run_cell(engine, prompts[:1] if conc == 1 else prompts, tree, args.new_tokens, concurrency=conc)
+            t_cell, captures_warm = time.perf_counter(), graph_captures(engine)
             torch.cuda.reset_peak_memory_stats()
             cell = run_cell(engine, prompts, tree, args.new_tokens, concurrency=conc)
+            t_end = time.perf_counter()
             if method == "ar":
                 ar_tokens, ar_tok_s = cell["tokens"], cell["tok_s"]
             same = [a == b for a, b in zip(ar_tokens or [], cell["tokens"], strict=False)]
@@ -292,10 +358,16 @@ def main(argv: list[str] | None = None) -> None:
                 "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
                 "identical_to_ar": sum(same), "compared": len(same), "errors": cell["errors"][:3],
                 "wall_s": round(cell["wall_s"], 4), "timeline": cell["timeline"],
+                "mean_in_flight": round(mean_in_flight(cell["timeline"], cell["wall_s"]), 2),
+                # First-use costs: Triton compilations and graph captures in the warm-up and in the timed cell.
+                "compiles": {"warm_up": compiles.between(t_warm, t_cell), "cell": compiles.between(t_cell, t_end)},
+                "captures": {"warm_up": captures_warm - captures_before,
+                             "cell": graph_captures(engine) - captures_warm},
             }
             report["cells"].append(row)
             print(json.dumps(row), flush=True)
             _write(out_dir, report)
+    report["compiles_total"] = compiles.between(t_start, time.perf_counter())
     report["graph_captures"] = engine.graphs.captures if engine.graphs is not None else 0
     report["prefill_graph_captures"] = engine.prefill_graphs.captures if engine.prefill_graphs is not None else 0
     engine.shutdown(drain_timeout=0)
@@ -310,6 +382,7 @@ def main(argv: list[str] | None = None) -> None:
         except Exception as exc:  # the reference is optional; record why it did not run
             report["hf_generate"] = {"error": f"{type(exc).__name__}: {exc}"}
     report["total_s"] = time.perf_counter() - t_start
+    compiles.uninstall()
     _write(out_dir, report)
     print(render_markdown(report))
 
@@ -350,11 +423,12 @@ def render_markdown(report: dict) -> str:
         f"built in {report['standin_build_s']:.1f} s; graph replay == eager: {report.get('graph_vs_eager_identical')}",
         "",
         "tok/s: all completion tokens over the cell's wall time (prefill included; C in flight); decode tok/s: "
-        "a request's tokens after its first over its time after its first (no prefill).",
+        "a request's tokens after its first over its time after its first (no prefill); in flight: requests in "
+        "flight averaged over the cell (below C: filling up and draining).",
         "",
         "| C | ctx | method | tok/s | decode tok/s | accept | speed-up | efficiency | draft / tree / verify / commit ms "
-        "| round ms | peak GiB | =AR |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| round ms | in flight | peak GiB | =AR |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for c in report["cells"]:
         st = c["stage_ms_per_round"]
@@ -362,10 +436,18 @@ def render_markdown(report: dict) -> str:
         lines.append(
             f"| {c['concurrency']} | {c['context']} | {c['method']} | {c['tok_s']} | {c.get('decode_tok_s', '-')} | "
             f"{c['accept_length']} | "
-            f"{c['speedup_vs_ar']} | {c['efficiency']} | {split} | {c.get('round_ms', '-')} | {c['peak_mem_gib']} | "
+            f"{c['speedup_vs_ar']} | {c['efficiency']} | {split} | {c.get('round_ms', '-')} | "
+            f"{c.get('mean_in_flight', '-')} | {c['peak_mem_gib']} | "
             f"{c['identical_to_ar']}/{c['compared']} |"
         )
     lines += summary_lines(report["cells"])
+    first_use = [c for c in report["cells"]
+                 if c.get("captures", {}).get("cell") or c.get("compiles", {}).get("cell", {}).get("count")]
+    if first_use:
+        lines += ["", "First-use costs inside timed cells (Triton compilations, graph captures):"]
+        lines += [f"- C{c['concurrency']}/{c['context']}/{c['method']}: {c['compiles']['cell']['count']} compilations "
+                  f"({c['compiles']['cell']['disk_hits']} from disk, {c['compiles']['cell']['s']} s: "
+                  f"{', '.join(c['compiles']['cell']['kernels'])}), {c['captures']['cell']} captures" for c in first_use]
     if report.get("skipped"):
         lines += ["", f"Skipped (time box): {len(report['skipped'])} cells: "
                   + ", ".join(f"C{s['concurrency']}/{s['context']}/{s['method']}" for s in report["skipped"][:40])]

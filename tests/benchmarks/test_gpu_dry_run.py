@@ -17,7 +17,7 @@ def test_dry_run_records_a_closed_loop_timeline(tmp_path, monkeypatch):
     monkeypatch.setattr(gemm_backend, "enabled", gemm_backend.enabled)
     out = tmp_path / "run"
     load_script("gpu").main(["--device", "cpu", "--shape", "none", "--no-hf", "--concurrency", "2", "--contexts", "16",
-                             "--budgets", "4", "--new-tokens", "6", "--out", str(out)])
+                             "--budgets", "4", "--new-tokens", "6", "--waves", "2", "--out", str(out)])
     report = json.loads((out / "gpu.json").read_text())
     assert [c["method"] for c in report["cells"]] == ["ar", "dflash", "ddtree-b4"]
     for cell in report["cells"]:
@@ -32,4 +32,30 @@ def test_dry_run_records_a_closed_loop_timeline(tmp_path, monkeypatch):
             in_flight += step
             assert in_flight <= 2
         assert timeline[2][0] >= min(timeline[0][2], timeline[1][2]) - 1e-3
+        assert 1.0 <= cell["mean_in_flight"] <= 2.0
     assert "| 2 | 16 | ddtree-b4 |" in (out / "gpu.md").read_text()
+
+
+def test_compile_log_splits_compilations_by_window():
+    """The listener's records land in the window they happened in, with disk-cache hits counted apart."""
+    from types import SimpleNamespace
+
+    log = load_script("gpu").CompileLog()
+    times = SimpleNamespace(ir_initialization=1000, lowering_stages=[("ttir", 2000), ("ptx", 500_000)],
+                            store_results=1000)
+    log(src=None, metadata={"name": "_rms_norm_kernel"}, metadata_group={}, times=times, cache_hit=False)
+    middle = log.events[-1][0] + 1e-6
+    log(src=None, metadata={"name": "_silu_mul_kernel"}, metadata_group={}, times=times, cache_hit=True)
+    log.events[-1] = (middle + 1.0, *log.events[-1][1:])
+    first = log.between(0.0, middle)
+    assert first == {"count": 1, "disk_hits": 0, "s": 0.504, "kernels": ["_rms_norm_kernel"]}
+    second = log.between(middle, middle + 2.0)
+    assert second == {"count": 1, "disk_hits": 1, "s": 0.504, "kernels": []}
+
+
+def test_mean_in_flight_by_hand():
+    """Two requests over 4 s: one for the whole cell, one from 1 s to 3 s -> (4 + 2) / 4 = 1.5 in flight."""
+    mean_in_flight = load_script("gpu").mean_in_flight
+    assert mean_in_flight([[0.0, 0.1, 4.0], [1.0, 1.2, 3.0]], 4.0) == 1.5
+    # A closed loop that never drains: always two in flight.
+    assert mean_in_flight([[0.0, 0.1, 2.0], [0.0, 0.1, 1.0], [1.0, 1.1, 2.0]], 2.0) == 2.0
