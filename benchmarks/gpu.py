@@ -258,6 +258,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="untimed run before each cell: 'cell' runs it once in full (one prompt at C = 1), so every "
                          "graph bucket it reaches (rows x cache length) is captured before the clock starts; 'short' "
                          "is sessions 8-9's staggered short prompts, which left captures inside the cells")
+    ap.add_argument("--no-retime", dest="retime", action="store_false",
+                    help="keep a timed cell that captured a graph or compiled a kernel (by default it runs again)")
     ap.add_argument("--no-blas-rule", action="store_true",
                     help="cuBLAS for every matmul (ddtree.models.gemm_backend off), for an A/B of the rule")
     args = ap.parse_args(argv)
@@ -341,6 +343,15 @@ def main(argv: list[str] | None = None) -> None:
             torch.cuda.reset_peak_memory_stats()
             cell = run_cell(engine, prompts, tree, args.new_tokens, concurrency=conc)
             t_end = time.perf_counter()
+            first_use = {"compiles": compiles.between(t_cell, t_end), "captures": graph_captures(engine) - captures_warm}
+            retimed = None
+            if args.retime and (first_use["captures"] or first_use["compiles"]["count"]):
+                # The timed run met a graph bucket or kernel specialization its untimed run had not (the closed
+                # loop's arrivals differ from run to run, most at a process's first cell): time it once more.
+                retimed = {"tok_s": round(cell["tok_s"], 1), "wall_s": round(cell["wall_s"], 4), **first_use}
+                t_cell, captures_warm = time.perf_counter(), graph_captures(engine)
+                cell = run_cell(engine, prompts, tree, args.new_tokens, concurrency=conc)
+                t_end = time.perf_counter()
             if method == "ar":
                 ar_tokens, ar_tok_s = cell["tokens"], cell["tok_s"]
             same = [a == b for a, b in zip(ar_tokens or [], cell["tokens"], strict=False)]
@@ -363,6 +374,7 @@ def main(argv: list[str] | None = None) -> None:
                 "compiles": {"warm_up": compiles.between(t_warm, t_cell), "cell": compiles.between(t_cell, t_end)},
                 "captures": {"warm_up": captures_warm - captures_before,
                              "cell": graph_captures(engine) - captures_warm},
+                "retimed": retimed,  # the first timed run, when it met first-use costs and was run again
             }
             report["cells"].append(row)
             print(json.dumps(row), flush=True)
@@ -441,13 +453,19 @@ def render_markdown(report: dict) -> str:
             f"{c['identical_to_ar']}/{c['compared']} |"
         )
     lines += summary_lines(report["cells"])
-    first_use = [c for c in report["cells"]
-                 if c.get("captures", {}).get("cell") or c.get("compiles", {}).get("cell", {}).get("count")]
+    first_use = [c for c in report["cells"] if c.get("retimed")
+                 or c.get("captures", {}).get("cell") or c.get("compiles", {}).get("cell", {}).get("count")]
     if first_use:
-        lines += ["", "First-use costs inside timed cells (Triton compilations, graph captures):"]
-        lines += [f"- C{c['concurrency']}/{c['context']}/{c['method']}: {c['compiles']['cell']['count']} compilations "
-                  f"({c['compiles']['cell']['disk_hits']} from disk, {c['compiles']['cell']['s']} s: "
-                  f"{', '.join(c['compiles']['cell']['kernels'])}), {c['captures']['cell']} captures" for c in first_use]
+        lines += ["", "First-use costs met by timed runs (Triton compilations, graph captures; a retimed cell's "
+                  "table row is its second run):"]
+        for c in first_use:
+            runs = ([("first run", c["retimed"]["tok_s"], c["retimed"]["compiles"], c["retimed"]["captures"])]
+                    if c.get("retimed") else [])
+            runs.append(("reported run", c["tok_s"], c["compiles"]["cell"], c["captures"]["cell"]))
+            lines.append(f"- C{c['concurrency']}/{c['context']}/{c['method']}: " + "; ".join(
+                f"{label} {tok_s} tok/s, {comp['count']} compilations ({comp['disk_hits']} from disk, {comp['s']} s"
+                f"{': ' + ', '.join(comp['kernels']) if comp['kernels'] else ''}), {caps} captures"
+                for label, tok_s, comp, caps in runs))
     if report.get("skipped"):
         lines += ["", f"Skipped (time box): {len(report['skipped'])} cells: "
                   + ", ".join(f"C{s['concurrency']}/{s['context']}/{s['method']}" for s in report["skipped"][:40])]
