@@ -4,7 +4,8 @@
 Why: a device call runs at most 10 minutes, so the matrix (concurrency x context x method) is measured over several
 calls (`benchmarks/gpu_session.sh engine`, then `long`), each writing its own report. Merging is by whole
 (concurrency, context) group: a later report's group replaces an earlier one's entirely, so the methods of one row
-of the matrix always come from one run and their ratios compare like with like. Every group names its source.
+of the matrix always come from one run and their ratios compare like with like; except that a group a later run's
+time box cut short (some of its cells skipped) leaves an earlier run's group in place. Every group names its source.
 
     python benchmarks/gpu_report.py docs/benchmarks/gpu/run15_c1_gpu.json docs/benchmarks/gpu/run15_c8-64_gpu.json \\
         docs/benchmarks/gpu/run18_c1_gpu.json --extra docs/benchmarks/gpu/run20_c1_b512_gpu.json --out docs/benchmarks
@@ -31,9 +32,14 @@ def merge_reports(reports: list[tuple[str, dict]]) -> dict:
     for name, report in reports:
         fresh: dict[tuple[int, int], list[dict]] = {}
         for cell in report["cells"]:
-            fresh.setdefault((cell["concurrency"], cell["context"]), []).append({**cell, "source": name})
+            # Per-request timelines stay in the run's own file: the merged report is the matrix.
+            slim = {k: v for k, v in cell.items() if k != "timeline"}
+            fresh.setdefault((cell["concurrency"], cell["context"]), []).append({**slim, "source": name})
+        # A group the run's time box cut short (some of its cells skipped) does not replace a complete one.
+        cut_short = {(s["concurrency"], s["context"]) for s in report.get("skipped", [])}
         for key, cells in fresh.items():
-            groups[key] = (name, cells)
+            if key not in cut_short or key not in groups:
+                groups[key] = (name, cells)
         for s in report.get("skipped", []):
             skipped[(s["concurrency"], s["context"], s["method"])] = s
     measured = {(c, x, cell["method"]) for (c, x), (_, cells) in groups.items() for cell in cells}

@@ -79,3 +79,18 @@ def test_extra_budgets_get_their_own_section_and_leave_the_matrix_alone(tmp_path
     assert "| 1 | 60 | ddtree-b512 | 1.8 |" in further and "run2_big" in further
     assert merged["hf_generate"] == {"tok_s": 13.5, "source": "run2_big"}  # named once, at the top
     assert "Hugging Face generate" in matrix and "Hugging Face generate" not in further
+
+
+def test_a_group_cut_short_by_the_time_box_does_not_replace_a_whole_one():
+    old = _report([_cell(32, 8192, "ar", 1.0), _cell(32, 8192, "dflash", 2.0), _cell(32, 8192, "ddtree-b8", 3.0)])
+    new = _report([_cell(64, 8192, "ar", 4.0), _cell(32, 8192, "ar", 5.0)],
+                  skipped=[{"concurrency": 32, "context": 8192, "method": "dflash"},
+                           {"concurrency": 32, "context": 8192, "method": "ddtree-b8"}])
+    merged = _module().merge_reports([("old", old), ("new", new)])
+    got = {(c["concurrency"], c["method"]): (c["tok_s"], c["source"]) for c in merged["cells"]}
+    assert got == {(32, "ar"): (1.0, "old"), (32, "dflash"): (2.0, "old"), (32, "ddtree-b8"): (3.0, "old"),
+                   (64, "ar"): (4.0, "new")}
+    assert merged["skipped"] == []  # every skipped cell is measured in the group that stands
+    # With nothing earlier, the partial group is what there is.
+    alone = _module().merge_reports([("new", new)])
+    assert {(c["concurrency"], c["method"]) for c in alone["cells"]} == {(64, "ar"), (32, "ar")}
