@@ -2,9 +2,11 @@
 # The H200 measurements, as device calls of at most 10 minutes each (carry build/wheels for pytest):
 #   OUT=/some/dir bash benchmarks/gpu_session.sh kernels   # kernel tests on the GPU, tree ops, vocabulary pass,
 #                                                          # tree-attention tile sweep, kernel profile, divergence
-#   OUT=/some/dir bash benchmarks/gpu_session.sh engine    # the engine on the Qwen3-8B stand-in: C=1, then 64/32/8
-#   OUT=/some/dir bash benchmarks/gpu_session.sh long      # C=64/32/8 at 4k, one wave per cell (~6 min; runs 19, 21)
-#   OUT=/some/dir bash benchmarks/gpu_session.sh long8k    # C=64/32/8 at 8k, one wave per cell (~7 min; runs 19, 21)
+#   OUT=/some/dir bash benchmarks/gpu_session.sh engine    # the engine on the Qwen3-8B stand-in at C=64/32/8, contexts
+#                                                          # 60 and 1k, 4 waves (~8.5 min; run 38); C=1 is c1x8
+#   OUT=/some/dir bash benchmarks/gpu_session.sh long      # C=8 at 4k and 8k (2 waves), then C=64/32 at 4k (one wave)
+#                                                          # (~8 min; runs 39, 40)
+#   OUT=/some/dir bash benchmarks/gpu_session.sh long8k    # C=64/32 at 8k, one wave per cell (~7 min; run 40)
 #   OUT=/some/dir bash benchmarks/gpu_session.sh budgets   # GPU tests of the graphs, then budgets outside the main
 #                                                          # matrix: 512 at C=1, 32-256 at C>=8, and HF generate
 #                                                          # (~7 min; run 20)
@@ -16,8 +18,8 @@
 #                                                          # 17, 64 vs 65, ...) at contexts 60 and 4096, cuBLAS and
 #                                                          # cuBLASLt (~1.5 min; run 31)
 #   OUT=/some/dir bash benchmarks/gpu_session.sh twice     # the same C=8 cells (1k; AR, chain, b8, b16) in two gpu.py
-#                                                          # processes, with per-request timelines: the first-use
-#                                                          # stalls of runs 32-35 (~4 min)
+#                                                          # processes, with timelines and Triton compile logs: run 37
+#                                                          # found the first-use stalls of runs 32-35 (~3 min)
 # Then: python benchmarks/gpu_report.py MAIN_RUNS/gpu.json ... --extra BUDGETS_RUNS/gpu.json --out docs/benchmarks
 # If any kernel's GPU tests fail in the kernels part, the log says so; run the engine part with NO_KERNELS=1 then.
 set -uo pipefail
@@ -48,7 +50,8 @@ if [ "$part" = kernels ]; then
   echo "divergence at ${SECONDS}s"
 elif [ "$part" = long8k ]; then
   # 65 slots of 8k: a 1024-token prefill chunk keeps the per-slot headroom small enough to fit (peak 112 GiB).
-  python3 benchmarks/gpu.py --out "$OUT/c8k" --no-hf --concurrency 64,32,8 --contexts 8192 --budgets 4,8 --waves 1 \
+  # Every cell runs twice (untimed, then timed): C=64 took 213 s for AR, chain, b4 and b8 in run 40.
+  python3 benchmarks/gpu.py --out "$OUT/c8k" --no-hf --concurrency 64,32 --contexts 8192 --budgets 4,8 --waves 1 \
     --prefill-chunk 1024 --time-budget 540 >/dev/null 2>&1 || echo "c8k failed"
   echo "c8k done at ${SECONDS}s"; cat "$OUT/c8k/gpu.md" 2>/dev/null
 elif [ "$part" = fp8 ]; then
@@ -91,24 +94,26 @@ elif [ "$part" = twice ]; then
     echo "c8 run $i done at ${SECONDS}s"; grep "^| 8 " "$OUT/c8_run$i/gpu.md" 2>/dev/null
   done
 elif [ "$part" = c1x8 ]; then
-  # Three prompts a cell (the engine part) rank budgets poorly at long contexts; eight took 246 s in all in run 33.
+  # Three prompts a cell (gpu.py's default) rank budgets poorly at long contexts; eight took 246 s in all in run 33.
   python3 benchmarks/gpu.py --out "$OUT/c1x8" --no-hf --concurrency 1 --contexts 4096,8192,1024,60 \
     --budgets 15,31,32,63,64,127,128 --c1-prompts 8 --time-budget 400 >/dev/null 2>&1 || echo "c1x8 failed"
   echo "c1x8 done at ${SECONDS}s"; cat "$OUT/c1x8/gpu.md" 2>/dev/null
 elif [ "$part" = long ]; then
-  # Prefill-bound cells (64 x 4k prompts take seconds to prefill): one wave of C prompts each to fit 10 minutes.
-  python3 benchmarks/gpu.py --out "$OUT/c4k" --no-hf --concurrency 64,32,8 --contexts 4096 --budgets 4,8,16 \
-    --waves 1 --time-budget 540 >/dev/null 2>&1 || echo "c4k failed"
-  echo "c4k done at ${SECONDS}s"; cat "$OUT/c4k/gpu.md" 2>/dev/null
+  # Prefill-bound cells (64 x 4k prompts take seconds to prefill): few waves to fit 10 minutes (C=8: 126 s in run 39;
+  # C=64 at 4k: 160 s for AR, chain, b4 and b8 in run 40).
+  python3 benchmarks/gpu.py --out "$OUT/c8long" --no-hf --concurrency 8 --contexts 4096,8192 --budgets 4,8,16 \
+    --waves 2 --time-budget 150 >/dev/null 2>&1 || echo "c8long failed"
+  echo "c8long done at ${SECONDS}s"
+  python3 benchmarks/gpu.py --out "$OUT/c4k" --no-hf --concurrency 64,32 --contexts 4096 --budgets 4,8 \
+    --waves 1 --time-budget "$(( 540 - SECONDS ))" >/dev/null 2>&1 || echo "c4k failed"
+  echo "c4k done at ${SECONDS}s"; cat "$OUT/c8long/gpu.md" "$OUT/c4k/gpu.md" 2>/dev/null
 else
   kernels=()
   [ -n "${NO_KERNELS:-}" ] && kernels=(--no-kernels)
-  python3 benchmarks/gpu.py --out "$OUT/c1" --no-hf "${kernels[@]}" --concurrency 1 --contexts 1024,60,8192,4096 \
-    --budgets 8,16,32,64,128,256 --time-budget 175 >/dev/null 2>&1 || echo "c1 failed"
-  echo "c1 done at ${SECONDS}s"
-  # Budget 4 joins at C >= 8 (run 8's best at C = 64 was the list's bottom, 8); 32 was never best there.
+  # Budget 4 joins at C >= 8 (run 8's best at C = 64 was the list's bottom, 8); 32 was never best there. Each cell
+  # runs untimed once, then timed (again if the timed run met a first-use cost): 502 s in all in run 38.
   python3 benchmarks/gpu.py --out "$OUT/c64" --no-hf "${kernels[@]}" --concurrency 64,32,8 --contexts 60,1024 \
-    --budgets 4,8,16 --time-budget "$(( ${C64_END:-570} - SECONDS ))" >/dev/null 2>&1 || echo "c64 failed"
+    --budgets 4,8,16 --time-budget "$(( ${C64_END:-540} - SECONDS ))" >/dev/null 2>&1 || echo "c64 failed"
   echo "c64 done at ${SECONDS}s"
-  cat "$OUT/c1/gpu.md" "$OUT/c64/gpu.md" 2>/dev/null
+  cat "$OUT/c64/gpu.md" 2>/dev/null
 fi
