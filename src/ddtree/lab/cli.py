@@ -85,7 +85,8 @@ def bench(
     repeats: int = typer.Option(1, help="Runs per cell; the spread of output tok/s is reported."),
     seed: int = typer.Option(0, help="Seed of the prompts."),
     text: str = typer.Option("words", help="Prompt filler: 'words' (English) or 'code' (held-out stdlib Python)."),
-    warmup: bool = typer.Option(True, help="Warm up at each cell's concurrency before measuring."),
+    warmup: bool = typer.Option(True, help="Before measuring a cell, run it once unmeasured (its request count, "
+                                           "output length and concurrency; other prompts)."),
     config: str | None = typer.Option(None, help="JSON recorded as the cells' 'config' (what is being measured)."),
     out: Path | None = typer.Option(None, help="Directory for the cell JSON files (default: results/bench-<time>)."),
     api_key: str | None = typer.Option(None, help="Bearer token, if the server wants one."),

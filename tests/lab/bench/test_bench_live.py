@@ -58,14 +58,15 @@ def test_bench_cells_against_live_server(live_ddtree, tmp_path):
 def test_warmup_runs_at_the_cell_concurrency_and_is_not_measured(live_ddtree):
     engine = live_ddtree.engine
     before = engine.snapshot()
-    workload = Workload(contexts=(20,), concurrency=(3,), output_tokens=20, num_requests=3, warmup=True)
+    workload = Workload(contexts=(20,), concurrency=(3,), output_tokens=20, num_requests=5, warmup=True)
     [cell] = _bench(live_ddtree, workload)
     after = engine.snapshot()
     measured = sum(r["completion_tokens"] for r in cell["runs"][0]["requests"])
-    assert measured == 3 * 20
-    # three warm-up requests of 16 tokens ran too, but are not in the cell
-    assert after.generation_tokens_total - before.generation_tokens_total == measured + 3 * 16
-    assert len(cell["runs"][0]["requests"]) == 3
+    assert measured == 5 * 20
+    # a warm-up shaped like the run (five requests of the full 20 tokens) ran too, but is not in the cell
+    assert after.generation_tokens_total - before.generation_tokens_total == measured + 5 * 20
+    assert sum(after.requests_total.values()) - sum(before.requests_total.values()) == 10
+    assert len(cell["runs"][0]["requests"]) == 5
 
 
 def test_chat_endpoint_counts_the_template(live_ddtree):

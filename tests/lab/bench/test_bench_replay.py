@@ -35,14 +35,14 @@ def test_vllm_cell_from_recorded_stream_and_counters(replay_server, tiny_tokeniz
     w = cell["workload"]
     assert (w["context"], w["concurrency"], w["num_requests"], w["endpoint"]) == (48, 4, 8, "completions")
     assert w["prompt_lengths"] == [48] * 8
-    # the warm-up ran first, at the cell's concurrency, with short outputs; then the 8 measured requests
-    assert len(replay.bodies) == 4 + 8
-    assert [b["max_tokens"] for b in replay.bodies] == [12] * 4 + [12] * 8
+    # the warm-up ran first, shaped like the run (8 requests of 12 tokens at concurrency 4); then the 8 measured
+    assert len(replay.bodies) == 8 + 8
+    assert [b["max_tokens"] for b in replay.bodies] == [12] * 8 + [12] * 8
     for body in replay.bodies:
         assert isinstance(body["prompt"], list) and len(body["prompt"]) == 48  # token ids, exact length
         assert body["ignore_eos"] is True and body["temperature"] == 0.0 and body["stream"] is True
         assert "return_spec_tokens_details" not in body
-    assert len({tuple(b["prompt"]) for b in replay.bodies}) == 12  # warm-up prompts are not reused
+    assert len({tuple(b["prompt"]) for b in replay.bodies}) == 16  # warm-up prompts are not reused
 
     [run] = cell["runs"]
     assert set(run["summary"]) == set(RUN_SUMMARY_KEYS)

@@ -1,7 +1,11 @@
 """``run_bench``: the context x concurrency matrix against one server, one JSON file per cell.
 
-Per cell: a warm-up at the cell's own concurrency (so the measured run never pays for first-time work at that
-batch size: allocator growth, graph capture, compilation), then ``repeats`` runs. A run keeps ``concurrency``
+Per cell: a warm-up run shaped like the measured ones (as many requests, the same output length, the same
+concurrency, its own prompts), then ``repeats`` runs. Why the full shape: a GPU engine captures graphs and compiles
+kernels on first use of a shape, and shapes depend on how far requests have got (our engine's graphs are keyed by
+cache-length buckets, which a request crosses late) and on how they arrive; a warm-up of a few short requests left
+those costs inside measured runs (on the H200, 1.7-2.6 s of Triton compilation in a 3-10 s run: runs 37-38 in
+``docs/benchmarks.md``). A run keeps ``concurrency``
 requests in flight until ``num_requests`` have finished (closed loop), every request streamed with a fixed
 output length (``ignore_eos``, greedy) and a prompt of exactly ``context`` tokens with a unique prefix.
 Acceptance counters are read after the warm-up and after each run, so their difference covers that run alone.
@@ -35,7 +39,7 @@ from typing import Any
 
 from ddtree import __version__
 from ddtree.lab.bench.metrics import request_record, summarize_cell, summarize_run
-from ddtree.lab.bench.workload import WARMUP_MAX_TOKENS, Prompt, Workload, build_prompts, load_tokenizer
+from ddtree.lab.bench.workload import Prompt, Workload, build_prompts, load_tokenizer
 from ddtree.lab.client import BenchTarget, Completion, OpenAIClient
 from ddtree.lab.engines import REQUEST_EXTRAS, CounterAcceptance, detect_engine, scrape, server_info
 from ddtree.lab.files import atomic_write_json
@@ -83,8 +87,8 @@ async def _run_cell(client: OpenAIClient, engine: str, workload: Workload, conte
     n = workload.requests_for(concurrency)
     key = {"seed": workload.seed, "context": context, "concurrency": concurrency, "text": workload.text}
     if workload.warmup:
-        warm = build_prompts(tokenizer, context, concurrency, phase="w", **key)
-        await run_requests(client, engine, warm, concurrency, min(workload.output_tokens, WARMUP_MAX_TOKENS))
+        warm = build_prompts(tokenizer, context, n, phase="w", **key)
+        await run_requests(client, engine, warm, concurrency, workload.output_tokens)
     counters = CounterAcceptance(engine)
     runs = []
     lengths: list[int] = []

@@ -30,7 +30,6 @@ from ddtree.errors import ConfigError
 
 TEXT_SOURCES = ("words", "code")
 MIN_REQUESTS = 8  # requests per run when num_requests is not given: max(2 x concurrency, MIN_REQUESTS)
-WARMUP_MAX_TOKENS = 16
 
 _WORDS = (
     "time year people way day man thing woman life child world school state family student group country problem "
