@@ -141,12 +141,14 @@ class CompileLog:
     def __init__(self) -> None:
         self.events: list[tuple[float, str, bool, float]] = []  # (perf_counter, kernel, cache hit, seconds)
 
-    def install(self) -> None:
+    def install(self) -> bool:
+        """Listen from now on; False where there is no Triton with ``knobs`` (3.4+): then nothing is recorded."""
         try:
             from triton import knobs
-        except ImportError:  # no Triton (a CPU build): nothing compiles
-            return
+        except ImportError:  # no Triton (a CPU build), or one older than 3.4
+            return False
         knobs.compilation.listener = self
+        return True
 
     def uninstall(self) -> None:
         try:
@@ -263,9 +265,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-blas-rule", action="store_true",
                     help="cuBLAS for every matmul (ddtree.models.gemm_backend off), for an A/B of the rule")
     args = ap.parse_args(argv)
-    gemm_backend.enabled = not args.no_blas_rule
     compiles = CompileLog()
-    compiles.install()
+    listening = compiles.install()
+    try:
+        _run(args, compiles, listening)
+    finally:
+        compiles.uninstall()
+
+
+def _run(args: argparse.Namespace, compiles: CompileLog, listening: bool) -> None:
+    gemm_backend.enabled = not args.no_blas_rule
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
@@ -307,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
     stream = held_out_token_stream(tokenizer, max(contexts) * 2 + 4096)
     report = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "shape": args.shape,
               "gpu_kernels": not args.no_kernels, "prefill_chunk": args.prefill_chunk,
-              "draft_fp8": args.draft_fp8, "blas_rule": not args.no_blas_rule,
+              "draft_fp8": args.draft_fp8, "blas_rule": not args.no_blas_rule, "compile_log": listening,
               "standin_build_s": build_s, "params_target": sum(p.numel() for p in target.parameters()),
               "params_drafter": sum(p.numel() for p in drafter.parameters()), "cells": [], "skipped": []}
 
@@ -339,17 +348,20 @@ def main(argv: list[str] | None = None) -> None:
                 run_cell(engine, prompts[:len(lengths)], tree, lengths, concurrency=conc)
             else:  # the cell once, untimed: every graph and kernel it will meet exists before the clock starts
                 run_cell(engine, prompts[:1] if conc == 1 else prompts, tree, args.new_tokens, concurrency=conc)
-            t_cell, captures_warm = time.perf_counter(), graph_captures(engine)
+            t_warm_end, captures_warm = time.perf_counter(), graph_captures(engine)
+            t_cell, captures_cell = t_warm_end, captures_warm
             torch.cuda.reset_peak_memory_stats()
             cell = run_cell(engine, prompts, tree, args.new_tokens, concurrency=conc)
             t_end = time.perf_counter()
-            first_use = {"compiles": compiles.between(t_cell, t_end), "captures": graph_captures(engine) - captures_warm}
+            first_use = {"compiles": compiles.between(t_cell, t_end), "captures": graph_captures(engine) - captures_cell}
             retimed = None
             if args.retime and (first_use["captures"] or first_use["compiles"]["count"]):
                 # The timed run met a graph bucket or kernel specialization its untimed run had not (the closed
                 # loop's arrivals differ from run to run, most at a process's first cell): time it once more.
+                # Compilations served by the disk cache count too: cheap, but they mark a shape new to the run.
                 retimed = {"tok_s": round(cell["tok_s"], 1), "wall_s": round(cell["wall_s"], 4), **first_use}
-                t_cell, captures_warm = time.perf_counter(), graph_captures(engine)
+                t_cell, captures_cell = time.perf_counter(), graph_captures(engine)
+                torch.cuda.reset_peak_memory_stats()
                 cell = run_cell(engine, prompts, tree, args.new_tokens, concurrency=conc)
                 t_end = time.perf_counter()
             if method == "ar":
@@ -371,9 +383,9 @@ def main(argv: list[str] | None = None) -> None:
                 "wall_s": round(cell["wall_s"], 4), "timeline": cell["timeline"],
                 "mean_in_flight": round(mean_in_flight(cell["timeline"], cell["wall_s"]), 2),
                 # First-use costs: Triton compilations and graph captures in the warm-up and in the timed cell.
-                "compiles": {"warm_up": compiles.between(t_warm, t_cell), "cell": compiles.between(t_cell, t_end)},
+                "compiles": {"warm_up": compiles.between(t_warm, t_warm_end), "cell": compiles.between(t_cell, t_end)},
                 "captures": {"warm_up": captures_warm - captures_before,
-                             "cell": graph_captures(engine) - captures_warm},
+                             "cell": graph_captures(engine) - captures_cell},
                 "retimed": retimed,  # the first timed run, when it met first-use costs and was run again
             }
             report["cells"].append(row)
@@ -394,7 +406,6 @@ def main(argv: list[str] | None = None) -> None:
         except Exception as exc:  # the reference is optional; record why it did not run
             report["hf_generate"] = {"error": f"{type(exc).__name__}: {exc}"}
     report["total_s"] = time.perf_counter() - t_start
-    compiles.uninstall()
     _write(out_dir, report)
     print(render_markdown(report))
 

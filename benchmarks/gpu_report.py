@@ -5,7 +5,7 @@ Why: a device call runs at most 10 minutes, so the matrix (concurrency x context
 calls (`benchmarks/gpu_session.sh engine`, then `long`), each writing its own report. Merging is by whole
 (concurrency, context) group: a later report's group replaces an earlier one's entirely, so the methods of one row
 of the matrix always come from one run and their ratios compare like with like; except that a group a later run's
-time box cut short (some of its cells skipped) leaves an earlier run's group in place. Every group names its source.
+time box cut short (some of its cells skipped) leaves an earlier whole group in place. Every group names its source.
 
     python benchmarks/gpu_report.py docs/benchmarks/gpu/run15_c1_gpu.json docs/benchmarks/gpu/run15_c8-64_gpu.json \\
         docs/benchmarks/gpu/run18_c1_gpu.json --extra docs/benchmarks/gpu/run20_c1_b512_gpu.json --out docs/benchmarks
@@ -24,25 +24,31 @@ from gpu import render_markdown  # noqa: E402  (the per-run report's table, reus
 
 def merge_reports(reports: list[tuple[str, dict]]) -> dict:
     """``[(source name, gpu.py report)]`` in order, later groups winning -> one report with ``sources`` (group ->
-    source name) and the cells of every group, ordered by concurrency, then context."""
+    source name) and the cells of every group, ordered by concurrency, then context. A group that its run's time
+    box cut short (some of its cells in that run's ``skipped``) replaces only a group that was cut short too; the
+    merged ``skipped`` lists what the standing group's own run skipped, and for groups no run measured at all,
+    what the latest run to plan them skipped."""
     if not reports:
         raise ValueError("no reports to merge: pass at least one gpu.json")
-    groups: dict[tuple[int, int], tuple[str, list[dict]]] = {}
-    skipped: dict[tuple[int, int, str], dict] = {}
+    # group -> (source, cells, its run's skipped cells of that group: empty when whole)
+    groups: dict[tuple[int, int], tuple[str, list[dict], list[dict]]] = {}
+    never_measured: dict[tuple[int, int], list[dict]] = {}
     for name, report in reports:
         fresh: dict[tuple[int, int], list[dict]] = {}
         for cell in report["cells"]:
             # Per-request timelines stay in the run's own file: the merged report is the matrix.
             slim = {k: v for k, v in cell.items() if k != "timeline"}
             fresh.setdefault((cell["concurrency"], cell["context"]), []).append({**slim, "source": name})
-        # A group the run's time box cut short (some of its cells skipped) does not replace a complete one.
-        cut_short = {(s["concurrency"], s["context"]) for s in report.get("skipped", [])}
+        skipped: dict[tuple[int, int], list[dict]] = {}
+        for entry in report.get("skipped", []):
+            skipped.setdefault((entry["concurrency"], entry["context"]), []).append(entry)
         for key, cells in fresh.items():
-            if key not in cut_short or key not in groups:
-                groups[key] = (name, cells)
-        for s in report.get("skipped", []):
-            skipped[(s["concurrency"], s["context"], s["method"])] = s
-    measured = {(c, x, cell["method"]) for (c, x), (_, cells) in groups.items() for cell in cells}
+            standing = groups.get(key)
+            if standing is None or key not in skipped or standing[2]:
+                groups[key] = (name, cells, skipped.get(key, []))
+        for key, entries in skipped.items():
+            if key not in fresh:
+                never_measured[key] = entries
     last = reports[-1][1]
     merged = {k: last[k] for k in ("device", "torch", "shape", "params_target", "params_drafter", "standin_build_s")}
     merged["graph_vs_eager_identical"] = ", ".join(
@@ -50,7 +56,8 @@ def merge_reports(reports: list[tuple[str, dict]]) -> dict:
     order = sorted(groups)
     merged["sources"] = {f"C{c} ctx{x}": groups[(c, x)][0] for c, x in order}
     merged["cells"] = [cell for key in order for cell in groups[key][1]]
-    merged["skipped"] = [s for key, s in skipped.items() if key not in measured]
+    merged["skipped"] = [entry for key in order for entry in groups[key][2]] + [
+        entry for key in sorted(never_measured) if key not in groups for entry in never_measured[key]]
     return merged
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from benchmark_scripts import load_script
 
@@ -59,3 +60,44 @@ def test_mean_in_flight_by_hand():
     assert mean_in_flight([[0.0, 0.1, 4.0], [1.0, 1.2, 3.0]], 4.0) == 1.5
     # A closed loop that never drains: always two in flight.
     assert mean_in_flight([[0.0, 0.1, 2.0], [0.0, 0.1, 1.0], [1.0, 1.1, 2.0]], 2.0) == 2.0
+
+
+def test_a_timed_run_that_met_a_capture_is_timed_again(tmp_path, monkeypatch):
+    """The first cell's timed run 'captures' two graphs: it runs once more; the row is the second run's, the
+    warm-up's counts stay the warm-up's, and the first run is kept under ``retimed``."""
+    for name in ("synchronize", "reset_peak_memory_stats", "max_memory_allocated", "get_device_name"):
+        monkeypatch.setattr(torch.cuda, name, getattr(torch.cuda, name))
+    monkeypatch.setattr(gemm_backend, "enabled", gemm_backend.enabled)
+    gpu = load_script("gpu")
+    calls, captured = [], [0]
+    real_run_cell = gpu.run_cell
+
+    def run_cell(engine, *args, **kwargs):
+        out = real_run_cell(engine, *args, **kwargs)
+        calls.append(engine)
+        if len(calls) == 4:  # calls 1-2: the graph-vs-eager probe; 3: AR's warm-up; 4: AR's timed run
+            captured[0] += 2
+        return out
+
+    monkeypatch.setattr(gpu, "run_cell", run_cell)
+    monkeypatch.setattr(gpu, "graph_captures", lambda engine: captured[0])
+    out = tmp_path / "run"
+    gpu.main(["--device", "cpu", "--shape", "none", "--no-hf", "--concurrency", "2", "--contexts", "16",
+              "--budgets", "4", "--new-tokens", "4", "--waves", "1", "--out", str(out)])
+    ar, chain, tree = json.loads((out / "gpu.json").read_text())["cells"]
+    assert len(calls) == 2 + 3 + 2 + 2  # AR ran warm-up, timed, timed again; the others warm-up and timed
+    assert ar["retimed"]["captures"] == 2 and ar["retimed"]["tok_s"] > 0
+    assert ar["captures"] == {"warm_up": 0, "cell": 0}
+    assert chain["retimed"] is None and tree["retimed"] is None
+
+
+def test_compile_log_listens_to_triton_and_stops():
+    knobs = pytest.importorskip("triton.knobs")
+    log = load_script("gpu").CompileLog()
+    before = knobs.compilation.listener
+    try:
+        assert log.install() is True and knobs.compilation.listener is log
+        log.uninstall()
+        assert knobs.compilation.listener is None
+    finally:
+        knobs.compilation.listener = before

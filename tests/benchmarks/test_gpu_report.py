@@ -94,3 +94,28 @@ def test_a_group_cut_short_by_the_time_box_does_not_replace_a_whole_one():
     # With nothing earlier, the partial group is what there is.
     alone = _module().merge_reports([("new", new)])
     assert {(c["concurrency"], c["method"]) for c in alone["cells"]} == {(64, "ar"), (32, "ar")}
+
+
+def test_cut_short_groups_replace_each_other_and_skipped_follows_the_standing_group():
+    skip = lambda method: {"concurrency": 32, "context": 8192, "method": method}  # noqa: E731
+    first = _report([_cell(32, 8192, "ar", 1.0)], skipped=[skip("dflash"), skip("ddtree-b8")])
+    second = _report([_cell(32, 8192, "ar", 2.0), _cell(32, 8192, "dflash", 3.0)], skipped=[skip("ddtree-b8")])
+    merged = _module().merge_reports([("first", first), ("second", second)])
+    # both cut short: the later one stands, and only its own skipped cell is reported (dflash it measured)
+    assert [(c["method"], c["source"]) for c in merged["cells"]] == [("ar", "second"), ("dflash", "second")]
+    assert merged["skipped"] == [skip("ddtree-b8")]
+    # a whole group stands against a later partial one, whose skipped b16 that group never planned is not listed
+    whole = _report([_cell(32, 8192, "ar", 4.0), _cell(32, 8192, "dflash", 5.0)])
+    partial = _report([_cell(32, 8192, "ar", 6.0)], skipped=[skip("ddtree-b16")])
+    merged = _module().merge_reports([("whole", whole), ("partial", partial)])
+    assert {c["source"] for c in merged["cells"]} == {"whole"} and merged["skipped"] == []
+    # a group no run measured keeps the latest run's skipped cells
+    unmeasured = _report([], skipped=[{"concurrency": 64, "context": 60, "method": "ar"}])
+    merged = _module().merge_reports([("whole", whole), ("unmeasured", unmeasured)])
+    assert merged["skipped"] == [{"concurrency": 64, "context": 60, "method": "ar"}]
+
+
+def test_merged_cells_leave_the_per_request_timelines_in_the_run_files():
+    cell = {**_cell(8, 60, "ar", 1.0), "timeline": [[0.0, 0.01, 0.5]]}
+    merged = _module().merge_reports([("run", _report([cell]))])
+    assert "timeline" not in merged["cells"][0] and merged["cells"][0]["tok_s"] == 1.0
