@@ -135,8 +135,8 @@ class CompileLog:
     """Every Triton compilation in this process (``triton.knobs.compilation.listener``): when, which kernel, whether
     the on-disk cache had it, and how long it took. Why: runs 32-35 lost 10-55% of some C >= 8 cells' tok/s in the
     first gpu.py process on a fresh machine, with equal device time per round; a kernel specialization first met
-    inside a timed cell (a new prefill length, say) compiles there, and only the first process pays, since the
-    next finds it in Triton's disk cache."""
+    inside a timed cell (at a cache-length bucket the warm-up never reached: run 37) compiles there, and only the
+    first process pays, since the next finds it in Triton's disk cache."""
 
     def __init__(self) -> None:
         self.events: list[tuple[float, str, bool, float]] = []  # (perf_counter, kernel, cache hit, seconds)
@@ -183,9 +183,9 @@ def warm_up_lengths(concurrency: int, longest: int) -> list[int]:
     the extra one, within the bucket of 2^(g+1) rows, and the extra one alone at last.
 
     Why: graphs are captured on first use, and a warm-up whose prompts all finish together (the previous one)
-    left the smaller buckets to be captured inside the timed cell. This does not remove every first-use cost
-    from the cells: runs 32-35 still lost 10-55% of some C >= 8 cells' tok/s with equal stage times (see
-    docs/benchmarks.md, session 9)."""
+    left the smaller buckets to be captured inside the timed cell. Now only ``--warm-up short``: it covers the
+    row buckets but not the cache lengths a full batch reaches late, so captures and Triton compilations were
+    left inside the timed cells (run 37, docs/benchmarks.md, session 10); the default runs the cell itself."""
     if concurrency == 1:
         return [longest]
     groups = (concurrency - 1).bit_length()
