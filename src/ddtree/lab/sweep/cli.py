@@ -6,6 +6,7 @@ trained size / whole context" where the knob allows it. ``register(app)`` adds b
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ from ddtree.errors import ConfigError
 from ddtree.lab.sweep.grid import LaunchSpec, SweepConfig, parse_dim, parse_list
 from ddtree.lab.sweep.layout import RunLayout, read_json
 from ddtree.lab.sweep.presets import PRESETS, get_preset
+from ddtree.lab.sweep.profiles import PROFILE_ENGINES, EngineProfile
 
 
 def build_config(
@@ -44,8 +46,11 @@ def build_config(
     launch_timeout: float | None = None,
     stop_timeout: float | None = None,
     port: int | None = None,
+    profile: EngineProfile | None = None,
 ) -> SweepConfig:
-    """The sweep the flags describe: the preset or config file (not both), then every flag given on top."""
+    """The sweep the flags describe: the preset or config file (not both), then every flag given on top.
+
+    ``profile`` (``--engine sglang|vllm|ddtree --model M``) replaces a launch template."""
     if preset and config_file:
         raise ConfigError("give either --preset or --config, not both (flags can refine either)")
     base = get_preset(preset) if preset else SweepConfig.from_file(config_file) if config_file else SweepConfig()
@@ -85,8 +90,18 @@ def build_config(
                 fields[key] = value
         spec = LaunchSpec(**fields)
         changes["launch"] = spec
+    elif profile is not None and launch_ar is None and launch_dflash is None:
+        if launch_timeout is not None or stop_timeout is not None:
+            profile = dataclasses.replace(profile, ready_timeout_s=launch_timeout or profile.ready_timeout_s,
+                                          stop_timeout_s=stop_timeout or profile.stop_timeout_s)
+        if port is not None:
+            raise ConfigError("--port goes with --launch; an engine profile passes --port itself")
     elif any(v is not None for v in (launch_ar, launch_dflash, launch_timeout, stop_timeout, port)):
         raise ConfigError("--launch-ar/--launch-dflash/--launch-timeout/--stop-timeout/--port need --launch")
+    if profile is not None:
+        if spec is not None:
+            raise ConfigError("give either --launch (a template) or --engine with --model (a profile), not both")
+        changes["profile"] = profile
     return base.replace(**changes)  # one step: dims and launch are validated together
 
 
@@ -142,8 +157,18 @@ def sweep(
     launch_timeout: float | None = typer.Option(None, help="Seconds a launched server has to become ready (default 900)."),
     stop_timeout: float | None = typer.Option(None, help="Seconds between SIGTERM and SIGKILL of a launched server (default 30)."),
     port: int | None = typer.Option(None, help="Port of launched servers whose template has no {port}."),
-    engine: str = typer.Option("auto", help="Engine kind behind --url/--launch: auto, ddtree, sglang, vllm."),
-    model: str | None = typer.Option(None, help="Served model name (default: the first of /v1/models)."),
+    engine: str = typer.Option("auto", help="sglang, vllm or ddtree: with --model, launch that engine per config "
+                               "with its own flags (a profile); behind --url/--launch: the engine kind (auto detects)."),
+    model: str | None = typer.Option(None, help="With --engine: the target model path or hub id; else the served "
+                                     "model name (default: the first of /v1/models)."),
+    engine_args: str | None = typer.Option(None, help="With --engine: extra flags appended to every launch, e.g. "
+                                           "\"--mem-fraction-static 0.8\"."),
+    engine_opt: list[str] | None = typer.Option(None, help="With --engine: a profile switch KEY=VALUE (repeatable), "
+                                                "e.g. tree_verify=on or block_flag=dflash-block-size (SGLang)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (every config's label and exact command) "
+                                 "and exit; nothing is launched or written."),
+    slo: str | None = typer.Option(None, help="Latency limits for goodput, e.g. ttft_ms=500,itl_ms=50 (also e2e_ms); "
+                                   "recommendations then rank on requests/s meeting them."),
     endpoint: str = typer.Option("completions", help="completions or chat."),
     tokenizer: str | None = typer.Option(None, help="The served model's tokenizer for exact prompt lengths."),
     extra_body: str | None = typer.Option(None, help="JSON object merged into every request body."),
@@ -163,6 +188,16 @@ def sweep(
     """Measure tree settings (plus AR and DFlash baselines) on a context x concurrency matrix, then report."""
     from ddtree.lab.sweep.runner import SweepTarget, run_sweep, sized_engine_config
 
+    profile = None
+    if model is not None and engine in PROFILE_ENGINES and url is None and launch is None:
+        profile = EngineProfile.build(engine, model, draft, extra_args=engine_args, options=engine_opt)
+        if engine == "ddtree":  # settings per request: the pair runs in process, loaded once
+            target, model = model, None
+        else:
+            model = None  # the launched server names its model (/v1/models)
+    elif engine_args is not None or engine_opt:
+        raise ConfigError("--engine-args/--engine-opt need --engine sglang|vllm|ddtree with --model")
+    slo_limits = parse_slo(slo) if slo else None
     grid_flags = (preset, config, method, budget, topk, block_size, draft_window, dim, contexts, concurrency,
                   output_tokens, num_requests, repeats, seed, text, gate_tasks, gate_max_tokens, launch, launch_ar,
                   launch_dflash, launch_timeout, stop_timeout, port)
@@ -172,9 +207,17 @@ def sweep(
         output_tokens=output_tokens, num_requests=num_requests, repeats=repeats, seed=seed, text=text,
         gate_tasks=gate_tasks,
         gate_max_tokens=gate_max_tokens, launch=launch, launch_ar=launch_ar, launch_dflash=launch_dflash,
-        launch_timeout=launch_timeout, stop_timeout=stop_timeout, port=port,
+        launch_timeout=launch_timeout, stop_timeout=stop_timeout, port=port, profile=profile,
     )
-    bare = all(v in (None, []) for v in grid_flags)  # no grid flag: a bare --resume continues the stored grid
+    if dry_run:
+        from ddtree.lab.sweep.labels import config_labels
+        from ddtree.lab.sweep.profiles import build_plan
+
+        plan = build_plan(cfg, target=target, draft=draft)
+        for line in plan.lines(config_labels(cfg.points())):
+            typer.echo(line)
+        return
+    bare = all(v in (None, []) for v in (*grid_flags, profile))  # no grid flag: a bare --resume continues the stored grid
     if run is None:
         run_dir = latest_run(out, None if bare else cfg.name) if resume else out / default_run_name(cfg)
         if run_dir is None:
@@ -193,7 +236,10 @@ def sweep(
         raise ConfigError(f"--extra-body must be a JSON object, got {extra_body!r}")
     if url and cfg.launch is not None:
         raise ConfigError("give either --url (a running server) or --launch (one server per config), not both")
-    mode = "launch" if cfg.launch is not None else "url" if url else "inprocess"
+    launched = cfg.launch is not None or (cfg.profile is not None and cfg.profile.engine != "ddtree")
+    mode = "launch" if launched else "url" if url else "inprocess"
+    if cfg.profile is not None and engine == "auto":
+        engine = cfg.profile.engine
     engine_config = None
     if mode == "inprocess":
         from ddtree.engine.config import EngineConfig
@@ -204,7 +250,7 @@ def sweep(
         mode=mode, url=url, engine=engine, model=model, endpoint=endpoint, tokenizer=tokenizer,  # type: ignore[arg-type]
         extra_body=body, api_key=api_key, timeout_s=request_timeout, engine_config=engine_config,
     )
-    outcome = run_sweep(cfg, sweep_target, run_dir, resume=resume, report=not no_report)
+    outcome = run_sweep(cfg, sweep_target, run_dir, resume=resume, report=not no_report, slo=slo_limits)
     typer.echo(
         f"{outcome.status}: {outcome.cells_run} cells run, {outcome.cells_skipped} skipped, "
         f"{outcome.cells_failed} failed -> {outcome.run_dir}"
@@ -213,14 +259,42 @@ def sweep(
         typer.echo(f"summary: {outcome.report}")
 
 
-def report(run_dir: Path = typer.Argument(..., help="A run directory written by `ddtree sweep` (results/<run>).")) -> None:
+def report(
+    run_dir: Path = typer.Argument(..., help="A run directory written by `ddtree sweep` (results/<run>)."),
+    slo: str | None = typer.Option(None, help="Latency limits for goodput, e.g. ttft_ms=500,itl_ms=50 (default: "
+                                   "the ones the sweep was given)."),
+) -> None:
     """Write summary.md, report.html and plots/ for a sweep run (finished, interrupted or in progress)."""
     from ddtree.lab.report import write_report
 
-    paths = write_report(run_dir)
+    paths = write_report(run_dir, slo=parse_slo(slo) if slo else None)
     typer.echo(f"{paths.summary}\n{paths.html}")
     for path in paths.plots.values():
         typer.echo(str(path))
 
 
-__all__ = ["build_config", "default_run_name", "latest_run", "register"]
+def parse_slo(text: str) -> dict[str, float]:
+    """``"ttft_ms=500,itl_ms=50"`` -> ``{"ttft_ms": 500.0, "itl_ms": 50.0}`` (see :mod:`ddtree.lab.report.latency`)."""
+    from ddtree.lab.report.latency import SLO_KEYS
+
+    limits: dict[str, float] = {}
+    for item in text.split(","):
+        if not item.strip():
+            continue
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or key not in SLO_KEYS:
+            raise ConfigError(f"--slo expects KEY=MS with KEY one of {', '.join(SLO_KEYS)}, got {item.strip()!r}")
+        try:
+            limit = float(value)
+        except ValueError:
+            raise ConfigError(f"--slo {key}: {value.strip()!r} is not a number of milliseconds") from None
+        if not limit > 0:
+            raise ConfigError(f"--slo {key} must be > 0 ms, got {value.strip()}")
+        limits[key] = limit
+    if not limits:
+        raise ConfigError("--slo needs at least one limit, e.g. ttft_ms=500")
+    return limits
+
+
+__all__ = ["build_config", "default_run_name", "latest_run", "parse_slo", "register"]

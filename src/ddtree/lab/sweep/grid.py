@@ -30,10 +30,13 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ddtree.engine.api import METHODS
 from ddtree.errors import ConfigError
+
+if TYPE_CHECKING:
+    from ddtree.lab.sweep.profiles import EngineProfile
 
 # Names a launch template may use besides the extra dimensions: the tree knobs, the port the launcher picks and
 # the config id (handy for per-config output paths of the launched engine).
@@ -189,6 +192,7 @@ class SweepConfig:
     gate_tasks: tuple[str, ...] | None = None  # HumanEval task ids; None = the bench's GATE_TASKS; () = no gate
     gate_max_tokens: int = 512
     launch: LaunchSpec | None = None
+    profile: EngineProfile | None = None  # --engine sglang|vllm|ddtree --model M: flags rendered per config
 
     def __post_init__(self) -> None:
         self._validate()
@@ -279,6 +283,16 @@ class SweepConfig:
         kwargs = dict(data)
         launch = kwargs.get("launch")
         kwargs["launch"] = LaunchSpec(**launch) if launch else None
+        profile = kwargs.get("profile")
+        if profile:
+            from ddtree.lab.sweep.profiles import EngineProfile
+
+            profile = dict(profile)
+            profile["extra_args"] = tuple(profile.get("extra_args") or ())
+            profile["options"] = tuple((str(k), str(v)) for k, v in (profile.get("options") or {}).items())
+            kwargs["profile"] = EngineProfile(**profile)
+        else:
+            kwargs["profile"] = None
         kwargs["dims"] = tuple((k, tuple(v)) for k, v in (kwargs.get("dims") or {}).items())
         return cls(**_coerce(kwargs))
 
@@ -286,6 +300,7 @@ class SweepConfig:
         out = dataclasses.asdict(self)
         out["dims"] = {name: list(values) for name, values in self.dims}
         out["launch"] = self.launch.to_dict() if self.launch else None
+        out["profile"] = self.profile.to_dict() if self.profile else None
         for key, value in out.items():
             if isinstance(value, tuple):
                 out[key] = list(value)
@@ -369,13 +384,17 @@ class SweepConfig:
             seen.add(name)
             if not values or any(not isinstance(v, str) or v == "" for v in values):
                 raise ConfigError(f"dimension {name!r} needs non-empty string values, got {values!r}")
-        if self.dims and self.launch is None:
+        if self.launch is not None and self.profile is not None:
+            raise ConfigError("give either --launch (a template) or --engine with --model (a profile), not both")
+        if self.dims and self.launch is None and self.profile is None:
             raise ConfigError(
                 f"extra dimensions {[n for n, _ in self.dims]} only mean something to a launched engine; "
-                "give --launch with a template that uses them"
+                "give --engine sglang|vllm with --model, or --launch with a template that uses them"
             )
         if self.launch is not None:
             self._validate_launch(self.launch)
+        if self.profile is not None:
+            self.profile.commands(self)  # an inexpressible setting is refused here, before anything launches
 
     def _validate_launch(self, launch: LaunchSpec) -> None:
         if launch.ready_timeout_s <= 0 or launch.stop_timeout_s <= 0:

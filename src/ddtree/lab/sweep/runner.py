@@ -18,10 +18,11 @@ speculative configs' gates are compared against them (the lossless check).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import functools
+import os
+import shlex
 import signal
 import threading
 import time
@@ -34,17 +35,18 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from rich.console import Console
 
 from ddtree.errors import ConfigError, DDTreeError
-from ddtree.lab.sweep.grid import SweepConfig, SweepPoint, render_template
+from ddtree.lab.sweep.cells import CellFailed, resolve_gate_tasks, run_bench_cell, run_gate
+from ddtree.lab.sweep.grid import LaunchSpec, SweepConfig, SweepPoint, render_template
 from ddtree.lab.sweep.launcher import LaunchedServer, LaunchError, LaunchRecord, free_port, stop_stale
 from ddtree.lab.sweep.layout import GATE_CELL, RunLayout, atomic_write_json, bench_cell_name, read_json
 from ddtree.lab.sweep.manifest import Manifest
+from ddtree.lab.sweep.profiles import LaunchCommand
 
 if TYPE_CHECKING:
     from ddtree.engine import Engine
     from ddtree.engine.config import EngineConfig
 
 Mode = Literal["inprocess", "url", "launch"]
-GATE_CONCURRENCY = 4  # gate requests in flight at once; greedy outputs do not depend on it
 
 
 @dataclass(frozen=True)
@@ -224,15 +226,27 @@ class _LaunchBackend:
     """One launched server per config (the settings are in its command line, not in the requests)."""
 
     def __init__(self, target: SweepTarget, config: SweepConfig) -> None:
-        assert config.launch is not None
         self.target = target
-        self.launch = config.launch
+        self.config = config
+        self.profile = config.profile
+        if config.launch is not None:
+            self.launch = config.launch
+        else:
+            assert self.profile is not None
+            self.launch = LaunchSpec(command="(engine profile)", ready_timeout_s=self.profile.ready_timeout_s,
+                                     stop_timeout_s=self.profile.stop_timeout_s)
         self.load_s: float | None = None
 
     def command_for(self, point: SweepPoint, port: int) -> str:
+        return self.launch_command(point, port).display
+
+    def launch_command(self, point: SweepPoint, port: int) -> LaunchCommand:
+        """The profile's rendering of ``point``, or the ``--launch`` template's (which sets no environment)."""
+        if self.profile is not None:
+            return self.profile.command(point, port, self.config)
         values = {k: v for k, v in point.template_values().items() if v is not None}
         values.update(port=str(port), config_id=point.config_id)
-        return render_template(self.launch.template_for(point.method), values)
+        return LaunchCommand(tuple(shlex.split(render_template(self.launch.template_for(point.method), values))))
 
     def stop_orphans(self, layout: RunLayout, points: list[SweepPoint], console: Console) -> None:
         """Stop servers an earlier, killed session launched and could not stop (they hold ports and GPU memory)."""
@@ -246,8 +260,11 @@ class _LaunchBackend:
     @contextlib.contextmanager
     def serve(self, point: SweepPoint, layout: RunLayout) -> Iterator[Endpoint]:
         port = self.launch.port or free_port(self.target.host)
+        command = self.launch_command(point, port)
+        _update_config_json(layout, point, command=command.to_dict())
         server = LaunchedServer(
-            self.command_for(point, port),
+            shlex.join(command.argv),
+            env={**os.environ, **dict(command.env)} if command.env else None,
             port=port,
             host=self.target.host,
             log_path=layout.log_path(point.config_id),
@@ -271,102 +288,6 @@ class _LaunchBackend:
 
     def close(self) -> None:
         pass
-
-
-# ------------------------------------------------------------------------------------------------ cells
-class CellFailed(DDTreeError):
-    """A cell finished but its numbers cannot be trusted (request errors); its data goes in the failure record."""
-
-    def __init__(self, message: str, kind: str, data: dict[str, Any] | None = None) -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.data = data
-
-
-def _bench_target(target: SweepTarget, endpoint: Endpoint) -> Any:
-    from ddtree.lab.client import BenchTarget
-
-    return BenchTarget(
-        url=endpoint.url,
-        engine=endpoint.engine,
-        model=endpoint.model,
-        endpoint=target.endpoint,
-        extra_body=endpoint.extra_body,
-        tokenizer=target.tokenizer,
-        api_key=target.api_key,
-        timeout_s=target.timeout_s,
-    )
-
-
-def run_bench_cell(
-    target: SweepTarget, endpoint: Endpoint, config: SweepConfig, point: SweepPoint, context: int, concurrency: int
-) -> dict[str, Any]:
-    """One (context, concurrency) cell through ``run_bench``; raises :class:`CellFailed` on request errors."""
-    from ddtree.lab.bench import Workload, run_bench
-
-    workload = Workload(
-        contexts=(context,),
-        concurrency=(concurrency,),
-        output_tokens=config.output_tokens,
-        num_requests=config.num_requests,
-        repeats=config.repeats,
-        seed=config.seed,
-        text=config.prompt_text,
-    )
-    cells = asyncio.run(
-        run_bench(
-            _bench_target(target, endpoint),
-            workload,
-            out_dir=None,
-            config=point.to_dict(),
-            progress=False,
-            tokenizer=endpoint.tokenizer,
-        )
-    )
-    if len(cells) != 1:
-        raise CellFailed(f"run_bench returned {len(cells)} cells for one (context, concurrency)", "internal")
-    cell = cells[0]
-    errors = int((cell.get("summary") or {}).get("errors") or 0)
-    if errors:
-        messages = [
-            str(req.get("error"))
-            for run in cell.get("runs") or []
-            for req in run.get("requests") or []
-            if req.get("error")
-        ]
-        shown = "; ".join(dict.fromkeys(messages[:20])) or "see the cell data"
-        raise CellFailed(f"{errors} request(s) failed: {shown}", "http", cell)
-    return cell
-
-
-def run_gate(
-    target: SweepTarget, endpoint: Endpoint, config: SweepConfig, tasks: tuple[str, ...], baseline: Path | None
-) -> dict[str, Any]:
-    """The coding gate through ``run_humaneval``; greedy, compared with AR's outputs when ``baseline`` is given."""
-    from ddtree.lab.humaneval import run_humaneval
-
-    result = run_humaneval(
-        _bench_target(target, endpoint),
-        tasks=list(tasks),
-        limit=None,
-        max_tokens=config.gate_max_tokens,
-        out=None,
-        baseline=baseline,
-        concurrency=GATE_CONCURRENCY,
-    )
-    errors = int(result.get("errors") or 0)
-    if errors:
-        failed = [t.get("task_id") for t in result.get("tasks") or [] if t.get("reason", "").startswith("error")]
-        raise CellFailed(f"{errors} gate request(s) failed ({', '.join(map(str, failed)) or 'see data'})", "http", result)
-    return result
-
-
-def resolve_gate_tasks(config: SweepConfig) -> tuple[str, ...]:
-    if config.gate_tasks is not None:
-        return config.gate_tasks
-    from ddtree.lab.humaneval import GATE_TASKS
-
-    return tuple(GATE_TASKS)
 
 
 def _baseline_point(point: SweepPoint) -> SweepPoint:
@@ -425,10 +346,20 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _plan(config: SweepConfig, target: SweepTarget) -> dict[str, Any]:
+    """The exact command per config for the manifest (ports filled in at launch time: see each config.json)."""
+    from ddtree.lab.sweep.profiles import build_plan
+
+    engine_config = target.engine_config
+    return build_plan(config, target=engine_config.target if engine_config else None,
+                      draft=engine_config.draft if engine_config else None).to_dict()
+
+
 def _make_backend(target: SweepTarget, config: SweepConfig, engine: Engine | None, console: Console) -> Backend:
-    if target.mode == "launch" or config.launch is not None:
-        if config.launch is None:
-            raise ConfigError("mode launch needs a launch template (--launch)")
+    launched = config.launch is not None or (config.profile is not None and config.profile.engine != "ddtree")
+    if target.mode == "launch" or launched:
+        if not launched:
+            raise ConfigError("mode launch needs a launch template (--launch) or --engine sglang|vllm with --model")
         return _LaunchBackend(target, config)
     if engine is not None and target.mode != "inprocess":
         raise ConfigError("an engine object can only be swept in-process")
@@ -446,16 +377,22 @@ def run_sweep(
     engine: Engine | None = None,
     console: Console | None = None,
     report: bool = True,
+    slo: Mapping[str, float] | None = None,
 ) -> SweepOutcome:
     """Measure ``config`` against ``target`` into ``run_dir`` and write the report there.
 
     ``resume`` continues a run directory: finished cells are skipped, failed and missing ones are run. ``engine``
-    (in-process only) sweeps an engine the caller already built instead of loading one."""
+    (in-process only) sweeps an engine the caller already built instead of loading one. ``slo`` (latency limits,
+    see :mod:`ddtree.lab.report.latency`) is kept in the manifest for the report's goodput."""
     console = console or Console(stderr=True)
     layout = RunLayout(Path(run_dir))
     gate_tasks = resolve_gate_tasks(config)
     backend = _make_backend(target, config, engine, console)  # config errors surface before anything is written
     manifest = Manifest.open(layout, config, target.describe(), resume=resume)
+    manifest.data["plan"] = _plan(config, target)
+    if slo:
+        manifest.data["slo"] = dict(slo)
+    manifest.save()
     points = config.points()
     total = len(points) * (len(config.bench_cells()) + (1 if gate_tasks else 0))
     counts = {"run": 0, "skipped": 0, "failed": 0}

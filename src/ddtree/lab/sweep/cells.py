@@ -1,0 +1,114 @@
+"""One sweep cell through the lab's measuring code: a benchmark cell (``run_bench``) or the coding gate
+(``run_humaneval``), with request errors turned into :class:`CellFailed` so the sweep records them and goes on."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ddtree.errors import DDTreeError
+from ddtree.lab.sweep.grid import SweepConfig, SweepPoint
+
+if TYPE_CHECKING:
+    from ddtree.lab.sweep.runner import Endpoint, SweepTarget
+
+GATE_CONCURRENCY = 4  # gate requests in flight at once; greedy outputs do not depend on it
+
+
+class CellFailed(DDTreeError):
+    """A cell finished but its numbers cannot be trusted (request errors); its data goes in the failure record."""
+
+    def __init__(self, message: str, kind: str, data: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.data = data
+
+
+def _bench_target(target: SweepTarget, endpoint: Endpoint) -> Any:
+    from ddtree.lab.client import BenchTarget
+
+    return BenchTarget(
+        url=endpoint.url,
+        engine=endpoint.engine,
+        model=endpoint.model,
+        endpoint=target.endpoint,
+        extra_body=endpoint.extra_body,
+        tokenizer=target.tokenizer,
+        api_key=target.api_key,
+        timeout_s=target.timeout_s,
+    )
+
+
+def run_bench_cell(
+    target: SweepTarget, endpoint: Endpoint, config: SweepConfig, point: SweepPoint, context: int, concurrency: int
+) -> dict[str, Any]:
+    """One (context, concurrency) cell through ``run_bench``; raises :class:`CellFailed` on request errors."""
+    from ddtree.lab.bench import Workload, run_bench
+
+    workload = Workload(
+        contexts=(context,),
+        concurrency=(concurrency,),
+        output_tokens=config.output_tokens,
+        num_requests=config.num_requests,
+        repeats=config.repeats,
+        seed=config.seed,
+        text=config.prompt_text,
+    )
+    cells = asyncio.run(
+        run_bench(
+            _bench_target(target, endpoint),
+            workload,
+            out_dir=None,
+            config=point.to_dict(),
+            progress=False,
+            tokenizer=endpoint.tokenizer,
+        )
+    )
+    if len(cells) != 1:
+        raise CellFailed(f"run_bench returned {len(cells)} cells for one (context, concurrency)", "internal")
+    cell = cells[0]
+    errors = int((cell.get("summary") or {}).get("errors") or 0)
+    if errors:
+        messages = [
+            str(req.get("error"))
+            for run in cell.get("runs") or []
+            for req in run.get("requests") or []
+            if req.get("error")
+        ]
+        shown = "; ".join(dict.fromkeys(messages[:20])) or "see the cell data"
+        raise CellFailed(f"{errors} request(s) failed: {shown}", "http", cell)
+    return cell
+
+
+def run_gate(
+    target: SweepTarget, endpoint: Endpoint, config: SweepConfig, tasks: tuple[str, ...], baseline: Path | None
+) -> dict[str, Any]:
+    """The coding gate through ``run_humaneval``; greedy, compared with AR's outputs when ``baseline`` is given."""
+    from ddtree.lab.humaneval import run_humaneval
+
+    result = run_humaneval(
+        _bench_target(target, endpoint),
+        tasks=list(tasks),
+        limit=None,
+        max_tokens=config.gate_max_tokens,
+        out=None,
+        baseline=baseline,
+        concurrency=GATE_CONCURRENCY,
+    )
+    errors = int(result.get("errors") or 0)
+    if errors:
+        failed = [t.get("task_id") for t in result.get("tasks") or [] if t.get("reason", "").startswith("error")]
+        raise CellFailed(f"{errors} gate request(s) failed ({', '.join(map(str, failed)) or 'see data'})", "http", result)
+    return result
+
+
+def resolve_gate_tasks(config: SweepConfig) -> tuple[str, ...]:
+    if config.gate_tasks is not None:
+        return config.gate_tasks
+    from ddtree.lab.humaneval import GATE_TASKS
+
+    return tuple(GATE_TASKS)
+
+
+__all__ = ["GATE_CONCURRENCY", "CellFailed", "resolve_gate_tasks", "run_bench_cell", "run_gate"]
