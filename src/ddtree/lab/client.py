@@ -21,7 +21,7 @@ from typing import Any, Literal
 import httpx
 
 from ddtree.errors import ConfigError
-from ddtree.lab.engines import ENGINES, spec_stats
+from ddtree.lab.engines import ENGINES, spec_details, spec_stats
 
 Endpoint = Literal["completions", "chat"]
 
@@ -78,6 +78,11 @@ class Completion:
     chunk_usage: list[int | None] = field(default_factory=list)
     spec_verify_ct: int | None = None
     accept_length: float | None = None
+    # [n] = rounds that accepted exactly n draft tokens (bonus not counted), whatever the engine's field names
+    accept_hist: list[int] | None = None
+    correct_drafts: int | None = None
+    proposed_drafts: int | None = None
+    spec_source: str | None = None  # where the per-request stats came from: ddtree, meta_info or sglext
     status_code: int | None = None
     error: str | None = None
 
@@ -247,6 +252,13 @@ class OpenAIClient:
             out.spec_verify_ct = verify_ct
         if accept_length is not None:
             out.accept_length = accept_length
+        details = spec_details(obj)
+        if details.source is not None:  # stats are cumulative per request: the last object carrying them wins
+            out.accept_hist = list(details.accept_hist) if details.accept_hist is not None else out.accept_hist
+            out.correct_drafts = details.correct_drafts if details.correct_drafts is not None else out.correct_drafts
+            out.proposed_drafts = (details.proposed_drafts if details.proposed_drafts is not None
+                                   else out.proposed_drafts)
+            out.spec_source = details.source
         if now is None or not (text or reasoning or usage is not None):
             return
         out.chunk_times.append(now)

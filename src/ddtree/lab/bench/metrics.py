@@ -33,12 +33,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from ddtree.lab.client import Completion
+from ddtree.lab.engines import depth_curve
 
 RUN_SUMMARY_KEYS: tuple[str, ...] = (
-    "output_tok_s", "decode_tok_s_mean", "decode_tok_s_p50", "ttft_s_mean", "ttft_s_p50", "tpot_s_mean",
-    "itl_s_p50", "itl_s_p90", "e2e_s_p50", "e2e_s_p90", "e2e_s_p99", "accept_length", "accept_source", "errors",
-    "completed", "duration_s",
+    "output_tok_s", "decode_tok_s_mean", "decode_tok_s_p50", "ttft_s_mean", "ttft_s_p50", "ttft_s_p90",
+    "ttft_s_p99", "tpot_s_mean", "tpot_s_p50", "tpot_s_p90", "tpot_s_p99", "itl_s_p50", "itl_s_p90", "itl_s_p99",
+    "e2e_s_p50", "e2e_s_p90", "e2e_s_p99", "accept_length", "accept_source", "spec_fields", "accept_by_depth",
+    "depth_source", "errors", "completed", "duration_s",
 )
+# Keys that are not numbers averaged over runs: the first run's value is kept (sources), or the curves are
+# averaged position by position (accept_by_depth).
+_LABEL_KEYS = frozenset({"accept_source", "spec_fields", "depth_source"})
 
 
 def per_token_itl(times: Sequence[float], tokens: Sequence[int]) -> list[float]:
@@ -127,6 +132,10 @@ def request_record(c: Completion, prompt_tokens_sent: int, tokenizer: Any | None
         "chunks": len(times),
         "spec_verify_ct": c.spec_verify_ct,
         "accept_length": c.accept_length,
+        "accept_hist": c.accept_hist,
+        "correct_drafts": c.correct_drafts,
+        "proposed_drafts": c.proposed_drafts,
+        "spec_source": c.spec_source,
         "finish_reason": c.finish_reason,
         "error": c.error,
     }
@@ -148,11 +157,16 @@ def _mean(values: Sequence[float]) -> float | None:
 
 
 def summarize_run(records: Sequence[dict[str, Any]], duration_s: float, *,
-                  counter_accept_length: float | None = None) -> dict[str, Any]:
+                  counter_accept_length: float | None = None, counter_depth: Sequence[float] | None = None,
+                  server_info_accept_length: float | None = None) -> dict[str, Any]:
     """The summary of one run of a cell (keys :data:`RUN_SUMMARY_KEYS`).
 
     Acceptance comes from the per-request stats when every successful request has them (completion tokens over
-    verify rounds, summed over requests), else from ``counter_accept_length`` (a Prometheus difference)."""
+    verify rounds, summed over requests), else from ``counter_accept_length`` (a Prometheus difference), else
+    from ``server_info_accept_length`` (SGLang's ``/server_info`` over the run); ``accept_source`` says which,
+    ``spec_fields`` where the per-request stats sat (ddtree, meta_info, sglext). The depth curve likewise: the
+    requests' histograms summed when every request has one, else ``counter_depth`` (vLLM's per-position
+    counters)."""
     ok = [r for r in records if r["error"] is None]
     tokens = sum(r["completion_tokens"] or 0 for r in ok)
     ttfts = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
@@ -170,22 +184,45 @@ def summarize_run(records: Sequence[dict[str, Any]], duration_s: float, *,
         accept, source = tokens / sum(rounds), "per_request"
     elif counter_accept_length is not None:
         accept, source = counter_accept_length, "prometheus"
+    elif server_info_accept_length is not None:
+        accept, source = server_info_accept_length, "server_info"
     else:
         accept, source = None, None
+    hists = [r.get("accept_hist") for r in ok]
+    depth: list[float] = []
+    depth_source = None
+    if ok and all(h for h in hists):
+        total = [0] * max(len(h) for h in hists)
+        for h in hists:
+            for n, count in enumerate(h):
+                total[n] += count
+        depth, depth_source = depth_curve(total), "histogram"
+    elif counter_depth:
+        depth, depth_source = list(counter_depth), "per_position_counters"
+    fields = sorted({r.get("spec_source") for r in ok if r.get("spec_source")})
     return {
         "output_tok_s": tokens / duration_s if duration_s > 0 else None,
         "decode_tok_s_mean": _mean(decode),
         "decode_tok_s_p50": percentile(decode, 50),
         "ttft_s_mean": _mean(ttfts),
         "ttft_s_p50": percentile(ttfts, 50),
+        "ttft_s_p90": percentile(ttfts, 90),
+        "ttft_s_p99": percentile(ttfts, 99),
         "tpot_s_mean": _mean(tpots),
+        "tpot_s_p50": percentile(tpots, 50),
+        "tpot_s_p90": percentile(tpots, 90),
+        "tpot_s_p99": percentile(tpots, 99),
         "itl_s_p50": percentile(itl, 50),
         "itl_s_p90": percentile(itl, 90),
+        "itl_s_p99": percentile(itl, 99),
         "e2e_s_p50": percentile(e2e, 50),
         "e2e_s_p90": percentile(e2e, 90),
         "e2e_s_p99": percentile(e2e, 99),
         "accept_length": accept,
         "accept_source": source,
+        "spec_fields": ",".join(fields) if fields else None,
+        "accept_by_depth": depth or None,
+        "depth_source": depth_source,
         "errors": len(records) - len(ok),
         "completed": len(ok),
         "duration_s": duration_s,
@@ -199,8 +236,11 @@ def summarize_cell(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key in RUN_SUMMARY_KEYS:
         values = [run[key] for run in runs if run.get(key) is not None]
-        if key == "accept_source":
+        if key in _LABEL_KEYS:
             out[key] = values[0] if values else None
+        elif key == "accept_by_depth":
+            width = max((len(v) for v in values), default=0)
+            out[key] = [statistics.fmean([v[i] if i < len(v) else 0.0 for v in values]) for i in range(width)] or None
         else:
             out[key] = _mean(values)
     speeds = [run["output_tok_s"] for run in runs if run.get("output_tok_s") is not None]

@@ -8,7 +8,8 @@ those costs inside measured runs (on the H200, 1.7-2.6 s of Triton compilation i
 ``docs/benchmarks.md``). A run keeps ``concurrency``
 requests in flight until ``num_requests`` have finished (closed loop), every request streamed with a fixed
 output length (``ignore_eos``, greedy) and a prompt of exactly ``context`` tokens with a unique prefix.
-Acceptance counters are read after the warm-up and after each run, so their difference covers that run alone.
+Acceptance counters are read after the warm-up and after each run, so their difference covers that run alone;
+on SGLang ``/flush_cache`` is called before each run so ``/server_info``'s cumulative average covers it alone too.
 
 Cell file ``ctx{context}-c{concurrency}.json`` (schema ``ddtree.bench.cell/1``)::
 
@@ -17,6 +18,7 @@ Cell file ``ctx{context}-c{concurrency}.json`` (schema ``ddtree.bench.cell/1``):
                   "warmup", "tokenizer", "prompt_lengths": [exact token counts sent, one per measured request]},
      "runs": [{"requests": [{"prompt_tokens", "prompt_tokens_sent", "completion_tokens", "ttft_s", "latency_s",
                              "itl_s": [per token], "itl_source", "chunks", "spec_verify_ct", "accept_length",
+                             "accept_hist", "correct_drafts", "proposed_drafts", "spec_source",
                              "finish_reason", "error"}, ...],
                "summary": {see ddtree.lab.bench.metrics.RUN_SUMMARY_KEYS}}],
      "summary": {the run summaries averaged, "output_tok_s_spread": {"min", "max", "std", "n"}},
@@ -41,7 +43,15 @@ from ddtree import __version__
 from ddtree.lab.bench.metrics import request_record, summarize_cell, summarize_run
 from ddtree.lab.bench.workload import Prompt, Workload, build_prompts, load_tokenizer
 from ddtree.lab.client import BenchTarget, Completion, OpenAIClient
-from ddtree.lab.engines import REQUEST_EXTRAS, CounterAcceptance, detect_engine, scrape, server_info
+from ddtree.lab.engines import (
+    REQUEST_EXTRAS,
+    CounterAcceptance,
+    detect_engine,
+    flush_cache,
+    scrape,
+    server_info,
+    server_info_accept_length,
+)
 from ddtree.lab.files import atomic_write_json
 
 CELL_SCHEMA = "ddtree.bench.cell/1"
@@ -96,15 +106,22 @@ async def _run_cell(client: OpenAIClient, engine: str, workload: Workload, conte
         prompts = build_prompts(tokenizer, context, n, phase=f"r{repeat}-", **key)
         lengths.extend(len(p.ids) for p in prompts)
         before = await scrape(client)
+        flushed = engine == "sglang" and await flush_cache(client)  # /server_info's average then covers this run
         start = time.perf_counter()
         completions = await run_requests(client, engine, prompts, concurrency, workload.output_tokens,
                                          on_done=advance)
         duration = time.perf_counter() - start
         after = await scrape(client)
-        counter_accept = counters.from_counters(before, after) if before is not None and after is not None else None
+        counter_accept, counter_depth = None, None
+        if before is not None and after is not None:
+            counter_accept = counters.from_counters(before, after)
+            counter_depth = counters.depth_from_counters(before, after)
+        info_accept = await server_info_accept_length(client) if flushed else None
         records = [request_record(c, len(p.ids), tokenizer) for c, p in zip(completions, prompts, strict=True)]
         runs.append({"requests": records,
-                     "summary": summarize_run(records, duration, counter_accept_length=counter_accept)})
+                     "summary": summarize_run(records, duration, counter_accept_length=counter_accept,
+                                              counter_depth=counter_depth,
+                                              server_info_accept_length=info_accept)})
     return {
         "schema": CELL_SCHEMA,
         "config": config,
