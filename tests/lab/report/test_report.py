@@ -42,7 +42,7 @@ def test_summary_sections_in_order(report_dir):
     md = (report_dir / "summary.md").read_text()
     titles = re.findall(r"^## (.+)$", md, flags=re.M)
     assert titles == ["Conclusions", "Recommendations", "Best setting per concurrency", "Results", "All cells",
-                      "Coding gate", "Failures", "Plots"]
+                      "Latency", "Acceptance by depth", "Coding gate", "Failures", "Plots"]
     assert md.startswith("# Sweep report: synthetic-run\n")
 
 
@@ -54,14 +54,14 @@ def test_recommendations_name_winner_margin_and_spread(report_dir):
     assert set(rows) == {"Latency", "Throughput", "Long context"}
     lat, thr, long_ = rows["Latency"], rows["Throughput"], rows["Long context"]
     # latency: 61 vs 60, runs [60, 62] vs [59, 61] overlap
-    assert lat[1:7] == ["ctx 60, C=1", "ddtree-b8-knone-bstrained-wnone", "61.0", "ddtree-b8-k4-bstrained-wnone",
+    assert lat[1:7] == ["ctx 60, C=1", "ddtree b8", "61.0", "ddtree b8 k=4",
                         "60.0", "+1.0 (+1.7%)"]
     assert lat[7].startswith("no:") and lat[8:] == ["3.05x", "1.52x"]
     # throughput: 200 [199, 201] vs 170 [169, 171]
-    assert thr[1:7] == ["ctx 60, C=8", "ddtree-b4-k4-bstrained-wnone", "200.0", "ddtree-b4-knone-bstrained-wnone",
+    assert thr[1:7] == ["ctx 60, C=8", "ddtree b4 k=4", "200.0", "ddtree b4",
                         "170.0", "+30.0 (+17.6%)"]
     assert thr[7].startswith("yes:") and thr[8:] == ["2.00x", "1.33x"]
-    assert long_[1:7] == ["ctx 1024, C=1", "ddtree-b8-k4-bstrained-wnone", "50.0", "ddtree-b8-knone-bstrained-wnone",
+    assert long_[1:7] == ["ctx 1024, C=1", "ddtree b8 k=4", "50.0", "ddtree b8",
                           "45.0", "+5.0 (+11.1%)"]
     assert long_[7].startswith("yes:")
 
@@ -70,8 +70,8 @@ def test_best_setting_per_concurrency(report_dir):
     table = _table(_section((report_dir / "summary.md").read_text(), "Best setting per concurrency"))
     assert table == [
         ["concurrency", "ctx 60", "ctx 1024"],
-        ["C=1", "ddtree-b8-knone-bstrained-wnone (61.0)", "ddtree-b8-k4-bstrained-wnone (50.0)"],
-        ["C=8", "ddtree-b4-k4-bstrained-wnone (200.0)", "dflash-bstrained-wnone (140.0)"],
+        ["C=1", "ddtree b8 (61.0)", "ddtree b8 k=4 (50.0)"],
+        ["C=8", "ddtree b4 k=4 (200.0)", "dflash (140.0)"],
     ]
 
 
@@ -80,35 +80,35 @@ def test_users_table_sorted_with_gate_and_lossless(report_dir):
     assert table[0] == ["config", "method", "budget", "top-k", "block", "window", "C=1 ctx 60 tok/s",
                         "C=1 ctx 1024 tok/s", "C=8 ctx 60 tok/s", "accept len", "vs AR (C=1)", "coding", "lossless"]
     assert [row[0] for row in table[1:]] == [
-        "ddtree-b8-knone-bstrained-wnone", "ddtree-b8-k4-bstrained-wnone", "ddtree-b4-knone-bstrained-wnone",
-        "ddtree-b4-k4-bstrained-wnone", "dflash-bstrained-wnone", "ar",
+        "ddtree b8", "ddtree b8 k=4", "ddtree b4",
+        "ddtree b4 k=4", "dflash", "ar",
     ]
     by_id = {row[0]: row for row in table[1:]}
-    assert by_id["ddtree-b8-k4-bstrained-wnone"][6:] == ["60.0", "50.0", "160.0", "3.80", "3.00x", "1/2 (1 trunc.)",
+    assert by_id["ddtree b8 k=4"][6:] == ["60.0", "50.0", "160.0", "3.80", "3.00x", "1/2 (1 trunc.)",
                                                          "NO 1/2"]
     assert by_id["ar"][-2:] == ["2/2", "reference"]
-    assert by_id["dflash-bstrained-wnone"][2:6] == ["-", "-", "trained", "none"]
+    assert by_id["dflash"][2:6] == ["-", "-", "trained", "none"]
 
 
 def test_all_cells_marks_the_failed_cell(report_dir):
     table = _table(_section((report_dir / "summary.md").read_text(), "All cells"))
-    row = next(r for r in table if r[0] == "ddtree-b4-knone-bstrained-wnone")
+    row = next(r for r in table if r[0] == "ddtree b4")
     assert row[1:] == ["51.0 [51.0..51.0] a3.10", "170.0 [169.0..171.0] a3.10", "40.0 [40.0..40.0] a3.10", "failed"]
     failures = _table(_section((report_dir / "summary.md").read_text(), "Failures"))
-    assert failures[1] == ["ddtree-b4-knone-bstrained-wnone", "ctx1024-c8", "http", "HTTP 500: boom"]
+    assert failures[1] == ["ddtree b4", "ctx1024-c8", "http", "HTTP 500: boom"]
 
 
 def test_conclusions(report_dir):
     bullets = [line[2:] for line in _section((report_dir / "summary.md").read_text(), "Conclusions").splitlines()
                if line.startswith("- ")]
-    assert bullets[0].startswith("Latency (ctx 60, C=1): **ddtree-b8-knone-bstrained-wnone** at 61.0 tok/s, +1.7%")
+    assert bullets[0].startswith("Latency (ctx 60, C=1): **ddtree b8** at 61.0 tok/s, +1.7%")
     assert "within the run-to-run spread" in bullets[0]
     assert "beyond the run-to-run spread" in bullets[1] and "beyond the run-to-run spread" in bullets[2]
     text = "\n".join(bullets)
     assert "budget mattered" in text and "topk barely mattered" in text
     assert "Anomaly: the best DDTree setting lost to the DFlash chain at ctx 1024 C=8 (0.86x)" in text
     assert "1 answer(s) were truncated at max_tokens (HumanEval/1)" in text
-    assert "Lossless check FAILED: greedy outputs differ from AR for ddtree-b8-k4-bstrained-wnone (HumanEval/1)" in text
+    assert "Lossless check FAILED: greedy outputs differ from AR for ddtree b8 k=4 (HumanEval/1)" in text
     assert "1 cell(s) failed" in text
 
 
@@ -131,8 +131,8 @@ def test_knob_effects_match_a_hand_computation():
 
 def test_plots_are_pngs_and_html_embeds_them(report_dir):
     pngs = sorted((report_dir / "plots").glob("*.png"))
-    assert [p.name for p in pngs] == ["acceptance_vs_budget.png", "speedup_vs_context.png",
-                                      "throughput_vs_concurrency.png"]
+    assert [p.name for p in pngs] == ["acceptance_by_depth.png", "acceptance_vs_budget.png", "pareto.png",
+                                      "speedup_vs_context.png", "throughput_vs_concurrency.png"]
     for png in pngs:
         assert png.read_bytes().startswith(PNG) and png.stat().st_size > 5000
     page = (report_dir / "report.html").read_text()
@@ -140,8 +140,9 @@ def test_plots_are_pngs_and_html_embeds_them(report_dir):
     assert sorted(base64.b64decode(e) for e in embedded) == sorted(p.read_bytes() for p in pngs)
     # self-contained: nothing fetched from elsewhere
     assert not re.search(r'(src|href)="(?!data:)', page)
-    assert page.count("<table>") == 6  # recommendations, best, results, all cells, gate, failures (no launches)
-    assert "<b>ddtree-b8-knone-bstrained-wnone</b>" in page  # markdown bold became HTML
+    # recommendations, best, results, all cells, latency, acceptance, gate, failures (no launches)
+    assert page.count("<table>") == 8
+    assert "<b>ddtree b8</b>" in page  # markdown bold became HTML
     md = (report_dir / "summary.md").read_text()
     assert "![Throughput vs concurrency](plots/throughput_vs_concurrency.png)" in md
 
@@ -198,5 +199,5 @@ def test_plain_decoding_winning_is_called_out(tmp_path):
     atomic_write_json(layout.bench_path("ar", 60, 1), bench_cell({"config_id": "ar"}, 60, 1, (100.0, 100.0), 1.0))
     text = "\n".join(conclusions(load_run(root)))
     assert ("Anomaly: no speculative setting beat plain decoding at ctx 60, C=1 (best speculative: "
-            "ddtree-b8-knone-bstrained-wnone, 0.61x AR, acceptance 3.90)") in text
+            "ddtree b8, 0.61x AR, acceptance 3.90)") in text
     assert text.startswith("Latency (ctx 60, C=1): **ar** at 100.0 tok/s")

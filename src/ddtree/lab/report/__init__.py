@@ -6,6 +6,7 @@ still in progress or one that was interrupted, and again after ``--resume``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,12 +21,13 @@ class ReportPaths:
     plots: dict[str, Path]  # caption -> PNG
 
 
-def write_report(run_dir: str | Path) -> ReportPaths:
-    """Write ``summary.md``, ``report.html`` and ``plots/*.png`` into ``run_dir`` (atomically, file by file)."""
+def write_report(run_dir: str | Path, *, slo: Mapping[str, float] | None = None) -> ReportPaths:
+    """Write ``summary.md``, ``report.html`` and ``plots/*.png`` into ``run_dir`` (atomically, file by file);
+    ``slo`` overrides the latency limits the sweep stored (goodput, and recommendations ranked on it)."""
     from ddtree.lab.report.plots import write_plots
     from ddtree.lab.report.render import build_sections, render_html, render_markdown
 
-    results = load_run(run_dir)
+    results = load_run(run_dir, slo=slo)
     plot_dir = results.root / "plots"
     plots = write_plots(results, plot_dir)
     sections = build_sections(results, plots)

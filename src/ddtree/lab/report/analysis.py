@@ -62,6 +62,10 @@ def workloads(results: RunResults) -> list[WorkloadCell]:
 class Ranked:
     config: ConfigResult
     tok_s: float
+    goodput: float | None = None  # requests/s meeting the SLO, when the run has one
+
+    def value(self, metric: str) -> float:
+        return (self.goodput or 0.0) if metric == "goodput" else self.tok_s
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,7 @@ class Recommendation:
     spread_detail: str
     vs_ar: float | None  # winner / AR (same extra dimensions)
     vs_dflash: float | None  # winner / the best DFlash chain (same extra dimensions)
+    metric: str = "tok_s"  # what the ranking is on: "tok_s", or "goodput" when the run has an SLO
 
     @property
     def winner(self) -> Ranked | None:
@@ -83,31 +88,44 @@ class Recommendation:
 
     @property
     def margin(self) -> float | None:
-        """Winner minus runner-up, tokens/s."""
+        """Winner minus runner-up, in the ranking's unit (tokens/s, or requests/s of goodput)."""
         if self.winner is None or self.runner_up is None:
             return None
-        return self.winner.tok_s - self.runner_up.tok_s
+        return self.winner.value(self.metric) - self.runner_up.value(self.metric)
 
     @property
     def margin_pct(self) -> float | None:
-        if self.margin is None or not self.runner_up or self.runner_up.tok_s <= 0:
+        if self.margin is None or not self.runner_up or self.runner_up.value(self.metric) <= 0:
             return None
-        return 100.0 * self.margin / self.runner_up.tok_s
+        return 100.0 * self.margin / self.runner_up.value(self.metric)
 
 
-def rank(results: RunResults, context: int, concurrency: int, *, methods: tuple[str, ...] | None = None) -> list[Ranked]:
-    ranked = [
-        Ranked(c, tok)
-        for c in results.configs
-        if (methods is None or c.method in methods) and (tok := c.tok_s(context, concurrency)) is not None
-    ]
+def rank(results: RunResults, context: int, concurrency: int, *, methods: tuple[str, ...] | None = None,
+         metric: str = "tok_s") -> list[Ranked]:
+    """Configs with a finished cell, best first on ``metric`` (``goodput`` ties are broken by tok/s)."""
+    ranked = []
+    for c in results.configs:
+        cell = c.cell(context, concurrency)
+        if (methods is None or c.method in methods) and cell is not None and cell.tok_s is not None:
+            ranked.append(Ranked(c, cell.tok_s, cell.goodput.mean if cell.goodput else None))
     # ties keep grid order (baselines first), so equal numbers never crown a tree setting by accident
+    if metric == "goodput":
+        return sorted(ranked, key=lambda r: (-(r.goodput or 0.0), -r.tok_s))
     return sorted(ranked, key=lambda r: -r.tok_s)
 
 
-def spread_verdict(winner: ConfigResult, runner_up: ConfigResult, context: int, concurrency: int) -> tuple[str, str]:
+def spread_verdict(winner: ConfigResult, runner_up: ConfigResult, context: int, concurrency: int,
+                   metric: str = "tok_s") -> tuple[str, str]:
     w, r = winner.cell(context, concurrency), runner_up.cell(context, concurrency)
     assert w is not None and r is not None
+    if metric == "goodput" and w.goodput is not None and r.goodput is not None:
+        if w.runs < 2 or r.runs < 2:
+            return "unknown", f"{min(w.runs, r.runs)} run per cell: spread not measured (use --repeats 2 or more)"
+        if w.goodput.min > r.goodput.max:
+            return "exceeds", (f"slowest winner run {w.goodput.min:.2f} > fastest runner-up run "
+                               f"{r.goodput.max:.2f} req/s within the SLO")
+        return "within", (f"slowest winner run {w.goodput.min:.2f} <= fastest runner-up run {r.goodput.max:.2f} "
+                          "req/s within the SLO")
     if w.runs < 2 or r.runs < 2 or w.tok_s_min is None or r.tok_s_max is None:
         runs = min(w.runs, r.runs)
         return "unknown", f"{runs} run per cell: spread not measured (use --repeats 2 or more)"
@@ -127,17 +145,19 @@ def speedup_over(results: RunResults, config: ConfigResult, method: str, context
 
 def recommend(results: RunResults) -> list[Recommendation]:
     out = []
+    metric = "goodput" if results.slo else "tok_s"
     for wl in workloads(results):
-        ranking = rank(results, wl.context, wl.concurrency)
+        ranking = rank(results, wl.context, wl.concurrency, metric=metric)
         if len(ranking) >= 2:
-            spread, detail = spread_verdict(ranking[0].config, ranking[1].config, wl.context, wl.concurrency)
+            spread, detail = spread_verdict(ranking[0].config, ranking[1].config, wl.context, wl.concurrency,
+                                            metric)
         else:
             spread, detail = "no runner-up", "fewer than two configs measured this cell"
         vs_ar = vs_dflash = None
         if ranking:
             vs_ar = speedup_over(results, ranking[0].config, "ar", wl.context, wl.concurrency)
             vs_dflash = speedup_over(results, ranking[0].config, "dflash", wl.context, wl.concurrency)
-        out.append(Recommendation(wl, tuple(ranking), spread, detail, vs_ar, vs_dflash))
+        out.append(Recommendation(wl, tuple(ranking), spread, detail, vs_ar, vs_dflash, metric))
     return out
 
 
@@ -255,14 +275,17 @@ def conclusions(results: RunResults) -> list[str]:
         if win is None:
             bullets.append(f"{rec.workload.title} ({rec.workload.label}): no finished measurement.")
             continue
-        text = f"{rec.workload.title} ({rec.workload.label}): **{win.config.config_id}** at {win.tok_s:.1f} tok/s"
+        text = f"{rec.workload.title} ({rec.workload.label}): **{results.label(win.config.config_id)}** at {win.tok_s:.1f} tok/s"
+        if rec.metric == "goodput":
+            text += f", {win.goodput or 0.0:.2f} req/s within the SLO"
         if run is not None and rec.margin_pct is not None:
             verdict = {
                 "exceeds": "beyond the run-to-run spread",
                 "within": "within the run-to-run spread, so not a reliable difference",
                 "unknown": "spread not measured",
             }[rec.spread]
-            text += f", {rec.margin_pct:+.1f}% over {run.config.config_id} ({verdict})"
+            unit = "goodput " if rec.metric == "goodput" else ""
+            text += f", {unit}{rec.margin_pct:+.1f}% over {results.label(run.config.config_id)} ({verdict})"
         extras = [f"{v:.2f}x {name}" for name, v in (("AR", rec.vs_ar), ("DFlash", rec.vs_dflash)) if v is not None]
         if extras and win.config.method == "ddtree":
             text += f"; {', '.join(extras)}"
@@ -293,7 +316,8 @@ def conclusions(results: RunResults) -> list[str]:
                 ratio = best.tok_s / rec.winner.tok_s if rec.winner.tok_s > 0 else 0.0
                 cell = best.config.cell(wl.context, wl.concurrency)
                 acc = f", acceptance {cell.accept_length:.2f}" if cell and cell.accept_length else ""
-                ar_wins.append(f"{wl.label} (best speculative: {best.config.config_id}, {ratio:.2f}x AR{acc})")
+                ar_wins.append(f"{wl.label} (best speculative: {results.label(best.config.config_id)}, "
+                               f"{ratio:.2f}x AR{acc})")
     if ar_wins:
         bullets.append(
             "Anomaly: no speculative setting beat plain decoding at " + "; ".join(ar_wins)
@@ -303,6 +327,7 @@ def conclusions(results: RunResults) -> list[str]:
     if losses:
         where = ", ".join(f"ctx {c} C={n} ({r:.2f}x)" for (c, n), r in sorted(losses.items()))
         bullets.append(f"Anomaly: the best DDTree setting lost to the DFlash chain at {where}.")
+    bullets.extend(depth_bullets(results))
     bullets.extend(_gate_bullets(results))
     failed = [(c.config_id, cell) for c in results.configs for cell in c.failures]
     if failed:
@@ -312,8 +337,49 @@ def conclusions(results: RunResults) -> list[str]:
     return bullets
 
 
+FLAT_TAIL_SHARE = 0.10  # past the trained depth, less than this share of the accepted drafts counts as flat
+
+
+def depth_bullets(results: RunResults) -> list[str]:
+    """Where acceptance stops growing with depth: a line when the depths past the drafter's trained depth
+    (its block size - 1) add less than :data:`FLAT_TAIL_SHARE` of the accepted drafts in every config that
+    drafted past it (the user story's block 16 on a drafter trained at 8: acceptance 4.9 -> 5.2)."""
+    if results.trained_block_size is None:
+        return []
+    trained = results.trained_block_size - 1
+    deep = [(c, c.accept_by_depth) for c in results.configs if len(c.accept_by_depth) > trained]
+    if not deep:
+        return []
+    tails = [(c, sum(curve[trained:]), sum(curve)) for c, curve in deep if sum(curve) > 0]
+    if not tails:
+        return []
+    worst = max(tails, key=lambda t: t[1] / t[2])
+    share = worst[1] / worst[2]
+    if share < FLAT_TAIL_SHARE:
+        return [
+            f"Acceptance past the drafter's trained depth ({trained}) is flat: in the {len(tails)} config(s) that "
+            f"drafted deeper, depths {trained + 1}+ added at most {worst[1]:.2f} tokens per round "
+            f"({100 * share:.0f}% of the accepted drafts, {results.label(worst[0].config_id)}). The ceiling is the "
+            "drafter, not the tree: block sizes past the trained one buy little."
+        ]
+    return [
+        f"Depths past the drafter's trained depth ({trained}) still accepted: up to {worst[1]:.2f} tokens per round "
+        f"({100 * share:.0f}% of the accepted drafts, {results.label(worst[0].config_id)})."
+    ]
+
+
+def demo_bullets(results: RunResults) -> list[str]:
+    if not results.demo_pair:
+        return []
+    return [
+        "Measured on the embedded demo pair: its model is far too small to solve HumanEval, so a low coding score "
+        "says nothing here. On this pair the coding gate checks losslessness: every speculative config's greedy "
+        "outputs must equal AR's, token for token."
+    ]
+
+
 def _gate_bullets(results: RunResults) -> list[str]:
-    bullets = []
+    bullets = demo_bullets(results)
     gated = [c for c in results.configs if c.gate is not None]
     if not gated:
         return bullets
@@ -330,7 +396,7 @@ def _gate_bullets(results: RunResults) -> list[str]:
             g = c.gate
             assert g is not None
             bullets.append(
-                f"Coding gate: {c.config_id} scored {g.passed}/{g.total}; {g.truncated} answer(s) were truncated at "
+                f"Coding gate: {results.label(c.config_id)} scored {g.passed}/{g.total}; {g.truncated} answer(s) were truncated at "
                 f"max_tokens ({', '.join(g.truncated_tasks)}), a harness limit rather than a wrong answer."
             )
         if len(truncating) > 3:
@@ -342,7 +408,8 @@ def _gate_bullets(results: RunResults) -> list[str]:
     checked = [c for c in gated if c.gate and c.gate.lossless is not None]
     differing = [c for c in checked if c.gate and c.gate.lossless is False]
     if differing:
-        names = ", ".join(f"{c.config_id} ({', '.join(c.gate.differing_tasks)})" for c in differing if c.gate)
+        names = ", ".join(f"{results.label(c.config_id)} ({', '.join(c.gate.differing_tasks)})"
+                          for c in differing if c.gate)
         bullets.append(f"Lossless check FAILED: greedy outputs differ from AR for {names}.")
     elif checked:
         bullets.append(
@@ -360,6 +427,8 @@ __all__ = [
     "best_per_cell",
     "conclusions",
     "ddtree_vs_dflash",
+    "demo_bullets",
+    "depth_bullets",
     "knob_effects",
     "noise_pct",
     "rank",

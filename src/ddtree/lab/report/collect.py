@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ddtree.errors import ConfigError
+from ddtree.lab.report.latency import Goodput, cell_goodput
+from ddtree.lab.sweep.labels import config_labels
 from ddtree.lab.sweep.layout import BENCH_SCHEMA, EVAL_SCHEMA, RunLayout, read_json
 
 _CELL_FILE = re.compile(r"^ctx(\d+)-c(\d+)\.json$")
 _TREE_KEYS = ("method", "budget", "topk", "block_size", "draft_window")
+DEMO_MODEL_NAME = "ddtree-demo"  # the served name of the embedded demo pair (ddtree.engine's _model_paths)
 
 
 @dataclass(frozen=True)
@@ -37,12 +41,23 @@ class CellResult:
     ttft_s: float | None
     itl_p50_s: float | None
     errors: int
+    # latency percentiles in seconds: {"ttft": {50: .., 90: .., 99: ..}, "itl": ..., "tpot": ..., "e2e": ...}
+    latency: dict[str, dict[int, float | None]] = field(default_factory=dict)
+    accept_source: str | None = None  # per_request, prometheus or server_info
+    spec_fields: str | None = None  # where per-request stats sat: ddtree, meta_info, sglext
+    accept_by_depth: tuple[float, ...] = ()  # P(accepted drafts >= d), d = 1, 2, ...
+    depth_source: str | None = None
+    goodput: Goodput | None = None  # with an SLO only
 
     @classmethod
-    def from_json(cls, data: dict[str, Any], context: int, concurrency: int) -> CellResult:
+    def from_json(cls, data: dict[str, Any], context: int, concurrency: int,
+                  slo: Mapping[str, float] | None = None) -> CellResult:
         summary = data.get("summary") or {}
         spread = summary.get("output_tok_s_spread") or {}
         runs = int(spread.get("n") or len(data.get("runs") or []) or 1)
+        latency = {name: {q: _num(summary.get(f"{name}_s_p{q}")) for q in (50, 90, 99)}
+                   for name in ("ttft", "itl", "tpot", "e2e")}
+        depth = summary.get("accept_by_depth")
         return cls(
             context=context,
             concurrency=concurrency,
@@ -56,6 +71,12 @@ class CellResult:
             ttft_s=_num(summary.get("ttft_s_mean")),
             itl_p50_s=_num(summary.get("itl_s_p50")),
             errors=int(summary.get("errors") or 0),
+            latency=latency,
+            accept_source=summary.get("accept_source"),
+            spec_fields=summary.get("spec_fields"),
+            accept_by_depth=tuple(float(v) for v in depth) if isinstance(depth, list) else (),
+            depth_source=summary.get("depth_source"),
+            goodput=cell_goodput(data.get("runs") or [], slo) if slo else None,
         )
 
 
@@ -135,6 +156,23 @@ class ConfigResult:
         values = [c.accept_length for c in self.cells.values() if c.accept_length is not None]
         return sum(values) / len(values) if values else None
 
+    @property
+    def accept_by_depth(self) -> tuple[float, ...]:
+        """The cells' depth curves averaged position by position (like :attr:`accept_length`)."""
+        curves = [c.accept_by_depth for c in self.cells.values() if c.accept_by_depth]
+        width = max((len(c) for c in curves), default=0)
+        return tuple(sum(c[i] if i < len(c) else 0.0 for c in curves) / len(curves) for i in range(width))
+
+    @property
+    def accept_sources(self) -> str:
+        """Which sources gave this config's acceptance (``per_request (meta_info)``, ``prometheus``, ...)."""
+        seen = dict.fromkeys(
+            f"{c.accept_source} ({c.spec_fields})" if c.spec_fields and c.accept_source == "per_request"
+            else str(c.accept_source)
+            for c in self.cells.values() if c.accept_source
+        )
+        return ", ".join(seen) or "-"
+
 
 @dataclass
 class RunResults:
@@ -143,6 +181,13 @@ class RunResults:
     configs: list[ConfigResult]
     contexts: list[int]
     concurrency: list[int]
+    slo: dict[str, float] | None = None
+    labels: dict[str, str] = field(default_factory=dict)  # config_id -> readable label (sweep.labels)
+    trained_block_size: int | None = None  # the drafter's, when the run recorded it
+    demo_pair: bool = False  # measured on the embedded demo pair
+
+    def label(self, config_id: str) -> str:
+        return self.labels.get(config_id, config_id)
 
     def by_id(self, config_id: str) -> ConfigResult | None:
         return next((c for c in self.configs if c.config_id == config_id), None)
@@ -157,13 +202,15 @@ class RunResults:
         return grid.get("output_tokens")
 
 
-def load_run(root: str | Path) -> RunResults:
-    """Read every finished cell, gate result and failure record under ``root``."""
+def load_run(root: str | Path, *, slo: Mapping[str, float] | None = None) -> RunResults:
+    """Read every finished cell, gate result and failure record under ``root``; ``slo`` (else the one the sweep
+    stored in its manifest) adds goodput to every cell."""
     layout = RunLayout(Path(root))
     if not layout.root.is_dir():
         raise ConfigError(f"{layout.root} is not a directory; give the run directory a sweep wrote (results/<run>)")
     manifest = read_json(layout.manifest_path)
     manifest = manifest if isinstance(manifest, dict) else None
+    slo = dict(slo) if slo else ((manifest or {}).get("slo") or None)
     points: dict[str, dict[str, Any]] = {}
     for point in (manifest or {}).get("points") or []:
         points[point["config_id"]] = point
@@ -171,6 +218,8 @@ def load_run(root: str | Path) -> RunResults:
     if not order:
         raise ConfigError(f"{layout.root} holds no configs/ results; run `ddtree sweep` first")
     configs = []
+    trained: int | None = None
+    models: set[str] = set()
     for config_id in order:
         config_json = read_json(layout.config_path(config_id)) or {}
         settings = points.get(config_id) or config_json.get("point") or {"method": config_id.split("-")[0]}
@@ -187,7 +236,12 @@ def load_run(root: str | Path) -> RunResults:
                 data = read_json(path) if match else None
                 if match and isinstance(data, dict) and data.get("schema") == BENCH_SCHEMA:
                     ctx, conc = int(match.group(1)), int(match.group(2))
-                    result.cells[(ctx, conc)] = CellResult.from_json(data, ctx, conc)
+                    result.cells[(ctx, conc)] = CellResult.from_json(data, ctx, conc, slo)
+                    env = data.get("env") or {}
+                    models.add(str(env.get("model")))
+                    limits = ((env.get("server_info") or {}).get("engine") or {}).get("limits") or {}
+                    if isinstance(limits.get("trained_block_size"), int):
+                        trained = limits["trained_block_size"]
         gate = read_json(layout.eval_path(config_id))
         if isinstance(gate, dict) and gate.get("schema") == EVAL_SCHEMA:
             result.gate = GateResult.from_json(gate)
@@ -195,7 +249,15 @@ def load_run(root: str | Path) -> RunResults:
     grid = (manifest or {}).get("grid") or {}
     contexts = sorted(set(grid.get("contexts") or []) | {k[0] for c in configs for k in c.cells})
     concurrency = sorted(set(grid.get("concurrency") or []) | {k[1] for c in configs for k in c.cells})
-    return RunResults(layout.root, manifest, configs, contexts, concurrency)
+    profile = grid.get("profile") or {}
+    if trained is None and isinstance(profile.get("trained_block_size"), int):
+        trained = profile["trained_block_size"]
+    engine_config = ((manifest or {}).get("target") or {}).get("engine_config") or {}
+    demo = (models == {DEMO_MODEL_NAME}) or (
+        bool(engine_config) and engine_config.get("target") is None and not models - {DEMO_MODEL_NAME})
+    labels = config_labels([{"config_id": c.config_id, **c.settings} for c in configs])
+    return RunResults(layout.root, manifest, configs, contexts, concurrency, slo=slo, labels=labels,
+                      trained_block_size=trained, demo_pair=demo)
 
 
 def _num(value: Any) -> float | None:

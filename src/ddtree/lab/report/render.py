@@ -20,6 +20,7 @@ from ddtree.lab.report.analysis import (
     speedup_over,
 )
 from ddtree.lab.report.collect import ConfigResult, RunResults
+from ddtree.lab.report.latency import describe_slo
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ def users_table(results: RunResults) -> Table:
     for cfg in results.configs:
         s = cfg.settings
         row = [
-            cfg.config_id,
+            results.label(cfg.config_id),
             cfg.method,
             "-" if s.get("budget") is None else str(s["budget"]),
             "-" if cfg.method != "ddtree" else fmt_value("topk", s.get("topk")),
@@ -116,15 +117,16 @@ def recommendations_table(results: RunResults) -> Table:
     rows = []
     for rec in recommend(results):
         win, run = rec.winner, rec.runner_up
+        good = rec.metric == "goodput"
         margin = "-" if rec.margin is None else f"{rec.margin:+.1f} ({rec.margin_pct:+.1f}%)"
         verdict = {"exceeds": "yes", "within": "no", "unknown": "unknown", "no runner-up": "-"}[rec.spread]
         rows.append([
             rec.workload.title,
             rec.workload.label,
-            win.config.config_id if win else "-",
-            _f(win.tok_s if win else None),
-            run.config.config_id if run else "-",
-            _f(run.tok_s if run else None),
+            results.label(win.config.config_id) if win else "-",
+            _f(win.tok_s if win else None) + (f" ({win.goodput or 0.0:.2f} req/s)" if win and good else ""),
+            results.label(run.config.config_id) if run else "-",
+            _f(run.tok_s if run else None) + (f" ({run.goodput or 0.0:.2f} req/s)" if run and good else ""),
             margin,
             f"{verdict}: {rec.spread_detail}" if rec.spread in ("exceeds", "within", "unknown") else verdict,
             _x(rec.vs_ar),
@@ -141,7 +143,7 @@ def best_table(results: RunResults) -> Table:
         row = [f"C={conc}"]
         for ctx in results.contexts:
             r = best.get((ctx, conc))
-            row.append("-" if r is None else f"{r.config.config_id} ({r.tok_s:.1f})")
+            row.append("-" if r is None else f"{results.label(r.config.config_id)} ({r.tok_s:.1f})")
         rows.append(row)
     return Table(headers, rows)
 
@@ -152,7 +154,7 @@ def cells_table(results: RunResults) -> Table:
     headers = ["config", *[f"ctx {c} C={n}" for c, n in cells]]
     rows = []
     for cfg in results.configs:
-        row = [cfg.config_id]
+        row = [results.label(cfg.config_id)]
         for ctx, conc in cells:
             cell = cfg.cell(ctx, conc)
             if cell is None or cell.tok_s is None:
@@ -177,7 +179,7 @@ def gate_table(results: RunResults) -> Table | None:
         g = c.gate
         assert g is not None
         rows.append([
-            c.config_id, f"{g.passed}/{g.total}", str(g.truncated), str(g.wrong), str(g.errors),
+            results.label(c.config_id), f"{g.passed}/{g.total}", str(g.truncated), str(g.wrong), str(g.errors),
             ", ".join(g.truncated_tasks) or "-", ", ".join(g.wrong_tasks) or "-", _lossless_text(c),
             ", ".join(g.differing_tasks) or "-",
         ])
@@ -190,18 +192,51 @@ def failures_table(results: RunResults) -> Table | None:
     for c in results.configs:
         for cell, record in c.failures.items():
             message = str(record.get("error", "")).strip().splitlines()
-            rows.append([c.config_id, cell, str(record.get("kind", "error")), message[0][:160] if message else ""])
+            rows.append([results.label(c.config_id), cell, str(record.get("kind", "error")), message[0][:160] if message else ""])
     return Table(["config", "cell", "kind", "error"], rows) if rows else None
 
 
 def launch_table(results: RunResults) -> Table | None:
     rows = [
-        [c.config_id, _f(c.launch.get("load_to_ready_s")), str(c.launch.get("verified") or "-"),
+        [results.label(c.config_id), _f(c.launch.get("load_to_ready_s")), str(c.launch.get("verified") or "-"),
          str(c.launch.get("stop_signal") or "-")]
         for c in results.configs
         if c.launch
     ]
     return Table(["config", "load to ready (s)", "identity check", "stopped by"], rows, frozenset({1})) if rows else None
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{1000.0 * value:.1f}"
+
+
+def latency_table(results: RunResults) -> Table:
+    """Per config and cell: TTFT, ITL and end-to-end p50/p90/p99 (ms), and goodput when the run has an SLO."""
+    headers = ["config", "cell", *[f"{name} p{q}" for name in ("TTFT", "ITL", "e2e") for q in (50, 90, 99)]]
+    if results.slo:
+        headers += ["goodput req/s", "met SLO"]
+    rows = []
+    for cfg in results.configs:
+        for (ctx, conc), cell in sorted(cfg.cells.items()):
+            row = [results.label(cfg.config_id), f"ctx {ctx} C={conc}"]
+            row += [_ms(cell.latency.get(name, {}).get(q)) for name in ("ttft", "itl", "e2e") for q in (50, 90, 99)]
+            if results.slo:
+                g = cell.goodput
+                row += ["-", "-"] if g is None else [f"{g.mean:.2f}", f"{g.met}/{g.total}"]
+            rows.append(row)
+    return Table(headers, rows, frozenset(range(2, len(headers))))
+
+
+def acceptance_table(results: RunResults) -> Table:
+    """Per config: acceptance length, where it came from, and the fraction of rounds accepting >= d drafts."""
+    width = max((len(c.accept_by_depth) for c in results.configs), default=0)
+    headers = ["config", "accept len", "source", *[f">={d}" for d in range(1, width + 1)]]
+    rows = []
+    for cfg in results.configs:
+        curve = cfg.accept_by_depth
+        rows.append([results.label(cfg.config_id), _f(cfg.accept_length, 2), cfg.accept_sources,
+                     *[f"{curve[i]:.2f}" if i < len(curve) else "-" for i in range(width)]])
+    return Table(headers, rows, frozenset({1, *range(3, len(headers))}))
 
 
 # ------------------------------------------------------------------------------------------------ sections
@@ -221,6 +256,19 @@ def build_sections(results: RunResults, plots: dict[str, Path]) -> list[Section]
                 tables=[users_table(results)]),
         Section("All cells", paragraphs=["Output tok/s per cell, [min..max] over repeats, aN = acceptance length."],
                 tables=[cells_table(results)]),
+        Section("Latency", paragraphs=[
+            "Milliseconds, percentiles over every request of the cell's repeats (ITL per token: a round committing "
+            "k tokens counts as k gaps)." + (f" Goodput: requests per second within {describe_slo(results.slo)}."
+                                            if results.slo else " Give --slo ttft_ms=...,itl_ms=... for goodput.")],
+            tables=[latency_table(results)]),
+        Section("Acceptance by depth", paragraphs=[
+            "Fraction of verify rounds whose first d draft tokens were all accepted (the bonus token not counted); "
+            "the row sums to the acceptance length minus one. Source: per_request = the responses' own statistics "
+            "(ddtree, SGLang meta_info or sglext), prometheus = counter differences over each run, server_info = "
+            "SGLang's running average over a flushed run."
+            + (f" The drafter was trained with block size {results.trained_block_size} (depth "
+               f"{results.trained_block_size - 1})." if results.trained_block_size else "")],
+            tables=[acceptance_table(results)]),
     ]
     gate = gate_table(results)
     if gate:
@@ -252,6 +300,11 @@ def header_lines(results: RunResults) -> list[str]:
     ]
     if target:
         lines.append(f"Engine: {target.get('mode', '?')} {target.get('description', '')}".rstrip() + ".")
+    if results.demo_pair:
+        lines.append("Models: the embedded demo pair (too small to solve HumanEval; its coding gate checks that "
+                     "greedy outputs equal AR's).")
+    if results.slo:
+        lines.append(f"SLO: {describe_slo(results.slo)}; recommendations rank on goodput (requests/s within it).")
     if hw or versions:
         gpus = ", ".join(g["name"] for g in hw.get("gpus") or []) or "no GPU"
         lines.append(
@@ -353,6 +406,8 @@ def render_html(results: RunResults, sections: list[Section]) -> str:
 __all__ = [
     "Section",
     "Table",
+    "acceptance_table",
+    "latency_table",
     "best_table",
     "build_sections",
     "cells_table",
