@@ -34,12 +34,13 @@ async def wait_until(predicate, timeout: float = 20.0) -> None:
 def one_slot(tiny_engine_factory):
     """An engine with one KV slot and room for one waiting request, served by uvicorn on loopback."""
     engine = tiny_engine_factory(max_batch=1, max_queue=1, max_len=2048, max_budget=16)
-    with threaded_server(create_app(engine)) as server:
-        yield engine, server.url
+    app = create_app(engine)
+    with threaded_server(app) as server:
+        yield engine, server.url, app.state.queue
 
 
 def test_disconnect_cancels_and_frees_the_slot(one_slot):
-    engine, url = one_slot
+    engine, url, queue = one_slot
 
     async def main() -> None:
         async with httpx.AsyncClient(base_url=url, timeout=60) as hog, httpx.AsyncClient(base_url=url, timeout=60) as c:
@@ -49,10 +50,11 @@ def test_disconnect_cancels_and_frees_the_slot(one_slot):
                 await next_event(hog_lines)
                 async with c.stream("POST", "/v1/completions", json={**LONG, "max_tokens": 3}) as waiting:
                     assert waiting.status_code == 200
-                    await wait_until(lambda: engine.snapshot().queued == 1)
+                    await wait_until(lambda: queue()["requests"] == 1)  # waiting in the server's queue
                     await next_event(hog_lines)  # still streaming, still holding the only slot
                     snap = engine.snapshot()
-                    assert snap.running == 1 and snap.queued == 1 and not snap.requests_total
+                    assert snap.running == 1 and snap.queued == 0 and not snap.requests_total
+                    assert queue()["requests"] == 1
                     await hog.aclose()  # the client goes away mid-stream
                     body = await waiting.aread()  # ... so the waiting request gets the slot and finishes
                     assert body.decode().endswith("data: [DONE]\n\n")
@@ -65,7 +67,7 @@ def test_disconnect_cancels_and_frees_the_slot(one_slot):
 
 
 def test_non_streaming_disconnect_cancels(one_slot):
-    engine, url = one_slot
+    engine, url, _ = one_slot
     body = {**LONG, "stream": False}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
@@ -79,7 +81,7 @@ def test_non_streaming_disconnect_cancels(one_slot):
 
 
 def test_full_queue_answers_503_with_retry_after(one_slot):
-    engine, url = one_slot
+    engine, url, queue = one_slot
 
     async def main() -> None:
         async with httpx.AsyncClient(base_url=url, timeout=60) as a, httpx.AsyncClient(base_url=url, timeout=60) as b:
@@ -88,7 +90,7 @@ def test_full_queue_answers_503_with_retry_after(one_slot):
                 await next_event(running_lines)
                 async with b.stream("POST", "/v1/completions", json=LONG) as queued:
                     assert queued.status_code == 200
-                    await wait_until(lambda: engine.snapshot().queued == 1)
+                    await wait_until(lambda: queue()["requests"] == 1)
                     r = await b.post("/v1/completions", json={**LONG, "stream": False})
                     assert r.status_code == 503
                     assert int(r.headers["retry-after"]) >= 1

@@ -20,37 +20,49 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import os
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ddtree import __version__
-from ddtree.engine.api import GenerationRequest, StreamChunk
+from ddtree.engine.api import GenerationRequest
 from ddtree.errors import ConfigError, InvalidRequestError, QueueFullError
+from ddtree.server.admission import Admission
+from ddtree.server.auth import AccessPolicy, AuthMiddleware
+from ddtree.server.generation import (
+    CancellingStreamingResponse,
+    StreamUsage,
+    complete,
+    sse_events,
+    wait_turn,
+)
+from ddtree.server.limits import PROVISIONAL_BODY_BYTES, BodyLimitMiddleware, ResolvedLimits, ServerLimits
 from ddtree.server.metrics import ServerMetrics
 from ddtree.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ResponseBuilder,
     ServerConfigUpdate,
+    describe_validation_errors,
     error_body,
     request_param,
-    token_usage,
 )
 
 if TYPE_CHECKING:
     from ddtree.engine import Engine
+
+_CancellingStreamingResponse = CancellingStreamingResponse  # its old name, which tests import
 
 logger = logging.getLogger("ddtree.server")
 
@@ -82,6 +94,7 @@ class EngineHost:
         factory: Callable[[], Engine] | None,
         drain_timeout: float,
         on_startup_failure: Callable[[BaseException], None] | None,
+        limits: ServerLimits,
     ) -> None:
         if (engine is None) == (factory is None):
             raise ConfigError("create_app needs exactly one of engine= and engine_factory=")
@@ -96,10 +109,29 @@ class EngineHost:
         self._loader: threading.Thread | None = None
         self._stop_lock = threading.Lock()
         self._stopped = False
+        self._limits_spec = limits.validated()
+        self.limits: ResolvedLimits | None = None
+        if engine is not None and engine.ready:
+            self._resolve_limits()
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None and self.engine.ready
+        return self.engine is not None and self.engine.ready and self.limits is not None
+
+    def _resolve_limits(self) -> None:
+        """Concrete request limits from the engine's config and tokenizer (decodes the vocabulary once)."""
+        assert self.engine is not None
+        cfg = self.engine.config
+        self.limits = self._limits_spec.resolve(
+            max_len=cfg.max_len, max_batch=cfg.max_batch, max_queue=cfg.max_queue, tokenizer=self.engine.tokenizer,
+            vocab_size=int(self.engine.target.config.vocab_size))
+        logger.info("request limits: body %d bytes, prompt %s characters, queue %d requests / %d tokens",
+                    self.limits.max_body_bytes, self.limits.prompt_chars, self.limits.max_queued,
+                    self.limits.max_queued_tokens)
+
+    def require_limits(self) -> ResolvedLimits:
+        assert self.limits is not None  # require_ready() came first
+        return self.limits
 
     def require_ready(self) -> Engine:
         if not self.ready:
@@ -129,6 +161,7 @@ class EngineHost:
             self.owns_engine = True
             if not self.engine.ready:
                 self.engine.start()
+            self._resolve_limits()
             logger.info("engine ready: serving %s", self.engine.model_name)
         except BaseException as exc:  # reported through /health and the failure callback, never swallowed
             self.startup_error = f"{type(exc).__name__}: {exc}"
@@ -158,24 +191,59 @@ def create_app(
     engine_factory: Callable[[], Engine] | None = None,
     drain_timeout: float = 30.0,
     on_startup_failure: Callable[[BaseException], None] | None = None,
+    access: AccessPolicy | None = None,
+    limits: ServerLimits | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over ``engine`` (running or not) or over the engine ``engine_factory`` builds.
 
     An engine that is not running yet is started by the app's lifespan (so it needs a server that runs lifespans,
-    like uvicorn); a running one is used as is and left running at exit (tests share one engine among apps)."""
-    host = EngineHost(engine, engine_factory, drain_timeout, on_startup_failure)
-    metrics = ServerMetrics(lambda: host.engine if host.ready else None)
+    like uvicorn); a running one is used as is and left running at exit (tests share one engine among apps).
+    ``access``: API keys (default none, for a server on loopback); ``limits``: request and queue bounds (default
+    derived from the engine's config)."""
+    access = (access or AccessPolicy()).validated()
+    limits = limits or ServerLimits()
+    host = EngineHost(engine, engine_factory, drain_timeout, on_startup_failure, limits)
+    workers = limits.validated().tokenizer_workers or max(1, min(8, os.cpu_count() or 1))
+    # Tokenization and chat templates run here, not on the event loop: /health, /metrics and every stream keep
+    # answering while a large prompt is encoded (HF fast tokenizers release the GIL while they encode).
+    tokenize_pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ddtree-tokenize")
+    gate: list[Admission] = []  # built once the engine's limits are known
+
+    def admission() -> Admission:
+        if not gate:
+            lim = host.require_limits()
+            gate.append(Admission(max_queued=lim.max_queued, max_queued_tokens=lim.max_queued_tokens,
+                                  max_running=lim.max_running))
+        return gate[0]
+
+    metrics = ServerMetrics(lambda: host.engine if host.ready else None,
+                            lambda: (gate[0].queued, gate[0].queued_tokens) if gate else (0, 0))
     started_at = time.time()
+
+    async def off_loop(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(tokenize_pool, lambda: fn(*args, **kwargs))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         host.start_in_background()
         yield
         await asyncio.to_thread(host.stop)
+        tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="ddtree", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.host = host
     app.state.metrics = metrics
+    app.state.access = access
+    app.state.queue = lambda: {"requests": admission().queued, "tokens": admission().queued_tokens,
+                               "running": admission().running}
+
+    def refused_at_edge(outcome: str) -> Callable[[str], None]:
+        return lambda path: metrics.refused(outcome) if path in GENERATION_ROUTES else None
+
+    # Outermost first: keys are checked before a byte of the body is read.
+    app.add_middleware(BodyLimitMiddleware, on_refused=refused_at_edge("too_large"),
+                       limit_fn=lambda: host.limits.max_body_bytes if host.limits else PROVISIONAL_BODY_BYTES)
+    app.add_middleware(AuthMiddleware, policy=access, on_refused=refused_at_edge("unauthorized"))
 
     # ------------------------------------------------------------------------------------------- errors
 
@@ -186,7 +254,7 @@ def create_app(
     @app.exception_handler(RequestValidationError)
     async def _bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
         refuse(request, "invalid")
-        message, param, code = _describe_validation_errors(exc.errors())
+        message, param, code = describe_validation_errors(exc.errors())
         return JSONResponse(error_body(message, param=param, code=code), status_code=400)
 
     @app.exception_handler(InvalidRequestError)
@@ -267,10 +335,15 @@ def create_app(
                 "rss_bytes": resident_memory_bytes(),
                 "uptime_s": time.time() - started_at,
                 "drain_timeout_s": host.drain_timeout,
+                "limits": host.require_limits().to_dict(),
+                "queue": app.state.queue(),
+                "auth": {"api_key": access.api_key is not None, "admin_api_key": access.admin_api_key is not None,
+                         "loopback_only": access.loopback_only},
             },
             # SGLang's place for the running acceptance length (read by tools written for SGLang).
             "internal_states": [{"avg_spec_accept_length": snap.generation_tokens_total / rounds if rounds else 0.0,
-                                 "num_running_reqs": snap.running, "num_queue_reqs": snap.queued}],
+                                 "num_running_reqs": snap.running,
+                                 "num_queue_reqs": snap.queued + admission().queued}],
         }
         return JSONResponse(info)
 
@@ -303,8 +376,15 @@ def create_app(
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         engine = host.require_ready()
         check_model(engine, body.model)
+        limits = host.require_limits()
+        limits.check_fields(body.stop, body.stop_token_ids)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        prompt_ids = engine.encode_prompt(body.prompt) if isinstance(body.prompt, str) else body.prompt
+        if isinstance(body.prompt, str):
+            limits.check_prompt_chars(body.prompt, "prompt")
+            prompt_ids = await off_loop(engine.encode_prompt, body.prompt)
+        else:
+            limits.check_prompt_ids(body.prompt)
+            prompt_ids = body.prompt
         request = body.to_generation_request(prompt_ids, engine.defaults, request_id)
         builder = ResponseBuilder(request_id=request_id, model=engine.model_name, chat=False)
         return await run_generation(engine, request, builder, raw, body)
@@ -313,8 +393,11 @@ def create_app(
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         engine = host.require_ready()
         check_model(engine, body.model)
+        limits = host.require_limits()
+        limits.check_fields(body.stop, body.stop_token_ids)
         # The tokenizer's chat template; the engine reports a template failure as an invalid request (400).
-        prompt_ids = engine.encode_chat(body.template_messages(), **(body.chat_template_kwargs or {}))
+        prompt_ids = await off_loop(_encode_chat, engine, limits, body.template_messages(),
+                                    body.chat_template_kwargs or {})
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         request = body.to_generation_request(prompt_ids, engine.defaults, request_id, engine.config.max_len)
         builder = ResponseBuilder(request_id=request_id, model=engine.model_name, chat=True)
@@ -322,191 +405,56 @@ def create_app(
 
     async def run_generation(engine: Engine, request: GenerationRequest, builder: ResponseBuilder, raw: Request,
                              body: CompletionRequest | ChatCompletionRequest) -> Response:
-        chunks = engine.stream(request)  # validates and admits now: raises InvalidRequestError / QueueFullError
+        """Validate, wait for a turn in the admission queue (a client that leaves meanwhile never reaches the
+        engine), submit, answer."""
+        ids, _ = engine.validate(request)  # 400 now, not after waiting in the queue
+        ticket = admission().enter(len(ids) + request.sampling.max_tokens)  # QueueFullError: 503
+        rid = request.request_id
         if body.stream:
-            usage = _StreamUsage(len(request.prompt_token_ids or ()), body.include_usage, body.continuous_usage)
-            return _CancellingStreamingResponse(
-                _sse_events(engine, chunks, request.request_id, builder, usage, metrics),
-                cancel=lambda: engine.cancel(request.request_id),
+            # Headers go out now (what streaming clients expect); the events wait for the turn. A client that
+            # leaves meanwhile ends the response, which closes the generator before anything was submitted.
+            usage = StreamUsage(len(ids), body.include_usage, body.continuous_usage)
+
+            def cancel() -> None:
+                if ticket.submitted:  # one still queued never reached the engine: nothing to cancel there
+                    engine.cancel(rid)
+                ticket.release()
+
+            return CancellingStreamingResponse(
+                sse_events(engine, request, ticket, builder, usage, metrics),
+                cancel=cancel,
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        return await _complete(engine, chunks, request.request_id, builder, raw, metrics)
+        try:
+            if not await wait_turn(ticket.wait, raw):
+                return Response(status_code=499)  # nobody is listening; the status is for the access log
+            chunks = ticket.submit(engine, request)  # raises QueueFullError if the engine is shutting down
+            return await complete(engine, chunks, rid, builder, raw, metrics)
+        finally:
+            ticket.release()
 
     return app
-
-
-# ---------------------------------------------------------------------------------------------- generation
-
-
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
-_SSE_DONE = "data: [DONE]\n\n"
-
-
-def _failure(chunk: StreamChunk) -> tuple[int, dict[str, Any]]:
-    """HTTP status and error body for a request the engine ended with ``cancelled`` or ``error``."""
-    if chunk.finish_reason == "cancelled":
-        message = "the request was aborted before it finished (the server is shutting down); retry it"
-        return 503, error_body(message, type_="server_error", code="aborted")
-    return 500, error_body(f"the engine failed on this request: {chunk.error or 'unknown error'}",
-                           type_="server_error", code="engine_error")
-
-
-class _CancellingStreamingResponse(StreamingResponse):
-    """A streaming response that cancels its request however the response ends before the last event.
-
-    The event generator cancels in its ``finally``, but a client that leaves before the first event is sent can
-    end the response before the generator ever starts, and a generator that never started has no ``finally``
-    to run. Cancelling a request that already finished is a no-op for the engine."""
-
-    def __init__(self, content: AsyncIterator[str], *, cancel: Callable[[], None], **kwargs: Any) -> None:
-        super().__init__(content, **kwargs)
-        self._cancel = cancel
-        self.completed = False
-
-    async def stream_response(self, send: Any) -> None:
-        await super().stream_response(send)
-        self.completed = True
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            if not self.completed:
-                self._cancel()
-
-
-@dataclasses.dataclass
-class _StreamUsage:
-    """What a stream reports about token counts: nothing, a final usage chunk, or also cumulative usage on every
-    chunk (``continuous``). ``completion`` counts the tokens delivered so far."""
-
-    prompt_tokens: int
-    include: bool
-    continuous: bool
-    completion: int = 0
-
-    def running(self) -> dict[str, int] | None:
-        return token_usage(self.prompt_tokens, self.completion) if self.continuous else None
-
-
-async def _sse_events(engine: Engine, chunks: AsyncIterator[StreamChunk], request_id: str, builder: ResponseBuilder,
-                      usage: _StreamUsage, metrics: ServerMetrics) -> AsyncIterator[str]:
-    """SSE for one request. Closing this generator early (client gone, server stopping) cancels the request.
-
-    Chunks whose tokens produced no text yet (an incomplete UTF-8 sequence, a possible stop-string prefix) are
-    not sent; their tokens count in the next chunk's cumulative usage."""
-    finished = False
-    try:
-        async for chunk in chunks:
-            usage.completion += len(chunk.token_ids)
-            if not chunk.finished:
-                if chunk.text:
-                    yield _sse(builder.chunk(chunk.text, None, include_usage=usage.include,
-                                             running_usage=usage.running()))
-                continue
-            finished = True
-            if chunk.finish_reason in ("cancelled", "error"):
-                if chunk.text:
-                    yield _sse(builder.chunk(chunk.text, None, include_usage=usage.include,
-                                             running_usage=usage.running()))
-                yield _sse(_failure(chunk)[1])
-                yield _SSE_DONE
-                return
-            assert chunk.stats is not None
-            metrics.finished(chunk.stats)
-            final = token_usage(chunk.stats.prompt_tokens, chunk.stats.completion_tokens)
-            yield _sse(builder.chunk(chunk.text, chunk.stats, include_usage=usage.include,
-                                     running_usage=final if usage.continuous else None))
-            if usage.include:
-                yield _sse(builder.usage_chunk(chunk.stats))
-            yield _SSE_DONE
-            return
-    finally:
-        if not finished:  # the consumer left before the end: free the slot now, not when the iterator is collected
-            engine.cancel(request_id)
-
-
-async def _wait_for_disconnect(raw: Request) -> None:
-    while (await raw.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _complete(engine: Engine, chunks: AsyncIterator[StreamChunk], request_id: str, builder: ResponseBuilder,
-                    raw: Request, metrics: ServerMetrics) -> Response:
-    """Collect a non-streamed answer while watching the connection: a client that leaves cancels its request."""
-
-    async def collect() -> tuple[str, StreamChunk]:
-        parts: list[str] = []
-        async for chunk in chunks:
-            parts.append(chunk.text)
-            if chunk.finished:
-                return "".join(parts), chunk
-        raise RuntimeError(f"the engine's stream for {request_id} ended without a final chunk")
-
-    collecting = asyncio.ensure_future(collect())
-    watching = asyncio.ensure_future(_wait_for_disconnect(raw))
-    try:
-        await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watching.cancel()
-        if not collecting.done():  # client gone, or this handler cancelled (server stopping)
-            collecting.cancel()
-            engine.cancel(request_id)
-    if not collecting.done() or collecting.cancelled():
-        return Response(status_code=499)  # nobody is listening; the status is for the access log
-    text, final = collecting.result()
-    if final.finish_reason in ("cancelled", "error"):
-        status, body = _failure(final)
-        return JSONResponse(body, status_code=status)
-    assert final.stats is not None
-    metrics.finished(final.stats)
-    return JSONResponse(builder.response(text, final.stats))
 
 
 # ------------------------------------------------------------------------------------------------- helpers
 
 
-def _describe_validation_errors(errors: Any) -> tuple[str, str | None, str]:
-    """One readable message for pydantic's error list: the first problem, its field, and how many more."""
-    errors = list(errors)
-    first = errors[0]
-    more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
-    if first["type"] == "json_invalid":
-        detail = first.get("ctx", {}).get("error", first["msg"])
-        return f"malformed JSON body: {detail}", None, "invalid_json"
-    param = _param_from_loc(first["loc"])
-    if param is None:
-        if first["type"] == "value_error":
-            return str(first["msg"]).removeprefix("Value error, "), None, "invalid_value"
-        if first["type"] == "missing":
-            return "the request body is empty; send a JSON object", None, "invalid_json"
-        return f"the request body must be a JSON object, got {first.get('input')!r:.80}", None, "invalid_json"
-    if first["type"] == "missing":
-        return f"missing required field {param!r}{more}", param, "missing_field"
-    message = str(first["msg"]).removeprefix("Value error, ")
-    if first["type"] == "extra_forbidden":
-        return f"unknown field {param!r}{more}", param, "unknown_field"
-    if first["type"] != "value_error":
-        message += f", got {first.get('input')!r:.80}"
-    return f"{param}: {message}{more}", param, "invalid_type"
+def _encode_chat(engine: Engine, limits: ResolvedLimits, messages: list[dict[str, Any]],
+                 template_kwargs: dict[str, Any]) -> list[int]:
+    """The chat's prompt ids, refusing a rendered chat too long to fit before tokenizing it (worker thread).
 
-
-def _param_from_loc(loc: Any) -> str | None:
-    """``("body", "messages", 0, "role")`` -> ``"messages[0].role"``; union branch tags are dropped."""
-    out = ""
-    for part in loc[1:] if loc and loc[0] == "body" else loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif isinstance(part, str) and part.isidentifier() and part not in _TYPE_TAGS:
-            out += f".{part}" if out else part
-    return out or None
-
-
-_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+    The template is rendered to text first for the length check (what the template does with each message,
+    dropping or adding text, is its own business), then the engine encodes it the way it always does."""
+    if limits.prompt_chars is not None:
+        try:
+            text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                        **template_kwargs)
+        except Exception as exc:  # template errors are the caller's input problem
+            raise InvalidRequestError(f"cannot apply the chat template: {exc}", param="messages") from exc
+        if isinstance(text, str):
+            limits.check_prompt_chars(text, "messages")
+    return engine.encode_chat(messages, **template_kwargs)
 
 
 def _jsonable(obj: Any) -> Any:

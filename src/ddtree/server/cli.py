@@ -5,6 +5,12 @@ The flags mirror :class:`~ddtree.engine.config.EngineConfig` (engine limits) and
 ``POST /server_config`` changes live). The server listens at once and loads the models in the background, so
 ``GET /health`` answers 503 until the engine is warm.
 
+Keys: ``--api-key`` (or ``DDTREE_API_KEY``, read here once, so keys stay off the command line) is required as
+``Authorization: Bearer <key>`` on every route but ``/health`` and ``/metrics``; ``--admin-api-key`` (or
+``DDTREE_ADMIN_API_KEY``) on routes that change server state, which without it are served only when the server
+listens on loopback (see :mod:`ddtree.server.auth`). Bounds on bodies, prompts and the queue:
+:mod:`ddtree.server.limits`, :mod:`ddtree.server.admission`.
+
 SIGTERM stops the server gracefully: uvicorn stops accepting connections while the engine refuses new work and
 lets in-flight requests finish for up to ``--drain-timeout`` seconds; what is still running then is aborted
 (a stream gets an error event and ``[DONE]``, a plain request a 503), and the process exits 0.
@@ -24,6 +30,7 @@ import uvicorn
 
 from ddtree.engine.api import TreeSettings
 from ddtree.engine.config import EngineConfig
+from ddtree.errors import ConfigError
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -41,7 +48,16 @@ def serve_app(
 ) -> int:
     """Run ``app`` (from :func:`~ddtree.server.app.create_app`) under uvicorn until SIGTERM/SIGINT; the exit code.
 
-    Returns 0 after a graceful stop (SIGTERM included) and 1 when the engine failed to load or start."""
+    Returns 0 after a graceful stop (SIGTERM included) and 1 when the engine failed to load or start.
+    An app whose access policy was built for loopback only (the default) refuses to listen anywhere else."""
+    from ddtree.server.auth import is_loopback
+
+    policy = getattr(app.state, "access", None)
+    if policy is not None and policy.loopback_only and not is_loopback(host):
+        raise ConfigError(f"the app was built for a loopback-only server but would listen on {host!r}; build it "
+                          "with create_app(access=AccessPolicy(loopback_only=False, ...))")
+    if policy is not None and policy.api_key is None and not is_loopback(host):
+        logger.warning("listening on %s without --api-key: anyone who can reach the port can generate", host)
     config = uvicorn.Config(
         app,
         host=host,
@@ -125,9 +141,16 @@ def serve(
     port: int = typer.Option(8000, help="Port to listen on."),
     drain_timeout: float = typer.Option(30.0, help="Seconds to let in-flight requests finish after SIGTERM."),
     log_level: str = typer.Option("info", help="critical, error, warning, info or debug (debug adds an access log)."),
+    api_key: str | None = typer.Option(None, envvar="DDTREE_API_KEY", show_default=False, help="Require 'Authorization: Bearer <key>' on every route but /health and /metrics."),
+    admin_api_key: str | None = typer.Option(None, envvar="DDTREE_ADMIN_API_KEY", show_default=False, help="Key for routes that change server state (POST /server_config, stats resets); without it they are refused unless --host is loopback."),
+    max_body_bytes: int | None = typer.Option(None, help="Largest request body (default: derived from --max-len and the tokenizer, so any prompt that fits is accepted)."),
+    max_queued_tokens: int | None = typer.Option(None, help="Prompt + max_tokens of the requests waiting for a slot before new ones get 503 (default: 4 x max_batch x max_len)."),
+    tokenizer_workers: int | None = typer.Option(None, help="Threads that tokenize and render chat templates off the event loop (default: the CPU count, at most 8)."),
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions) with per-request tree settings."""
     from ddtree.server.app import create_app
+    from ddtree.server.auth import AccessPolicy, is_loopback
+    from ddtree.server.limits import ServerLimits
 
     tree = TreeSettings(method=method, budget=budget, topk=topk, block_size=block_size,  # type: ignore[arg-type]
                         draft_window=draft_window)
@@ -136,6 +159,9 @@ def serve(
         max_budget=max_budget, max_block_size=max_block_size, max_queue=max_queue, prefill_chunk=prefill_chunk,
         kv_memory_fraction=kv_memory_fraction, default_tree=tree, seed=seed, draft_fp8=draft_fp8,
     ).validated()
+    access = AccessPolicy(api_key=api_key, admin_api_key=admin_api_key, loopback_only=is_loopback(host)).validated()
+    limits = ServerLimits(max_body_bytes=max_body_bytes, max_queued_tokens=max_queued_tokens,
+                          tokenizer_workers=tokenizer_workers).validated()
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def build_engine():  # runs in the server's loading thread, after the port is open
@@ -143,7 +169,7 @@ def serve(
 
         return Engine(config)
 
-    app = create_app(engine_factory=build_engine, drain_timeout=drain_timeout)
+    app = create_app(engine_factory=build_engine, drain_timeout=drain_timeout, access=access, limits=limits)
     code = serve_app(app, host=host, port=port, drain_timeout=drain_timeout, log_level=log_level)
     if code != EXIT_OK:
         raise typer.Exit(code)

@@ -11,14 +11,17 @@ dashboards built for SGLang need only the prefix changed:
 ==========================================  =========  ==================================================
 ``ddtree:requests_total{outcome}``          counter    engine finish reasons (stop, length, cancelled,
                                                        error) and refusals (invalid, not_found,
-                                                       queue_full, unavailable)
+                                                       queue_full, unavailable, too_large: 413,
+                                                       unauthorized: 401/403)
 ``ddtree:prompt_tokens_total``              counter    prompt tokens of admitted requests
 ``ddtree:generation_tokens_total``          counter    completion tokens
 ``ddtree:spec_verify_calls_total``          counter    verify rounds (target forwards over a tree)
 ``ddtree:spec_accept_length``               gauge      completion tokens per verify round since start
 ``ddtree:spec_accept_length_per_round``     histogram  tokens committed by each round (bonus included)
 ``ddtree:num_running_reqs``                 gauge      requests holding a KV slot
-``ddtree:num_queue_reqs``                   gauge      requests waiting for a slot
+``ddtree:num_queue_reqs``                   gauge      requests waiting for a slot (the server's queue
+                                                       and the engine's)
+``ddtree:num_queue_tokens``                 gauge      prompt + max_tokens of the server's queue
 ``ddtree:max_running_reqs``                 gauge      KV slots
 ``ddtree:kv_tokens_used`` / ``_capacity``   gauge      KV cache positions in use / allocated
 ``ddtree:token_usage``                      gauge      kv_tokens_used / kv_tokens_capacity
@@ -41,15 +44,17 @@ from prometheus_client.registry import Collector
 from ddtree.engine.api import RequestStats
 
 PREFIX = "ddtree:"
-REFUSALS: tuple[str, ...] = ("invalid", "not_found", "queue_full", "unavailable")
+REFUSALS: tuple[str, ...] = ("invalid", "not_found", "queue_full", "unavailable", "too_large", "unauthorized")
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
 class _EngineCollector(Collector):
     """Reads one engine snapshot per scrape. ``engine_fn`` returns None while the engine is still loading."""
 
-    def __init__(self, engine_fn: Callable[[], Any], refusals: dict[str, int], lock: threading.Lock) -> None:
+    def __init__(self, engine_fn: Callable[[], Any], queue_fn: Callable[[], tuple[int, int]],
+                 refusals: dict[str, int], lock: threading.Lock) -> None:
         self._engine_fn = engine_fn
+        self._queue_fn = queue_fn
         self._refusals = refusals
         self._lock = lock
 
@@ -100,7 +105,9 @@ class _EngineCollector(Collector):
                                     buckets=buckets, sum_value=committed)
 
         yield gauge("num_running_reqs", "Requests holding a KV slot.", get("running"))
-        yield gauge("num_queue_reqs", "Requests waiting for a KV slot.", get("queued"))
+        server_queued, server_tokens = self._queue_fn()
+        yield gauge("num_queue_reqs", "Requests waiting for a KV slot.", get("queued") + server_queued)
+        yield gauge("num_queue_tokens", "Prompt + max_tokens of the requests in the server's queue.", server_tokens)
         yield gauge("max_running_reqs", "KV slots (the engine's max batch).", get("max_batch"))
         used, capacity = get("kv_tokens_used"), get("kv_tokens_capacity")
         yield gauge("kv_tokens_used", "KV cache positions in use.", used)
@@ -116,11 +123,12 @@ class _EngineCollector(Collector):
 class ServerMetrics:
     """The registry behind ``GET /metrics`` plus the two things the server counts itself."""
 
-    def __init__(self, engine_fn: Callable[[], Any]) -> None:
+    def __init__(self, engine_fn: Callable[[], Any], queue_fn: Callable[[], tuple[int, int]] = lambda: (0, 0)) -> None:
+        """``queue_fn``: (requests, tokens) waiting in the server's admission queue."""
         self.registry = CollectorRegistry(auto_describe=True)
         self._lock = threading.Lock()
         self._refusals: dict[str, int] = dict.fromkeys(REFUSALS, 0)
-        self.registry.register(_EngineCollector(engine_fn, self._refusals, self._lock))
+        self.registry.register(_EngineCollector(engine_fn, queue_fn, self._refusals, self._lock))
         self._ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token per request.",
                                buckets=_LATENCY_BUCKETS, registry=self.registry)
         self._e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "End-to-end latency per request.",

@@ -383,3 +383,45 @@ class ResponseBuilder:
         body = self._head("chat.completion.chunk" if self.chat else "text_completion")
         body.update(choices=[], usage=usage(stats))
         return body
+
+
+# ------------------------------------------------------------------------------------- validation errors
+
+
+def describe_validation_errors(errors: Any) -> tuple[str, str | None, str]:
+    """One readable message for pydantic's error list: the first problem, its field, and how many more."""
+    errors = list(errors)
+    first = errors[0]
+    more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
+    if first["type"] == "json_invalid":
+        detail = first.get("ctx", {}).get("error", first["msg"])
+        return f"malformed JSON body: {detail}", None, "invalid_json"
+    param = _param_from_loc(first["loc"])
+    if param is None:
+        if first["type"] == "value_error":
+            return str(first["msg"]).removeprefix("Value error, "), None, "invalid_value"
+        if first["type"] == "missing":
+            return "the request body is empty; send a JSON object", None, "invalid_json"
+        return f"the request body must be a JSON object, got {first.get('input')!r:.80}", None, "invalid_json"
+    if first["type"] == "missing":
+        return f"missing required field {param!r}{more}", param, "missing_field"
+    message = str(first["msg"]).removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        return f"unknown field {param!r}{more}", param, "unknown_field"
+    if first["type"] != "value_error":
+        message += f", got {first.get('input')!r:.80}"
+    return f"{param}: {message}{more}", param, "invalid_type"
+
+
+def _param_from_loc(loc: Any) -> str | None:
+    """``("body", "messages", 0, "role")`` -> ``"messages[0].role"``; union branch tags are dropped."""
+    out = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif isinstance(part, str) and part.isidentifier() and part not in _TYPE_TAGS:
+            out += f".{part}" if out else part
+    return out or None
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
