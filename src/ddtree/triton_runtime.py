@@ -39,7 +39,7 @@ except ImportError:  # Triton is optional: every kernel has a torch path
     triton = None
     tl = None
 
-__all__ = ["INTERPRETED", "can_run", "cpu_interpreter", "tl", "triton"]
+__all__ = ["INTERPRETED", "can_run", "cpu_interpreter", "masked_if", "tl", "triton"]
 
 
 def _interpreter_on() -> bool:
@@ -78,3 +78,16 @@ def can_run(t: Tensor) -> bool:
     if t.is_cuda:
         return not INTERPRETED
     return t.device.type == "cpu" and INTERPRETED and bool(_CPU_INTERPRETER) and _CPU_INTERPRETER[-1]
+
+
+if triton is not None:
+
+    @triton.jit
+    def masked_if(cond, mask):
+        """``mask & cond`` for a scalar ``cond`` (a per-program condition) and a block ``mask`` [BLOCK] of int1.
+
+        Why a select instead of ``&``: Triton's interpreter (3.9 at least) keeps a scalar comparison's data in its
+        operands' integer type, so ``scalar_cmp & block_mask`` splats int32 data and every load or store then
+        refuses it ("mask has unsupported dtype"). ``tl.where`` broadcasts the condition without that, and
+        compiles to the same predicate, so kernels that use it read the same on every Triton from 3.2 on."""
+        return tl.where(cond, mask, False)

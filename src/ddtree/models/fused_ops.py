@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ddtree.errors import ConfigError
-from ddtree.triton_runtime import tl, triton
+from ddtree.triton_runtime import masked_if, tl, triton
 
 _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -101,10 +101,10 @@ if triton is not None:
         q_dst = q_ptr + ((r * n_heads + head) * n_tokens + t) * (2 * HALF)
         k_dst = k_ptr + ((r * n_kv + head - n_heads) * n_tokens + t) * (2 * HALF)
         is_k = head >= n_heads
-        tl.store(q_dst + cols, o1.to(out_ty), mask=mask & is_q)
-        tl.store(q_dst + HALF + cols, o2.to(out_ty), mask=mask & is_q)
-        tl.store(k_dst + cols, o1.to(out_ty), mask=mask & is_k)
-        tl.store(k_dst + HALF + cols, o2.to(out_ty), mask=mask & is_k)
+        tl.store(q_dst + cols, o1.to(out_ty), mask=masked_if(is_q, mask))
+        tl.store(q_dst + HALF + cols, o2.to(out_ty), mask=masked_if(is_q, mask))
+        tl.store(k_dst + cols, o1.to(out_ty), mask=masked_if(is_k, mask))
+        tl.store(k_dst + HALF + cols, o2.to(out_ty), mask=masked_if(is_k, mask))
 
     @triton.jit
     def _silu_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_out, BLOCK: tl.constexpr):

@@ -56,7 +56,7 @@ import torch
 from torch import Tensor
 
 from ddtree.errors import ConfigError
-from ddtree.triton_runtime import can_run, tl, triton
+from ddtree.triton_runtime import can_run, masked_if, tl, triton
 
 MAX_BUDGET = 2048  # largest max_budget the kernel takes; build_trees keeps the torch loop above it
 
@@ -205,7 +205,7 @@ if triton is not None:
 
         # Depth 1: the candidate list itself, read back to front so that `best` is ascending; rank = token rank.
         rank = BLOCK - 1 - lanes
-        x = tl.load(lp_row + rank, mask=(rank < width) & (n_depths > 0), other=float("-inf"))
+        x = tl.load(lp_row + rank, mask=masked_if(n_depths > 0, rank < width), other=float("-inf"))
         fresh = kept & (x > float("-inf"))
         best = tl.where(fresh, _key(x, 0, rank, IMAX, IB, IMAX, DMAX), _NONE)
         tl.store(score_ptr + table + rank, x, mask=fresh)

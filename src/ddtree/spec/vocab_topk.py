@@ -69,7 +69,7 @@ import torch
 from torch import Tensor
 
 from ddtree.errors import ConfigError
-from ddtree.triton_runtime import can_run, tl, triton
+from ddtree.triton_runtime import can_run, masked_if, tl, triton
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # build_trees uses the kernel (see kernel_takes) up to FAST_MAX_K candidates per depth, and above RUNNING_MAX_K only
@@ -325,12 +325,12 @@ if triton is not None:
         # Two loads in flight per program: pieces c + 1 and c + 2 are on their way while piece c is processed.
         ids = first * CHUNK + lanes
         x_next = tl.load(row_ptr + ids, mask=ids < vocab, other=float("-inf"))
-        x_after = tl.load(row_ptr + ids + CHUNK, mask=(first + 1 < last) & (ids + CHUNK < vocab), other=float("-inf"))
+        x_after = tl.load(row_ptr + ids + CHUNK, mask=masked_if(first + 1 < last, ids + CHUNK < vocab), other=float("-inf"))
         for c in range(first, last):
             ids = c * CHUNK + lanes  # [CHUNK] int32 token ids
             x = x_next.to(tl.float32)  # -inf past the vocabulary
             x_next = x_after
-            x_after = tl.load(row_ptr + ids + 2 * CHUNK, mask=(c + 2 < last) & (ids + 2 * CHUNK < vocab),
+            x_after = tl.load(row_ptr + ids + 2 * CHUNK, mask=masked_if(c + 2 < last, ids + 2 * CHUNK < vocab),
                               other=float("-inf"))
             piece_max = tl.max(x, 0)
             m_new = tl.maximum(m, piece_max)
