@@ -278,6 +278,8 @@ def conclusions(results: RunResults) -> list[str]:
         text = f"{rec.workload.title} ({rec.workload.label}): **{results.label(win.config.config_id)}** at {win.tok_s:.1f} tok/s"
         if rec.metric == "goodput":
             text += f", {win.goodput or 0.0:.2f} req/s within the SLO"
+        if run is not None and rec.margin_pct is None and rec.metric == "goodput":
+            text += f", while {results.label(run.config.config_id)} and the rest met the SLO with no request"
         if run is not None and rec.margin_pct is not None:
             verdict = {
                 "exceeds": "beyond the run-to-run spread",

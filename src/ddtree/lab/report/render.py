@@ -118,7 +118,9 @@ def recommendations_table(results: RunResults) -> Table:
     for rec in recommend(results):
         win, run = rec.winner, rec.runner_up
         good = rec.metric == "goodput"
-        margin = "-" if rec.margin is None else f"{rec.margin:+.1f} ({rec.margin_pct:+.1f}%)"
+        digits = 2 if good else 1
+        pct = "" if rec.margin_pct is None else f" ({rec.margin_pct:+.1f}%)"
+        margin = "-" if rec.margin is None else f"{rec.margin:+.{digits}f}{' req/s' if good else ''}{pct}"
         verdict = {"exceeds": "yes", "within": "no", "unknown": "unknown", "no runner-up": "-"}[rec.spread]
         rows.append([
             rec.workload.title,
