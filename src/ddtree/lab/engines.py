@@ -31,7 +31,7 @@ Acceptance by depth
     histogram as it is, ddtree's ``accept_hist`` (indexed by committed tokens, bonus included) shifted by one.
     The depth curve is ``P(accepted >= d)`` for ``d = 1 .. max``: the fraction of rounds whose first ``d`` draft
     tokens were all accepted. vLLM gives it directly: ``num_accepted_tokens_per_pos_total{position=d-1}`` over
-    ``num_drafts_total`` (differences over the run). The curve sums to the acceptance length minus one.
+    ``num_drafts_total`` (differences over the run). The curve sums to the mean accepted drafts per round.
 
 Prometheus text is parsed with ``prometheus_client``'s parser (a main dependency).
 """

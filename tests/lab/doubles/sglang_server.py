@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
 from doubles.script import Script, Truth
 
 MODEL = "double-sglang-model"

@@ -265,7 +265,8 @@ def build_sections(results: RunResults, plots: dict[str, Path]) -> list[Section]
             tables=[latency_table(results)]),
         Section("Acceptance by depth", paragraphs=[
             "Fraction of verify rounds whose first d draft tokens were all accepted (the bonus token not counted); "
-            "the row sums to the acceptance length minus one. Source: per_request = the responses' own statistics "
+            "a row sums to the mean accepted drafts per round (the acceptance length minus one, less a little: the "
+            "length also counts the token prefill produced). Source: per_request = the responses' own statistics "
             "(ddtree, SGLang meta_info or sglext), prometheus = counter differences over each run, server_info = "
             "SGLang's running average over a flushed run."
             + (f" The drafter was trained with block size {results.trained_block_size} (depth "
