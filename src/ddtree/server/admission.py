@@ -26,6 +26,9 @@ if TYPE_CHECKING:
     from ddtree.engine import Engine
 
 
+ENGINE_ROOM_WAIT_S = 1.0
+
+
 class Ticket:
     """One request's place: waiting, then running (holding an engine slot), then released (idempotent)."""
 
@@ -76,6 +79,19 @@ class Ticket:
                     engine.cancel(rid)
 
         return iterate()
+
+    async def submit_when_room(self, engine: Engine, request: GenerationRequest) -> AsyncIterator[StreamChunk]:
+        """:meth:`submit`, retried for up to a second while the engine's inbox still holds messages about
+        requests this server already let go of (their cancellations count against the engine's own queue
+        bound until its loop drains them); a QueueFullError from an engine that is shutting down is raised."""
+        deadline = self._loop.time() + ENGINE_ROOM_WAIT_S
+        while True:
+            try:
+                return self.submit(engine, request)
+            except QueueFullError:
+                if not engine.ready or self._loop.time() > deadline:
+                    raise
+                await asyncio.sleep(0.005)
 
     def release(self) -> None:
         """The handler is done with the request: a waiting one leaves the queue, an admitted one that was never

@@ -429,7 +429,7 @@ def create_app(
         try:
             if not await wait_turn(ticket.wait, raw):
                 return Response(status_code=499)  # nobody is listening; the status is for the access log
-            chunks = ticket.submit(engine, request)  # raises QueueFullError if the engine is shutting down
+            chunks = await ticket.submit_when_room(engine, request)  # raises QueueFullError if the engine is shutting down
             return await complete(engine, chunks, rid, builder, raw, metrics)
         finally:
             ticket.release()

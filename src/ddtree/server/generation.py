@@ -93,7 +93,7 @@ async def sse_events(engine: Engine, request: GenerationRequest, ticket: Ticket,
     try:
         await ticket.wait()
         try:
-            chunks = ticket.submit(engine, request)
+            chunks = await ticket.submit_when_room(engine, request)
         except (InvalidRequestError, QueueFullError) as exc:  # the engine started shutting down meanwhile
             yield _sse(error_body(str(exc), type_="server_error", code="aborted"))
             yield _SSE_DONE
