@@ -134,6 +134,7 @@ def drafter_command(
     anchors_per_row: int | None = typer.Option(None, help="Blocks drawn per row."),
     lr: float | None = typer.Option(None, help="Peak learning rate."),
     init: str | None = typer.Option(None, help="random, or target (start from the target's last layers)."),
+    init_from: Path | None = typer.Option(None, help="A trained drafter directory to start from (fine-tuning)."),
     seed: int | None = typer.Option(None, help="Random seed."),
     log: Path | None = typer.Option(None, help="JSON log path (default: OUT/train_log.json)."),
 ) -> None:
@@ -143,7 +144,7 @@ def drafter_command(
 
     config = drafter_preset(preset, num_layers=num_layers, max_steps=steps, time_budget_s=time_budget_s,
                             rows_per_step=rows_per_step, anchors_per_row=anchors_per_row, lr=lr, seed=seed,
-                            init=init)
+                            init=init, init_from=str(init_from) if init_from else None)
     result = train_drafter(target, data, out, config, eval_paths=eval_data, device=device,
                            log_path=log or out / "train_log.json")
     typer.echo(json.dumps(result["results"], indent=2))

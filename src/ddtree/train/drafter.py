@@ -44,6 +44,7 @@ from ddtree.models import (
     DrafterConfig,
     TargetModel,
     default_target_layer_ids,
+    load_drafter,
     load_target,
     save_drafter,
 )
@@ -76,11 +77,14 @@ class DrafterTrainConfig:
     eval_every: int = 200
     eval_rows: int = 16
     init: str = "random"  # "random" or "target": start from the target's last layers (see init_from_target)
+    init_from: str | None = None  # a drafter directory to start from (fine-tuning); excludes init="target"
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.init not in ("random", "target"):
             raise ConfigError(f"init must be 'random' or 'target', got {self.init!r}")
+        if self.init_from is not None and self.init == "target":
+            raise ConfigError("init_from (a drafter to fine-tune) and init='target' exclude each other; pick one")
         for name in ("num_layers", "intermediate_size", "rows_per_step", "anchors_per_row", "max_steps",
                      "warmup_steps", "eval_every", "eval_rows"):
             if getattr(self, name) < 1:
@@ -289,6 +293,24 @@ def init_from_target(drafter: DFlashDrafter, target: TargetModel) -> None:
     drafter.hidden_norm.weight.copy_(target.layers[first].input_layernorm.weight)
 
 
+@torch.no_grad()
+def init_from_drafter(drafter: DFlashDrafter, source: str | Path) -> None:
+    """Start from a trained drafter's weights (fine-tuning, e.g. on new context lengths).
+
+    Why its own step rather than loading the source as the model: the run's shape comes from the training config,
+    so a source of another shape (layers, MLP width, block size, target inputs) is refused here, naming the
+    difference, instead of training something other than what the config says."""
+    src = load_drafter(source, dtype=torch.float32, device="cpu")
+    mine, theirs = drafter.config.to_hf_dict(), src.config.to_hf_dict()
+    differ = sorted(k for k in set(mine) | set(theirs) if k != "torch_dtype" and mine.get(k) != theirs.get(k))
+    if differ:
+        raise ConfigError(
+            f"the drafter in {str(source)!r} differs from this run's config in {', '.join(differ)}; "
+            "train with matching settings or start from random"
+        )
+    drafter.load_state_dict(src.state_dict())
+
+
 def _mask_token_id(target_dir: Path) -> int:
     tokenizer = load_raw_tokenizer(target_dir)
     mask = tokenizer.token_to_id(MASK_TOKEN)
@@ -323,6 +345,8 @@ def train_drafter(
     drafter.check_target(target)
     if config.init == "target":
         init_from_target(drafter, target)
+    if config.init_from is not None:
+        init_from_drafter(drafter, config.init_from)
     drafter.train()
     datasets = [load_continuations(p) for p in data_paths]
     evals = [load_continuations(p) for p in eval_paths]
