@@ -172,7 +172,7 @@ def test_bad_checkpoint_ends_serve_app_with_1(tmp_path, caplog):
     from ddtree.server.cli import serve_app
 
     config = EngineConfig(target=str(tmp_path / "missing"), draft="none", device="cpu")
-    app = create_app(engine_factory=lambda: Engine(config))
+    app = create_app(engine_factory=lambda: Engine.from_config(config))
     assert serve_app(app, port=free_port(), log_level="warning") == 1
     assert "engine failed to start" in caplog.text and "missing" in caplog.text
 

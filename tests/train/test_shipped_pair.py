@@ -77,7 +77,7 @@ def test_greedy_speculative_outputs_equal_plain_decoding() -> None:
     from ddtree.engine.api import GenerationRequest, SamplingParams, TreeSettings
     from ddtree.engine.config import EngineConfig
 
-    engine = Engine(EngineConfig(device="cpu", max_batch=4, max_len=512, max_budget=32))
+    engine = Engine.from_config(EngineConfig(device="cpu", max_batch=4, max_len=512, max_budget=32))
     engine.start()
     try:
         prompts = ["import json\n\n\ndef load(path):\n", "class Stack:\n    def __init__(self):\n",

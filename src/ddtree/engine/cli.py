@@ -52,7 +52,7 @@ def generate(
     )
     from ddtree.engine.engine import Engine
 
-    engine = Engine(config)
+    engine = Engine.from_config(config)
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                               max_tokens=max_tokens, stop=tuple(stop), ignore_eos=ignore_eos)
     if chat:

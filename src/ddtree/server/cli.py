@@ -167,7 +167,7 @@ def serve(
     def build_engine():  # runs in the server's loading thread, after the port is open
         from ddtree.engine import Engine
 
-        return Engine(config)
+        return Engine.from_config(config)
 
     app = create_app(engine_factory=build_engine, drain_timeout=drain_timeout, access=access, limits=limits)
     code = serve_app(app, host=host, port=port, drain_timeout=drain_timeout, log_level=log_level)

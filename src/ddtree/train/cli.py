@@ -178,7 +178,7 @@ def quality_command(
     config = EngineConfig(target=str(target) if target else None, draft=str(draft) if draft else None,
                           device=device, dtype=dtype, max_batch=max_batch,
                           max_len=prompt_len + new_tokens + 16, max_budget=max(budget_list + (16,)))
-    engine = Engine(config)
+    engine = Engine.from_config(config)
     engine.start()
     try:
         results = measure_acceptance(engine, rows, new_tokens=new_tokens, budgets=budget_list)

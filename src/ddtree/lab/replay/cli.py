@@ -69,7 +69,7 @@ def record(
 
         problems = load_problems()
         texts = [problems[t]["prompt"] for t in GATE_TASKS]
-    engine = Engine(EngineConfig(target=target, draft=draft, device=device, dtype=dtype, max_batch=min(8, len(texts)),
+    engine = Engine.from_config(EngineConfig(target=target, draft=draft, device=device, dtype=dtype, max_batch=min(8, len(texts)),
                                  max_len=4096, max_budget=max(64, top_m), max_block_size=block_size).validated())
     engine.start()
     try:

@@ -169,7 +169,7 @@ class _InProcessBackend:
             engine_config = self.target.engine_config or sized_engine_config(self.config)
             self.console.print(f"loading the engine ({engine_config.target or 'the embedded demo pair'}) ...")
             started = time.monotonic()
-            self._engine = Engine(engine_config)
+            self._engine = Engine.from_config(engine_config)
             self._engine.start()
             self.load_s = time.monotonic() - started
         elif not self._engine.ready:

@@ -1,0 +1,219 @@
+"""Building an engine: load the models, fuse and quantize them, size the KV caches and set up CUDA graphs.
+
+Everything here runs once, before the engine thread starts; the product is one :class:`EngineParts` that the
+scheduler (:mod:`ddtree.engine.scheduler`) runs and the facade (:mod:`ddtree.engine.engine`) exposes. Why a module
+of its own: set-up (``/proc/meminfo``, fp8 calibration, fusing) changes for other reasons than scheduling does.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+import weakref
+from dataclasses import dataclass, replace
+
+import torch
+
+from ddtree.devices import resolve_device, resolve_dtype
+from ddtree.engine.api import TreeSettings
+from ddtree.engine.config import EngineConfig
+from ddtree.engine.runner import ModelRunner
+from ddtree.errors import ConfigError
+from ddtree.models import fuse_projections
+
+log = logging.getLogger("ddtree.engine")
+
+# Whole prompts up to this many tokens prefill through a CUDA graph (cuda_graphs.PrefillGraphs); longer ones eager.
+PREFILL_GRAPH_MAX_WIDTH = 1024
+
+
+@dataclass
+class EngineParts:
+    """What a built engine runs: the models, the resolved config (``max_batch`` and ``max_block_size`` filled in),
+    the runner with its KV caches and, on CUDA, the graph sets."""
+
+    target: torch.nn.Module
+    drafter: torch.nn.Module | None
+    tokenizer: object
+    config: EngineConfig
+    model_name: str
+    trained_block_size: int
+    cache_len: int  # KV positions per slot: max_len plus the headroom one step may write past it
+    runner: ModelRunner
+    graphs: object | None  # cuda_graphs.RoundGraphs
+    prefill_graphs: object | None  # cuda_graphs.PrefillGraphs
+    overlap: bool  # EngineConfig.overlap_rounds resolved for the device
+    eos_ids: frozenset[int]
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+
+def load_models(config: EngineConfig):
+    """Load the configured target, drafter and tokenizer -> (target, drafter, tokenizer, config with the device and
+    dtype resolved, served model name)."""
+    from ddtree.models import load_drafter, load_target, load_tokenizer
+
+    config = config.validated()
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    target_dir, draft_dir, name = _model_paths(config)
+    target = load_target(target_dir, dtype=dtype, device=device)
+    drafter = load_drafter(draft_dir, dtype=dtype, device=device) if draft_dir is not None else None
+    tokenizer = load_tokenizer(target_dir)
+    return target, drafter, tokenizer, replace(config, device=str(device), dtype=str(dtype).split(".")[-1]), name
+
+
+def build(target, drafter, tokenizer, config: EngineConfig, *, model_name: str) -> EngineParts:
+    """Prepare loaded models for serving: fuse (CUDA), fp8 (``draft_fp8``), KV slots (``kv_memory_fraction``), the
+    runner and the CUDA graph sets. ``config``'s device and dtype are taken from the target's parameters."""
+    param = next(target.parameters())
+    config = replace(config.validated(), device=str(param.device), dtype=str(param.dtype).split(".")[-1])
+    device = param.device
+    trained_block_size = int(drafter.trained_block_size) if drafter is not None else 2
+    max_block = config.max_block_size or trained_block_size
+    if drafter is not None and max_block > trained_block_size:
+        warnings.warn(
+            f"max_block_size {max_block} exceeds the drafter's trained block size {trained_block_size}: "
+            "draft positions past the trained depth are untrained and rarely accepted",
+            stacklevel=4,
+        )
+    if device.type == "cuda":
+        # One matmul for q/k/v and one for gate/up per layer (the weights become views of a fused matrix) and,
+        # with gpu_kernels, Triton kernels for the element-wise steps: the graphs captured below launch ~10
+        # kernels per decoder layer instead of ~50.
+        fuse_projections(target, kernels=config.gpu_kernels)
+        if drafter is not None:
+            fuse_projections(drafter, kernels=config.gpu_kernels)
+    _check_fp8_sharing(drafter, config.draft_fp8)
+    if config.draft_fp8:
+        _quantize_drafter(target, drafter, tokenizer, kernels=config.gpu_kernels)
+    headroom = max(config.prefill_chunk, config.max_budget + 1, max_block) + 1
+    max_batch = config.max_batch
+    if config.kv_memory_fraction is not None:
+        max_batch = _slots_from_memory(target, drafter, config, headroom, device)
+    config = replace(config, max_batch=max_batch, max_block_size=max_block)
+    cache_len = config.max_len + headroom
+    runner = ModelRunner(target, drafter, slots=max_batch, cache_len=cache_len, kernels=config.gpu_kernels)
+    graphs = prefill_graphs = None
+    if config.cuda_graphs and device.type == "cuda":
+        from ddtree.engine.cuda_graphs import PrefillGraphs, RoundGraphs
+
+        graphs = RoundGraphs(runner, max_rows=max_batch, cache_len=cache_len)
+        if config.prefill_graphs:
+            prefill_graphs = PrefillGraphs(runner, max_rows=max_batch,
+                                           max_width=min(PREFILL_GRAPH_MAX_WIDTH, config.prefill_chunk))
+    overlap = config.overlap_rounds if config.overlap_rounds is not None else device.type == "cuda"
+    log.info("engine: %s on %s/%s, %d slots x %d tokens, KV %.1f MiB", model_name, device, config.dtype, max_batch,
+             cache_len, runner.kv_bytes / 2**20)
+    return EngineParts(target=target, drafter=drafter, tokenizer=tokenizer, config=config, model_name=model_name,
+                       trained_block_size=trained_block_size, cache_len=cache_len, runner=runner, graphs=graphs,
+                       prefill_graphs=prefill_graphs, overlap=overlap, eos_ids=_eos_ids(target, tokenizer))
+
+
+def default_tree(parts: EngineParts) -> TreeSettings:
+    """The configured default tree, or AR for an engine without a drafter."""
+    return parts.config.default_tree if parts.drafter is not None else TreeSettings(method="ar")
+
+
+def _eos_ids(target, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    eos = getattr(target.config, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif isinstance(eos, (list, tuple)):
+        ids.update(int(e) for e in eos)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)
+
+
+def _model_paths(config: EngineConfig) -> tuple[str, str | None, str]:
+    """Target dir, drafter dir (None = no drafter) and the served model name; demo pair by default."""
+    if config.target is None:
+        from ddtree.assets import demo_drafter_path, demo_target_path
+
+        target, name = str(demo_target_path()), "ddtree-demo"
+        draft = str(demo_drafter_path()) if config.draft is None else config.draft
+    else:
+        target, name = config.target, str(config.target).rstrip("/").split("/")[-1]
+        draft = config.draft
+        if draft is None:
+            raise ConfigError("--target was given without --draft; pass --draft DIR, or --draft none for AR only")
+    if draft is not None and draft.lower() == "none":
+        draft = None
+    return target, draft, name
+
+
+def _slots_from_memory(target, drafter, config: EngineConfig, headroom: int, device: torch.device) -> int:
+    """KV slots that fit in ``kv_memory_fraction`` of the device's free memory (at least 1)."""
+    per_token = _kv_bytes_per_token(target) + (_kv_bytes_per_token(drafter) if drafter is not None else 0)
+    per_slot = per_token * (config.max_len + headroom)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+    else:
+        free = _host_available_bytes()
+    slots = int(free * float(config.kv_memory_fraction) // per_slot)
+    if slots < 1:
+        raise ConfigError(
+            f"kv_memory_fraction {config.kv_memory_fraction} of {free / 2**30:.1f} GiB free holds no KV slot of "
+            f"{per_slot / 2**20:.1f} MiB; raise the fraction or lower max_len"
+        )
+    return slots
+
+
+def _kv_bytes_per_token(model) -> int:
+    cfg = model.config
+    elem = next(model.parameters()).element_size()
+    return 2 * int(cfg.num_layers) * int(cfg.num_kv_heads) * int(cfg.head_dim) * elem
+
+
+def _host_available_bytes() -> int:
+    with open("/proc/meminfo") as fh:
+        for line in fh:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 4 * 2**30
+
+
+# Drafters an engine without draft_fp8 serves: their layers must not get fp8 copies (weakly held, so a drafter that
+# outlives its engines can be freed; a deep copy is a new drafter).
+_DRAFTERS_WITHOUT_FP8: weakref.WeakSet = weakref.WeakSet()
+
+
+def _check_fp8_sharing(drafter, draft_fp8: bool) -> None:
+    """fp8 copies live on the drafter's modules, so two engines over one drafter object must agree on
+    ``draft_fp8``: otherwise one engine's eager calls would silently take (or lose) the other's fp8 path."""
+    if drafter is None:
+        return
+    from ddtree.models import fp8
+
+    if draft_fp8 and drafter in _DRAFTERS_WITHOUT_FP8:
+        raise ConfigError("draft_fp8=True on a drafter that also serves an engine with draft_fp8=False (fp8 copies "
+                          "attach to the drafter's modules); give this engine its own copy.deepcopy(drafter)")
+    if not draft_fp8:
+        if any(fp8.projections(drafter)):
+            raise ConfigError("this drafter carries fp8 copies from an engine with draft_fp8=True; pass "
+                              "draft_fp8=True too, or a copy.deepcopy(drafter) made before that engine was built")
+        _DRAFTERS_WITHOUT_FP8.add(drafter)
+
+
+def _quantize_drafter(target, drafter, tokenizer, *, kernels: bool) -> None:
+    """``EngineConfig.draft_fp8``: fp8 copies of the drafter's layer projections, their input scales calibrated on
+    :data:`ddtree.models.fp8.CALIBRATION_TEXT` (see :mod:`ddtree.models.fp8`). Runs before any graph is captured."""
+    from ddtree.models import fp8
+
+    if drafter is None:
+        raise ConfigError("draft_fp8 needs a drafter; this engine has none (draft='none')")
+    device = next(drafter.parameters()).device
+    if not fp8.fp8_supported(device):
+        found = (f"compute capability {torch.cuda.get_device_capability(device)}" if device.type == "cuda"
+                 else "no CUDA")
+        raise ConfigError(f"draft_fp8 needs fp8 matmuls (a CUDA device of compute capability 8.9 or newer, or the "
+                          f"CPU); {device} has {found}")
+    fuse_projections(drafter, kernels=kernels)  # idempotent; on the CPU the layers are fused only for fp8
+    fp8.quantize_drafter(drafter, kernels=kernels)
+    if not all(p.calibrated for p in fp8.projections(drafter)):
+        ids = tokenizer.encode(fp8.CALIBRATION_TEXT, add_special_tokens=False)[:512]
+        fp8.calibrate(drafter, target, torch.tensor([ids], device=device))

@@ -1,0 +1,459 @@
+"""The scheduler: admit, prefill, launch, collect and overlap rounds, and emit their tokens.
+
+It runs on the engine's thread (started by the facade, :class:`ddtree.engine.engine.Engine`, which derives from it)
+and owns every request's state; other threads reach it only through the inbox (:meth:`Scheduler._enqueue`,
+:meth:`Scheduler._enqueue_cancel`)::
+
+    inbox  ->  loop: admit -> one prefill step -> read round n -> launch round n + 1
+                     -> emit round n's chunks (on_chunk callbacks) while n + 1 runs
+
+Scheduling: requests wait in a bounded FIFO queue until a KV slot is free; a newcomer's prompt is written in
+chunks of ``prefill_chunk`` tokens, one prefill step between decode rounds, so running requests keep decoding
+while long prompts load. A slot is freed the moment its request finishes or is cancelled.
+
+Fault isolation: if a round raises, the scheduler reruns each of its rows alone (the round only writes cache
+positions past each row's committed length, so a rerun is safe); rows that fail alone are finished with
+``finish_reason="error"`` and the others continue.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ddtree.engine.api import StreamChunk
+from ddtree.engine.build import EngineParts
+from ddtree.engine.request_state import Phase, RequestState
+from ddtree.engine.runner import (
+    ROUND_LONGS,
+    HostCopy,
+    PrefillInputs,
+    RoundInputs,
+    StageTimer,
+    to_host,
+)
+
+log = logging.getLogger("ddtree.engine")
+
+_NO_WINDOW = 1 << 30
+_ROOT, _START, _STEP = (ROUND_LONGS.index(name) for name in ("root_tokens", "start", "step"))
+
+@dataclass
+class _Counters:
+    requests_total: dict[str, int] = field(default_factory=dict)
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    verify_rounds_total: int = 0
+    accept_hist: list[int] = field(default_factory=list)
+    stage_seconds_total: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Flight:
+    """A round queued on the device whose result the host has not read yet."""
+
+    states: list[RequestState]  # the rows, in order
+    result: torch.Tensor  # [R, 2 + L] device: tokens committed, then the tokens (ModelRunner.round)
+    copy: HostCopy  # the result's copy to the host, started when the round was queued
+    longs: torch.Tensor  # [len(ROUND_LONGS), R] device inputs of the round (a follow-up round advances them)
+    floats: torch.Tensor  # [len(ROUND_FLOATS), R]
+    sizes: dict  # the host-known RoundInputs fields
+    timer: StageTimer
+
+
+
+class Scheduler:
+    """The engine loop over one built engine (:class:`~ddtree.engine.build.EngineParts`)."""
+
+    def __init__(self, parts: EngineParts) -> None:
+        self.parts = parts
+        self.target, self.drafter, self.tokenizer = parts.target, parts.drafter, parts.tokenizer
+        self.model_name = parts.model_name
+        self.config = parts.config
+        self.trained_block_size = parts.trained_block_size
+        self.max_block_size = int(parts.config.max_block_size)
+        self.device = parts.device
+        self.cache_len = parts.cache_len
+        self.runner = parts.runner
+        self.graphs = parts.graphs
+        self.prefill_graphs = parts.prefill_graphs
+        self._overlap = parts.overlap
+        self.eos_ids = parts.eos_ids
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._waiting: deque[RequestState] = deque()
+        self._active: dict[int, RequestState] = {}  # slot -> state
+        self._by_id: dict[str, RequestState] = {}
+        self._free_slots = list(range(parts.config.max_batch - 1, -1, -1))
+        self._counters = _Counters()
+        self._lock = threading.Lock()  # guards counters and queue sizes read by snapshot()
+        self._stopping = False
+
+    # ---- the inbox (any thread) --------------------------------------------------------------------------------
+    def _enqueue(self, state: RequestState) -> None:
+        self._inbox.put(("submit", state))
+        self._wake.set()
+
+    def _enqueue_cancel(self, request_id: str) -> None:
+        self._inbox.put(("cancel", request_id))
+        self._wake.set()
+
+    # ---- the loop ----------------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        """One iteration: admit, one prefill step, then read the round in flight, launch the next and only then
+        emit what was read, so detokenizing, stop checks and callbacks overlap the device's next round."""
+        flight: _Flight | None = None
+        while not self._stopping:
+            self._drain_inbox()
+            self._admit()
+            worked = False
+            prefilling = [s for s in self._active.values() if s.phase is Phase.PREFILL]
+            if prefilling:
+                self._guarded(self._prefill_step, prefilling)
+                worked = True
+            results: list[tuple[RequestState, list[int]]] = []
+            follow_up: _Flight | None = None
+            if flight is not None:
+                if self._can_follow(flight):
+                    follow_up = self._follow_up(flight)
+                results = self._collect_guarded(flight)
+                flight = follow_up
+                worked = True
+            pending = {state.request_id: tokens for state, tokens in results}
+            decoding = [s for s in self._active.values()
+                        if s.phase is Phase.DECODE and not s.ends_by_token(pending.get(s.request_id, ()))]
+            if follow_up is None and decoding:
+                try:
+                    flight = self._launch(decoding, pending)
+                except Exception:
+                    # Emit first so every state is exact, then isolate the fault row by row, synchronously.
+                    self._emit_results(results)
+                    results = []
+                    for state in decoding:
+                        if state.phase is Phase.DECODE:
+                            self._guarded(self._decode_round, [state])
+                worked = True
+            self._emit_results(results)
+            if not worked:
+                self._wake.wait(timeout=0.05)
+                self._wake.clear()
+        if flight is not None:
+            self._collect_guarded(flight)  # let the device finish; the requests are being cancelled
+        self._drain_inbox()  # deliver the final chunks of cancellations queued by shutdown()
+        # A submit that passed the accepting check just before shutdown() arrives after its cancellations: finish
+        # it too, or its caller (a generate() waiting on it) would wait forever.
+        for state in list(self._by_id.values()):
+            self._finish(state, "cancelled")
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "submit":
+                self._by_id[payload.request_id] = payload
+                self._waiting.append(payload)
+            elif kind == "cancel":
+                state = self._by_id.get(payload)
+                if state is not None:
+                    self._finish(state, "cancelled")
+
+    def _admit(self) -> None:
+        while self._waiting and self._free_slots:
+            state = self._waiting.popleft()
+            state.slot = self._free_slots.pop()
+            state.phase = Phase.PREFILL
+            state.admitted_at = time.perf_counter()
+            state.stats.queue_s = state.admitted_at - state.arrival
+            with self._lock:
+                self._active[state.slot] = state
+
+    def _guarded(self, step: Callable[[list[RequestState]], None], states: list[RequestState]) -> None:
+        """Run a batched step; on failure rerun each request alone and fail only those that fail alone."""
+        try:
+            step(states)
+        except Exception:
+            if len(states) == 1:
+                log.exception("request %s failed", states[0].request_id)
+                self._finish(states[0], "error", error=_describe_current_exception())
+                return
+            for state in states:
+                if state.phase in (Phase.PREFILL, Phase.DECODE):
+                    self._guarded(step, [state])
+
+    # ---- prefill ---------------------------------------------------------------------------------------------
+    def _prefill_step(self, states: list[RequestState]) -> None:
+        budget = self.config.prefill_chunk
+        rows: list[tuple[RequestState, int]] = []
+        for state in states:
+            if budget <= 0:
+                break
+            take = min(len(state.prompt_ids) - state.prefilled, budget)
+            rows.append((state, take))
+            budget -= take
+        t0 = time.perf_counter()
+        width = max(take for _, take in rows)
+        ids = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, (state, take) in enumerate(rows):
+            ids[i, :take] = torch.tensor(state.prompt_ids[state.prefilled : state.prefilled + take])
+        dev = self.device
+        start = [s.prefilled for s, _ in rows]
+        takes = [t for _, t in rows]
+        logits = None
+        if self.prefill_graphs is not None and self.prefill_graphs.can_run(len(rows), width, start):
+            try:
+                logits = self.prefill_graphs.run(ids, [s.slot for s, _ in rows], takes)
+            except Exception:  # a capture that fails (memory, an op graphs refuse) must not fail the requests
+                log.exception("prefill CUDA graph failed; prefilling eagerly from now on")
+                self.prefill_graphs = None
+        if logits is None:
+            inp = PrefillInputs(
+                ids=ids.to(dev),
+                slots=torch.tensor([s.slot for s, _ in rows], device=dev),
+                start=torch.tensor(start, device=dev),
+                valid_len=torch.tensor(takes, device=dev),
+                last_index=torch.tensor([t - 1 for t in takes], device=dev),
+                kv_len=max(s + width for s in start),
+            )
+            logits = self.runner.prefill(inp)
+        done = [i for i, (s, take) in enumerate(rows) if s.prefilled + take == len(s.prompt_ids)]
+        first: list[int] = []
+        if done:
+            sel = torch.tensor(done, device=dev)
+            finished = [rows[i][0] for i in done]
+            temp, top_p, top_k, seed = self._sampling_tensors(finished)
+            greedy = all(s.sampling.greedy for s in finished)
+            (first,) = to_host(self.runner.sample_first(logits[sel], temp, top_p, top_k, seed, greedy,
+                                                        _any_filter(finished)))
+        elapsed = time.perf_counter() - t0
+        for state, take in rows:
+            state.prefilled += take
+            state.stats.stage_s["prefill"] = state.stats.stage_s.get("prefill", 0.0) + elapsed
+        for i, tok in zip(done, first, strict=False):
+            state = rows[i][0]
+            state.phase = Phase.DECODE
+            state.stats.ttft_s = time.perf_counter() - state.arrival
+            with self._lock:
+                if state.counted:
+                    self._counters.prompt_tokens_total += len(state.prompt_ids)
+            self._emit(state, [tok])
+
+    # ---- decode ----------------------------------------------------------------------------------------------
+    def _decode_round(self, states: list[RequestState]) -> None:
+        """One round for ``states``, start to finish (the synchronous path: fault isolation reruns rows with it)."""
+        self._emit_results(self._collect(self._launch(states, {})))
+
+    def _launch(self, states: list[RequestState], pending: dict[str, list[int]]) -> _Flight:
+        """Queue one round for ``states`` on the device and return without waiting for it.
+
+        ``pending``: tokens read from the previous round but not yet committed to their states (the loop emits
+        them while this round runs); a row's root, position and step are taken as if they were committed, which
+        is exact for every row that does not finish on them (rows that do are dropped when this round is read)."""
+        drafting = [s for s in states if s.tree.method != "ar"]
+        block = max((int(s.tree.block_size) for s in drafting), default=1) if self.drafter is not None else 1
+        max_budget = max(s.budget for s in states)
+        if block == 1:
+            max_budget = 0
+        longs, roots = [], []
+        for s in states:
+            extra = pending.get(s.request_id, ())
+            root = s.root_position + len(extra)
+            roots.append(root)
+            longs.append([s.slot, extra[-1] if extra else s.root_token, root, s.budget, s.topk, s.depth_limit,
+                          s.tree.draft_window or _NO_WINDOW, int(s.sampling.top_k), s.seed,
+                          len(s.output_ids) + len(extra)])  # ROUND_LONGS order
+        # [F, R] host tensors: one copy each to the device instead of one per field.
+        packed_longs = torch.tensor(longs, dtype=torch.long).T
+        packed_floats = torch.tensor([[float(s.sampling.temperature), float(s.sampling.top_p)] for s in states],
+                                     dtype=torch.float32).T  # ROUND_FLOATS order
+        sizes = dict(
+            max_budget=max_budget,
+            block_size=block,
+            kv_len=max(roots) + max_budget + 1,
+            draft_kv_len=max(1, max(roots)),
+            greedy=all(s.sampling.greedy for s in states),
+            filtered=_any_filter(states),
+            contiguous=all(s.tree.method != "ddtree" for s in states),
+        )
+        return self._queue(states, packed_longs, packed_floats, sizes)
+
+    def _queue(self, states: list[RequestState], longs: torch.Tensor, floats: torch.Tensor, sizes: dict) -> _Flight:
+        """Queue a round from packed inputs (host tensors, or device tensors for a follow-up round)."""
+        timer = StageTimer(self.device)
+        if self.graphs is not None and self.graphs.can_run(len(states)):
+            result, longs, floats = self.graphs.run(longs, floats, sizes, timer)
+        else:
+            dev = self.device
+            longs = longs.contiguous().to(dev, non_blocking=True)
+            floats = floats.contiguous().to(dev, non_blocking=True)
+            result = self.runner.round(RoundInputs.from_packed(longs, floats, **sizes), timer)
+        return _Flight(states=states, result=result, copy=HostCopy(result), longs=longs, floats=floats, sizes=sizes,
+                       timer=timer)
+
+    def _can_follow(self, flight: _Flight) -> bool:
+        """Whether the next round can be queued before ``flight`` is read: the same rows will run it (every one still
+        decoding, nobody else decoding, prefilling or able to take a free slot) and its writes stay inside the cache
+        whatever ``flight`` accepts. Rows that finish on ``flight``'s tokens only waste their place in it."""
+        if not self._overlap or self._waiting and self._free_slots:
+            return False
+        if any(s.phase is not Phase.DECODE for s in flight.states):
+            return False
+        decoding = sum(1 for s in self._active.values() if s.phase is not Phase.DONE)
+        if decoding != len(flight.states):
+            return False
+        # The next round's roots lie at most a block past the states' positions; from there it writes its tree
+        # (nodes) into the target cache and its block into the drafter's.
+        block, nodes = flight.sizes["block_size"], flight.sizes["max_budget"] + 1
+        return max(s.root_position for s in flight.states) + block + max(nodes, block) + 1 <= self.cache_len
+
+    def _follow_up(self, flight: _Flight) -> _Flight | None:
+        """Queue the round after ``flight`` with inputs advanced on the device from its result: each row's root is
+        the last token it commits, its position and step counter move by the tokens it commits. The states hold
+        every round before ``flight``, so their positions plus one block bound this round's cache reads."""
+        try:
+            result = flight.result
+            n = result[:, 0]
+            longs = flight.longs.clone()
+            longs[_ROOT] = torch.gather(result, 1, n[:, None])[:, 0]  # result[:, 1 + n - 1]
+            longs[_START] += n
+            longs[_STEP] += n
+            reach = max(s.root_position for s in flight.states) + flight.sizes["block_size"]
+            sizes = {**flight.sizes, "kv_len": reach + flight.sizes["max_budget"] + 1, "draft_kv_len": max(1, reach)}
+            return self._queue(flight.states, longs, flight.floats, sizes)
+        except Exception:  # the host path below will launch it (and isolate a faulty row if it fails again)
+            log.warning("queuing a follow-up round failed; launching from the host instead", exc_info=True)
+            return None
+
+    def _collect(self, flight: _Flight) -> list[tuple[RequestState, list[int]]]:
+        """Wait for a launched round and account for it; returns each still-decoding row's committed tokens
+        (rows finished or cancelled while the round ran are dropped)."""
+        rows = flight.copy.get()
+        stages = flight.timer.collect()
+        with self._lock:
+            for name, secs in stages.items():
+                self._counters.stage_seconds_total[name] = self._counters.stage_seconds_total.get(name, 0.0) + secs
+        out = []
+        for state, row in zip(flight.states, rows, strict=True):
+            if state.phase is not Phase.DECODE:
+                continue
+            n = row[0]
+            st = state.stats
+            st.verify_rounds += 1
+            while len(st.accept_hist) <= n:
+                st.accept_hist.append(0)
+            st.accept_hist[n] += 1
+            for name, secs in stages.items():
+                st.stage_s[name] = st.stage_s.get(name, 0.0) + secs
+            with self._lock:
+                c = self._counters
+                if state.counted:
+                    c.verify_rounds_total += 1
+                    while len(c.accept_hist) <= n:
+                        c.accept_hist.append(0)
+                    c.accept_hist[n] += 1
+            out.append((state, row[1 : 1 + n]))
+        return out
+
+    def _collect_guarded(self, flight: _Flight) -> list[tuple[RequestState, list[int]]]:
+        """:meth:`_collect`; if reading the round fails (a device fault surfaces at the sync), its rows fail."""
+        try:
+            return self._collect(flight)
+        except Exception:
+            log.exception("a decode round failed on the device")
+            error = _describe_current_exception()
+            for state in flight.states:
+                self._finish(state, "error", error=error)
+            return []
+
+    def _emit_results(self, results: list[tuple[RequestState, list[int]]]) -> None:
+        for state, tokens in results:
+            if state.phase is Phase.DECODE:
+                self._emit(state, tokens)
+
+    def _sampling_tensors(self, states: list[RequestState]):
+        """temperature, top_p [R] float and top_k, seed [R] long on the device, in two copies."""
+        dev = self.device
+        floats = torch.tensor([[float(s.sampling.temperature), float(s.sampling.top_p)] for s in states],
+                              dtype=torch.float32).T.contiguous().to(dev, non_blocking=True)
+        longs = torch.tensor([[int(s.sampling.top_k), s.seed] for s in states],
+                             dtype=torch.long).T.contiguous().to(dev, non_blocking=True)
+        return floats[0], floats[1], longs[0], longs[1]
+
+    # ---- emitting and finishing --------------------------------------------------------------------------------
+    def _emit(self, state: RequestState, tokens: list[int]) -> None:
+        try:
+            kept, text, reason = state.commit(tokens)
+        except Exception:
+            log.exception("request %s failed while committing tokens", state.request_id)
+            self._finish(state, "error", error=_describe_current_exception())
+            return
+        state.stats.completion_tokens = len(state.output_ids)
+        with self._lock:
+            if state.counted:
+                self._counters.generation_tokens_total += len(kept)
+        if reason is not None:
+            self._finish(state, reason, last_ids=kept, last_text=text)
+            return
+        self._deliver(state, StreamChunk(request_id=state.request_id, token_ids=kept, text=text))
+
+    def _finish(self, state: RequestState, reason: str, *, last_ids: list[int] | None = None,
+                last_text: str = "", error: str | None = None) -> None:
+        if state.phase is Phase.DONE:
+            return
+        if state.phase is Phase.WAITING:
+            try:
+                self._waiting.remove(state)
+            except ValueError:
+                pass
+        if state.slot >= 0:
+            with self._lock:
+                self._active.pop(state.slot, None)
+            self._free_slots.append(state.slot)
+            state.slot = -1
+        state.phase = Phase.DONE
+        self._by_id.pop(state.request_id, None)
+        st = state.stats
+        st.finish_reason = reason  # type: ignore[assignment]
+        st.latency_s = time.perf_counter() - state.arrival
+        with self._lock:
+            if state.counted:
+                self._counters.requests_total[reason] = self._counters.requests_total.get(reason, 0) + 1
+        chunk = StreamChunk(
+            request_id=state.request_id,
+            token_ids=last_ids or [],
+            text=last_text,
+            finished=True,
+            finish_reason=reason,  # type: ignore[arg-type]
+            stats=st,
+            error=error,
+        )
+        self._deliver(state, chunk, final=True)
+
+    def _deliver(self, state: RequestState, chunk: StreamChunk, *, final: bool = False) -> None:
+        try:
+            state.on_chunk(chunk)
+        except Exception:
+            log.warning("request %s: the consumer raised; cancelling it", state.request_id, exc_info=True)
+            if not final:
+                self._finish(state, "cancelled")
+
+
+
+def _any_filter(states: list[RequestState]) -> bool:
+    return any(s.sampling.top_p < 1.0 or s.sampling.top_k > 0 for s in states if not s.sampling.greedy)
+
+
+def _describe_current_exception() -> str:
+    import sys
+
+    exc = sys.exc_info()[1]
+    return f"{type(exc).__name__}: {exc}"
+
