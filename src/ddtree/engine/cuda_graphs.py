@@ -3,13 +3,13 @@
 Why: a Qwen3-8B-shaped forward issues about a thousand kernels; launched one by one from Python that costs more than
 the ~5 ms the GPU needs (``../shared/docs/gpu-facts.md``). A captured graph replays them with one launch.
 
-Each :class:`GraphKey` fixes every shape of a round: rows (batch bucket), tree nodes (budget bucket), block size,
-and the cache lengths the attentions read (context bucket). The four stages of
+A graph's key is the round's :class:`~ddtree.engine.round.RoundShape` bucketed by :func:`graph_key`: rows (batch
+bucket), tree nodes (budget bucket), block size, and the cache lengths the attentions read (context bucket). The four stages of
 :class:`~ddtree.engine.runner.ModelRunner` (draft, tree, verify, commit) are captured as four graphs sharing one
 memory pool, so the engine can record CUDA events between replays and report the stage split of graphed rounds.
 
-Inputs: the per-row fields of a capture's static :class:`~ddtree.engine.runner.RoundInputs` are views of one device
-tensor per dtype, refreshed from a pinned host copy by one asynchronous copy each per round (instead of a copy and a
+Inputs: the per-row fields of a capture's static :class:`~ddtree.engine.round.RoundInputs` are views of one device
+tensor per dtype (:class:`~ddtree.engine.round.PackedRows`), refreshed from a pinned host copy by one asynchronous copy each per round (instead of a copy and a
 fill per field). The engine reads every round's result (a host sync) before it builds the next round's inputs, so a
 pinned buffer is never rewritten while its previous copy is still queued.
 
@@ -28,14 +28,8 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
-from ddtree.engine.runner import (
-    ROUND_FLOATS,
-    ROUND_LONGS,
-    ModelRunner,
-    PrefillInputs,
-    RoundInputs,
-    StageTimer,
-)
+from ddtree.engine.round import PackedRows, RoundInputs, RoundShape, RoundWork, RowInputs
+from ddtree.engine.runner import ModelRunner, PrefillInputs, StageTimer
 
 T = TypeVar("T")
 
@@ -63,34 +57,28 @@ def bucket_length(length: int, cap: int) -> int:
     return min(max(bucket, 64), cap)
 
 
-@dataclass(frozen=True)
-class GraphKey:
-    rows: int
-    max_budget: int
-    block_size: int
-    kv_len: int
-    draft_kv_len: int
-    greedy: bool
-    filtered: bool
-    contiguous: bool
-
-
-# Values of padding rows, per packed field (scratch slot, budget 0, no window, greedy).
-_PAD_LONGS = {"root_tokens": 0, "start": 0, "budget": 0, "topk": 0, "depth_limit": 0, "window": 1 << 30,
-              "top_k": 0, "seed": 0, "step": 0}
-_PAD_FLOATS = {"temperature": 0.0, "top_p": 1.0}
+def graph_key(shape: RoundShape, *, max_rows: int, cache_len: int) -> RoundShape:
+    """The bucket a round falls in, as a shape of its own (every size rounded up, never down): the graph key."""
+    nodes = bucket_nodes(shape.max_budget)
+    return RoundShape(
+        rows=bucket_rows(shape.rows, max_rows),
+        max_budget=nodes,
+        block_size=shape.block_size,
+        kv_len=bucket_length(shape.kv_len - shape.max_budget + nodes, cache_len),
+        draft_kv_len=bucket_length(shape.draft_kv_len, cache_len),
+        greedy=shape.greedy,
+        filtered=shape.filtered,
+        contiguous=shape.contiguous,
+    )
 
 
 @dataclass
 class _Captured:
-    static: RoundInputs  # per-row fields are views of longs / floats
-    longs: Tensor  # [len(ROUND_LONGS), rows] device
-    floats: Tensor  # [len(ROUND_FLOATS), rows] device
-    longs_host: Tensor  # pinned staging copies of the two
-    floats_host: Tensor
-    pad_longs: Tensor  # device copies of the padding values, for rounds whose inputs are already on the device
-    pad_floats: Tensor
-    work: dict
+    static: RoundInputs  # per-row fields are views of packed
+    packed: PackedRows  # [F, rows] device buffers
+    host: PackedRows  # pinned staging copies of the two
+    pad: PackedRows  # device copies of the padding rows, for rounds whose inputs are already on the device
+    work: RoundWork
     graphs: list  # [torch.cuda.CUDAGraph | None] * 4, in ModelRunner.STAGES order (None: the stage does nothing)
 
 
@@ -103,89 +91,75 @@ class RoundGraphs:
         self.cache_len = cache_len
         self.max_graphs = max_graphs
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: OrderedDict[GraphKey, _Captured] = OrderedDict()
+        self.graphs: OrderedDict[RoundShape, _Captured] = OrderedDict()
         self.scratch = runner.target_cache.scratch_slot
         self.captures = 0
-        pad_longs = [self.scratch if name == "slots" else _PAD_LONGS[name] for name in ROUND_LONGS]
-        self._pad_longs = torch.tensor(pad_longs, dtype=torch.long)[:, None]  # [F, 1] host
-        self._pad_floats = torch.tensor([_PAD_FLOATS[name] for name in ROUND_FLOATS], dtype=torch.float32)[:, None]
+        self._pad = PackedRows.pack([RowInputs.padding(self.scratch)])  # [F, 1] host
 
     def can_run(self, rows: int) -> bool:
         return self.runner.device.type == "cuda" and rows <= self.max_rows
 
-    def key_for(self, rows: int, sizes: dict) -> GraphKey:
-        """The bucket a round falls in (every size rounded up, never down); ``sizes`` as for
-        :meth:`RoundInputs.from_packed`."""
-        nodes = bucket_nodes(sizes["max_budget"])
-        return GraphKey(
-            rows=bucket_rows(rows, self.max_rows),
-            max_budget=nodes,
-            block_size=sizes["block_size"],
-            kv_len=bucket_length(sizes["kv_len"] - sizes["max_budget"] + nodes, self.cache_len),
-            draft_kv_len=bucket_length(sizes["draft_kv_len"], self.cache_len),
-            greedy=sizes["greedy"],
-            filtered=sizes["filtered"],
-            contiguous=sizes["contiguous"],
-        )
+    def key_for(self, shape: RoundShape) -> RoundShape:
+        """The graph key of a round of ``shape``."""
+        return graph_key(shape, max_rows=self.max_rows, cache_len=self.cache_len)
 
     @torch.inference_mode()
-    def run(self, longs: Tensor, floats: Tensor, sizes: dict, timer: StageTimer) -> tuple[Tensor, Tensor, Tensor]:
-        """Replay the round for ``longs [len(ROUND_LONGS), R]`` and ``floats [len(ROUND_FLOATS), R]``, host tensors
-        (one pinned copy each) or device tensors (copied on the device, no host involvement).
+    def run(self, rows_in: PackedRows, shape: RoundShape, timer: StageTimer) -> tuple[Tensor, PackedRows]:
+        """Replay the round of ``shape`` for ``rows_in``: host tensors (one pinned copy each) or device tensors
+        (copied on the device, no host involvement).
 
         Returns the device result ``[R, 2 + L]`` as :meth:`ModelRunner.round` does and the device inputs of the
         real rows, all views of the capture's buffers: the next replay of the same graph overwrites them, so
         anything that reads them must be queued before it."""
-        rows = longs.shape[1]
-        key = self.key_for(rows, sizes)
+        rows = rows_in.rows
+        key = self.key_for(shape)
         cap = self.graphs.get(key)
         if cap is None:
             cap = self._capture(key)
         else:
             self.graphs.move_to_end(key)
-        if longs.is_cuda:  # inputs already on the device (a round advanced there from the previous one)
-            cap.longs[:, :rows].copy_(longs)
-            cap.floats[:, :rows].copy_(floats)
+        packed, host, pad = cap.packed, cap.host, cap.pad
+        if rows_in.longs.is_cuda:  # inputs already on the device (a round advanced there from the previous one)
+            packed.longs[:, :rows].copy_(rows_in.longs)
+            packed.floats[:, :rows].copy_(rows_in.floats)
             if rows < key.rows:
-                cap.longs[:, rows:].copy_(cap.pad_longs[:, rows:])
-                cap.floats[:, rows:].copy_(cap.pad_floats[:, rows:])
+                packed.longs[:, rows:].copy_(pad.longs[:, rows:])
+                packed.floats[:, rows:].copy_(pad.floats[:, rows:])
         else:
-            cap.longs_host[:, :rows] = longs
-            cap.longs_host[:, rows:] = self._pad_longs
-            cap.floats_host[:, :rows] = floats
-            cap.floats_host[:, rows:] = self._pad_floats
-            cap.longs.copy_(cap.longs_host, non_blocking=True)
-            cap.floats.copy_(cap.floats_host, non_blocking=True)
-        for name, graph in zip(ModelRunner.STAGES, cap.graphs, strict=False):
+            host.longs[:, :rows] = rows_in.longs
+            host.longs[:, rows:] = self._pad.longs
+            host.floats[:, :rows] = rows_in.floats
+            host.floats[:, rows:] = self._pad.floats
+            packed.longs.copy_(host.longs, non_blocking=True)
+            packed.floats.copy_(host.floats, non_blocking=True)
+        for name, graph in zip(ModelRunner.STAGES, cap.graphs, strict=True):
             with timer.stage(name):
                 if graph is not None:
                     graph.replay()
-        return cap.work["result"][:rows], cap.longs[:, :rows], cap.floats[:, :rows]
+        return cap.work.result[:rows], PackedRows(packed.longs[:, :rows], packed.floats[:, :rows])
 
-    def _capture(self, key: GraphKey) -> _Captured:
+    def _capture(self, key: RoundShape) -> _Captured:
         runner = self.runner
         dev = runner.device
-        longs_host = self._pad_longs.expand(-1, key.rows).contiguous().pin_memory()
-        floats_host = self._pad_floats.expand(-1, key.rows).contiguous().pin_memory()
-        longs, floats = longs_host.to(dev), floats_host.to(dev)
-        pad_longs, pad_floats = longs.clone(), floats.clone()
-        static = RoundInputs.from_packed(
-            longs, floats, max_budget=key.max_budget, block_size=key.block_size, kv_len=key.kv_len,
-            draft_kv_len=key.draft_kv_len, greedy=key.greedy, filtered=key.filtered, contiguous=key.contiguous,
-        )
+        host = PackedRows(self._pad.longs.expand(-1, key.rows).contiguous().pin_memory(),
+                          self._pad.floats.expand(-1, key.rows).contiguous().pin_memory())
+        packed = PackedRows(host.longs.to(dev), host.floats.to(dev))
+        pad = PackedRows(packed.longs.clone(), packed.floats.clone())
+        static = RoundInputs.from_packed(packed, key)
+        stages = runner.stages()
+
         def all_stages() -> None:
-            work: dict = {}
-            for name in ModelRunner.STAGES:
-                getattr(runner, f"stage_{name}")(static, work)
+            scratch = RoundWork()
+            for _, stage in stages:
+                stage(static, scratch)
 
         warm_up(all_stages)
-        work = {}
+        work = RoundWork()
         # An AR round drafts nothing: its draft stage would be an empty graph (None: nothing to replay).
         graphs = [None if name == "draft" and not runner.drafts(static)
-                  else record(lambda name=name: getattr(runner, f"stage_{name}")(static, work), self.pool)[0]
-                  for name in ModelRunner.STAGES]
-        cap = _Captured(static=static, longs=longs, floats=floats, longs_host=longs_host, floats_host=floats_host,
-                        pad_longs=pad_longs, pad_floats=pad_floats, work=work, graphs=graphs)
+                  else record(lambda stage=stage: stage(static, work), self.pool)[0]
+                  for name, stage in stages]
+        cap = _Captured(static=static, packed=packed, host=host, pad=pad, work=work, graphs=graphs)
         self.graphs[key] = cap
         self.captures += 1
         while len(self.graphs) > self.max_graphs:  # each key keeps its stage outputs (draft logits...) allocated

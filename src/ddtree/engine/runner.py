@@ -20,7 +20,7 @@ every size (N, L, kv_len) is known on the host from the requests' settings and c
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -28,48 +28,10 @@ import torch
 from torch import Tensor
 
 from ddtree import spec
+from ddtree.engine.round import RoundInputs, RoundWork, TreeStage, VerifyStage
 from ddtree.models import DFlashDrafter, KVCache, TargetModel, TreeVisibility
 
-
-@dataclass
-class RoundInputs:
-    """Device tensors for one round plus the host-known sizes that shape it."""
-
-    slots: Tensor  # [R] long
-    root_tokens: Tensor  # [R] long
-    start: Tensor  # [R] long, position of each root (= committed KV length)
-    budget: Tensor  # [R] long, 0 for AR
-    topk: Tensor  # [R] long, 0 = no cap
-    depth_limit: Tensor  # [R] long, block_size - 1 (0 for AR)
-    window: Tensor  # [R] long, drafter context window
-    temperature: Tensor  # [R] float
-    top_p: Tensor  # [R] float
-    top_k: Tensor  # [R] long
-    seed: Tensor  # [R] long
-    step: Tensor  # [R] long, tokens generated so far (sampling counter)
-    max_budget: int  # N - 1
-    block_size: int  # batch max block size (L + 1); 1 when no row drafts
-    kv_len: int  # target cache positions the verify reads: >= max(start) + N
-    draft_kv_len: int  # drafter cache positions the draft reads: >= max(start)
-    greedy: bool  # every row has temperature 0
-    filtered: bool  # some row uses top-p < 1 or top-k > 0 (else sampling skips the vocabulary sort)
-    contiguous: bool  # every row is AR or DFlash: accepted nodes are already contiguous
-
-    @classmethod
-    def from_packed(cls, longs: Tensor, floats: Tensor, **sizes) -> RoundInputs:
-        """The per-row fields as views of two packed tensors: ``longs [len(ROUND_LONGS), R]`` and
-        ``floats [len(ROUND_FLOATS), R]`` (rows in those orders); ``sizes`` are the host-known fields.
-
-        Why packed: the engine fills one host tensor per dtype and moves each with one copy (a CUDA graph's static
-        inputs are views of one device buffer per dtype, refreshed by one copy per round)."""
-        fields = dict(zip(ROUND_LONGS, longs.unbind(0), strict=True))
-        fields.update(zip(ROUND_FLOATS, floats.unbind(0), strict=True))
-        return cls(**fields, **sizes)
-
-
-# The packed row order of RoundInputs' per-row fields (see RoundInputs.from_packed).
-ROUND_LONGS = ("slots", "root_tokens", "start", "budget", "topk", "depth_limit", "window", "top_k", "seed", "step")
-ROUND_FLOATS = ("temperature", "top_p")
+__all__ = ["HostCopy", "ModelRunner", "PrefillInputs", "RoundInputs", "StageTimer", "root_only_trees", "to_host"]
 
 
 @dataclass
@@ -189,106 +151,116 @@ class ModelRunner:
         return out.logits[:, 0]
 
     # ---- one speculative round, as four stages ------------------------------------------------------------------
-    # Each stage reads the previous stage's outputs from `work` and writes its own there, so the CUDA-graph runner
-    # (ddtree.engine.cuda_graphs) can capture each stage as its own graph and time it with events between replays.
+    # Each stage reads the round's inputs and the earlier stages' typed outputs from a RoundWork and fills its own
+    # field there, so the CUDA-graph runner (ddtree.engine.cuda_graphs) can capture each stage as its own graph and
+    # time it with events between replays.
+
+    STAGES = ("draft", "tree", "verify", "commit")
+
+    def stages(self) -> tuple[tuple[str, Callable[[RoundInputs, RoundWork], None]], ...]:
+        """The four stages in order, by name."""
+        return (("draft", self.stage_draft), ("tree", self.stage_tree), ("verify", self.stage_verify),
+                ("commit", self.stage_commit))
 
     def drafts(self, inp: RoundInputs) -> bool:
         """Whether the draft stage does any work for this round (some row drafts and there is a drafter); the graph
         runner skips capturing an empty stage (CUDA warns on an empty graph)."""
-        return self.drafter is not None and inp.block_size > 1
+        return self.drafter is not None and inp.shape.drafts
 
-    def stage_draft(self, inp: RoundInputs, work: dict) -> None:
+    def stage_draft(self, inp: RoundInputs, work: RoundWork) -> None:
         if self.drafts(inp):
-            work["draft_logits"] = self.drafter.draft_logits(
+            work.draft_logits = self.drafter.draft_logits(
                 self.target,
-                inp.root_tokens,
+                inp.root_token,
                 inp.start,
                 self.drafter_cache,
-                inp.slots,
-                inp.block_size,
+                inp.slot,
+                inp.shape.block_size,
                 block_len=inp.depth_limit + 1,
                 window=inp.window,
-                kv_len=inp.draft_kv_len,
+                kv_len=inp.shape.draft_kv_len,
                 tree_kernel=self.draft_kernel,
             )
 
-    def stage_tree(self, inp: RoundInputs, work: dict) -> None:
-        if "draft_logits" in work:
+    def stage_tree(self, inp: RoundInputs, work: RoundWork) -> None:
+        shape = inp.shape
+        if work.draft_logits is not None:
             trees = spec.build_trees(
-                work["draft_logits"],
+                work.draft_logits,
                 inp.budget,
                 inp.topk,
-                max_budget=inp.max_budget,
+                max_budget=shape.max_budget,
                 depth_limit=inp.depth_limit,
-                root_tokens=inp.root_tokens,
+                root_tokens=inp.root_token,
                 fast_topk=self.spec_kernels,
             )
         else:
-            trees = root_only_trees(inp.root_tokens)
+            trees = root_only_trees(inp.root_token)
         n = trees.tokens.shape[1]
-        work["trees"] = trees
-        work["positions"] = spec.tree_positions(inp.start, trees.depths)
-        work["write_pos"] = spec.tree_write_positions(inp.start, n)
+        write_pos = spec.tree_write_positions(inp.start, n)
         # On CUDA the verify attends through the Triton tree kernel, which reads (start, visibility) directly;
         # elsewhere it needs the dense [R, N, kv_len] mask.
-        work["tree_vis"] = TreeVisibility(inp.start, trees.visibility, inp.kv_len)
-        work["mask"] = None if self.tree_kernel else spec.build_attention_mask(
-            inp.start, work["write_pos"], trees.visibility, inp.kv_len)
+        work.tree = TreeStage(
+            trees=trees,
+            positions=spec.tree_positions(inp.start, trees.depths),
+            write_pos=write_pos,
+            visibility=TreeVisibility(inp.start, trees.visibility, shape.kv_len),
+            mask=None if self.tree_kernel else spec.build_attention_mask(inp.start, write_pos, trees.visibility,
+                                                                         shape.kv_len),
+        )
 
-    def stage_verify(self, inp: RoundInputs, work: dict) -> None:
-        trees = work["trees"]
+    def stage_verify(self, inp: RoundInputs, work: RoundWork) -> None:
+        tree = work.tree
+        trees = tree.trees
         out = self.target(
             trees.tokens,
-            work["positions"],
+            tree.positions,
             self.target_cache,
-            inp.slots,
-            work["write_pos"],
-            work["mask"],
-            tree=work["tree_vis"],
+            inp.slot,
+            tree.write_pos,
+            tree.mask,
+            tree=tree.visibility,
             hidden_layers=self._round_feature_layers(inp),
         )
-        work["hidden"] = out.hidden
-        if inp.greedy:
-            work["choices"] = out.logits.argmax(dim=-1)
+        if inp.shape.greedy:
+            choices = out.logits.argmax(dim=-1)
         else:
             depth_steps = inp.step[:, None] + trees.depths  # output index each node's draw would commit
-            work["choices"] = spec.sample_choices(
-                out.logits, inp.temperature, inp.top_p, inp.top_k, inp.seed, depth_steps, any_filter=inp.filtered
-            )
+            choices = spec.sample_choices(out.logits, inp.temperature, inp.top_p, inp.top_k, inp.seed, depth_steps,
+                                          any_filter=inp.shape.filtered)
+        work.verify = VerifyStage(hidden=out.hidden, choices=choices)
 
-    def stage_commit(self, inp: RoundInputs, work: dict) -> None:
-        max_depth = inp.block_size - 1 if "draft_logits" in work else 0
-        walk = spec.walk_trees(work["trees"], work["choices"], max_depth, kernel=self.spec_kernels)
+    def stage_commit(self, inp: RoundInputs, work: RoundWork) -> None:
+        max_depth = inp.shape.block_size - 1 if work.draft_logits is not None else 0
+        walk = spec.walk_trees(work.tree.trees, work.verify.choices, max_depth, kernel=self.spec_kernels)
         for cache in (self.target_cache.k, self.target_cache.v):
-            spec.compact_cache(cache, inp.slots, inp.start, walk.path, contiguous=inp.contiguous,
+            spec.compact_cache(cache, inp.slot, inp.start, walk.path, contiguous=inp.shape.contiguous,
                                kernel=self.spec_kernels)
-        if work["hidden"] is not None:
-            hidden = work["hidden"]  # [R, N, F]
+        hidden = work.verify.hidden  # [R, N, F]
+        if hidden is not None:
             feats = torch.gather(hidden, 1, walk.path[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [R, L+1, F]
             ctx_pos = inp.start[:, None] + torch.arange(walk.path.shape[1], device=self.device)
-            self.drafter.append_context(feats, ctx_pos, self.drafter_cache, inp.slots, ctx_pos)
+            self.drafter.append_context(feats, ctx_pos, self.drafter_cache, inp.slot, ctx_pos)
         # One tensor for the host to read (one copy, one sync): the accepted count, then the committed tokens.
-        work["result"] = torch.cat([walk.num_accepted[:, None], walk.new_tokens], 1)
+        work.result = torch.cat([walk.num_accepted[:, None], walk.new_tokens], 1)
 
     def _round_feature_layers(self, inp: RoundInputs) -> tuple[int, ...]:
         """Target layers whose features the drafter needs after this round: none when no row drafts.
 
         Why: a request's method is fixed for its lifetime, so an AR row never reads its drafter context; a batch of
         AR rows skips the feature copy and the drafter's context projection (0.36 ms a round on the stand-in)."""
-        return self.feature_layers if inp.block_size > 1 else ()
-
-    STAGES = ("draft", "tree", "verify", "commit")
+        return self.feature_layers if inp.shape.drafts else ()
 
     @torch.inference_mode()
     def round(self, inp: RoundInputs, timer: StageTimer) -> Tensor:
         """Draft, build trees, verify, walk and commit for every row (eager). Returns the device tensor
         ``[R, 1 + L + 1]``: per row the number of tokens committed this round (bonus included), then the
         committed tokens (``walk_trees``' ``new_tokens``; entries past that number are padding)."""
-        work: dict = {}
-        for name in self.STAGES:
+        work = RoundWork()
+        for name, stage in self.stages():
             with timer.stage(name):
-                getattr(self, f"stage_{name}")(inp, work)
-        return work["result"]
+                stage(inp, work)
+        return work.result
 
     @torch.inference_mode()
     def sample_first(self, logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, seed: Tensor,

@@ -24,26 +24,17 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from ddtree.engine.api import StreamChunk
 from ddtree.engine.build import EngineParts
 from ddtree.engine.request_state import Phase, RequestState
-from ddtree.engine.runner import (
-    ROUND_LONGS,
-    HostCopy,
-    PrefillInputs,
-    RoundInputs,
-    StageTimer,
-    to_host,
-)
+from ddtree.engine.round import NO_WINDOW, PackedRows, RoundInputs, RoundShape, RowInputs
+from ddtree.engine.runner import HostCopy, PrefillInputs, StageTimer, to_host
 
 log = logging.getLogger("ddtree.engine")
-
-_NO_WINDOW = 1 << 30
-_ROOT, _START, _STEP = (ROUND_LONGS.index(name) for name in ("root_tokens", "start", "step"))
 
 @dataclass
 class _Counters:
@@ -62,9 +53,8 @@ class _Flight:
     states: list[RequestState]  # the rows, in order
     result: torch.Tensor  # [R, 2 + L] device: tokens committed, then the tokens (ModelRunner.round)
     copy: HostCopy  # the result's copy to the host, started when the round was queued
-    longs: torch.Tensor  # [len(ROUND_LONGS), R] device inputs of the round (a follow-up round advances them)
-    floats: torch.Tensor  # [len(ROUND_FLOATS), R]
-    sizes: dict  # the host-known RoundInputs fields
+    rows: PackedRows  # the round's device inputs (a follow-up round advances them)
+    shape: RoundShape
     timer: StageTimer
 
 
@@ -259,44 +249,38 @@ class Scheduler:
         is exact for every row that does not finish on them (rows that do are dropped when this round is read)."""
         drafting = [s for s in states if s.tree.method != "ar"]
         block = max((int(s.tree.block_size) for s in drafting), default=1) if self.drafter is not None else 1
-        max_budget = max(s.budget for s in states)
-        if block == 1:
-            max_budget = 0
-        longs, roots = [], []
+        max_budget = max(s.budget for s in states) if block > 1 else 0
+        rows = []
         for s in states:
             extra = pending.get(s.request_id, ())
-            root = s.root_position + len(extra)
-            roots.append(root)
-            longs.append([s.slot, extra[-1] if extra else s.root_token, root, s.budget, s.topk, s.depth_limit,
-                          s.tree.draft_window or _NO_WINDOW, int(s.sampling.top_k), s.seed,
-                          len(s.output_ids) + len(extra)])  # ROUND_LONGS order
-        # [F, R] host tensors: one copy each to the device instead of one per field.
-        packed_longs = torch.tensor(longs, dtype=torch.long).T
-        packed_floats = torch.tensor([[float(s.sampling.temperature), float(s.sampling.top_p)] for s in states],
-                                     dtype=torch.float32).T  # ROUND_FLOATS order
-        sizes = dict(
+            rows.append(RowInputs(
+                slot=s.slot, root_token=extra[-1] if extra else s.root_token, start=s.root_position + len(extra),
+                budget=s.budget, topk=s.topk, depth_limit=s.depth_limit, window=s.tree.draft_window or NO_WINDOW,
+                top_k=int(s.sampling.top_k), seed=s.seed, step=len(s.output_ids) + len(extra),
+                temperature=float(s.sampling.temperature), top_p=float(s.sampling.top_p)))
+        reach = max(r.start for r in rows)
+        shape = RoundShape(
+            rows=len(rows),
             max_budget=max_budget,
             block_size=block,
-            kv_len=max(roots) + max_budget + 1,
-            draft_kv_len=max(1, max(roots)),
+            kv_len=reach + max_budget + 1,
+            draft_kv_len=max(1, reach),
             greedy=all(s.sampling.greedy for s in states),
             filtered=_any_filter(states),
             contiguous=all(s.tree.method != "ddtree" for s in states),
         )
-        return self._queue(states, packed_longs, packed_floats, sizes)
+        # One host tensor per dtype: one copy each to the device instead of one per field.
+        return self._queue(states, PackedRows.pack(rows), shape)
 
-    def _queue(self, states: list[RequestState], longs: torch.Tensor, floats: torch.Tensor, sizes: dict) -> _Flight:
+    def _queue(self, states: list[RequestState], rows: PackedRows, shape: RoundShape) -> _Flight:
         """Queue a round from packed inputs (host tensors, or device tensors for a follow-up round)."""
         timer = StageTimer(self.device)
         if self.graphs is not None and self.graphs.can_run(len(states)):
-            result, longs, floats = self.graphs.run(longs, floats, sizes, timer)
+            result, rows = self.graphs.run(rows, shape, timer)
         else:
-            dev = self.device
-            longs = longs.contiguous().to(dev, non_blocking=True)
-            floats = floats.contiguous().to(dev, non_blocking=True)
-            result = self.runner.round(RoundInputs.from_packed(longs, floats, **sizes), timer)
-        return _Flight(states=states, result=result, copy=HostCopy(result), longs=longs, floats=floats, sizes=sizes,
-                       timer=timer)
+            rows = rows.to(self.device)
+            result = self.runner.round(RoundInputs.from_packed(rows, shape), timer)
+        return _Flight(states=states, result=result, copy=HostCopy(result), rows=rows, shape=shape, timer=timer)
 
     def _can_follow(self, flight: _Flight) -> bool:
         """Whether the next round can be queued before ``flight`` is read: the same rows will run it (every one still
@@ -311,7 +295,7 @@ class Scheduler:
             return False
         # The next round's roots lie at most a block past the states' positions; from there it writes its tree
         # (nodes) into the target cache and its block into the drafter's.
-        block, nodes = flight.sizes["block_size"], flight.sizes["max_budget"] + 1
+        block, nodes = flight.shape.block_size, flight.shape.max_budget + 1
         return max(s.root_position for s in flight.states) + block + max(nodes, block) + 1 <= self.cache_len
 
     def _follow_up(self, flight: _Flight) -> _Flight | None:
@@ -319,15 +303,9 @@ class Scheduler:
         the last token it commits, its position and step counter move by the tokens it commits. The states hold
         every round before ``flight``, so their positions plus one block bound this round's cache reads."""
         try:
-            result = flight.result
-            n = result[:, 0]
-            longs = flight.longs.clone()
-            longs[_ROOT] = torch.gather(result, 1, n[:, None])[:, 0]  # result[:, 1 + n - 1]
-            longs[_START] += n
-            longs[_STEP] += n
-            reach = max(s.root_position for s in flight.states) + flight.sizes["block_size"]
-            sizes = {**flight.sizes, "kv_len": reach + flight.sizes["max_budget"] + 1, "draft_kv_len": max(1, reach)}
-            return self._queue(flight.states, longs, flight.floats, sizes)
+            reach = max(s.root_position for s in flight.states) + flight.shape.block_size
+            shape = replace(flight.shape, kv_len=reach + flight.shape.max_budget + 1, draft_kv_len=max(1, reach))
+            return self._queue(flight.states, flight.rows.advanced(flight.result), shape)
         except Exception:  # the host path below will launch it (and isolate a faulty row if it fails again)
             log.warning("queuing a follow-up round failed; launching from the host instead", exc_info=True)
             return None

@@ -1,0 +1,175 @@
+"""The round contract: what one speculative round carries, in two frozen records.
+
+Read this module to know what a round is made of:
+
+- :class:`RoundShape`: every host-known size of a round (rows, tree nodes, block size, the cache lengths the
+  attentions read, and the three batch-wide flags that pick code paths). Bucketed by
+  :func:`ddtree.engine.cuda_graphs.graph_key`, the same type is the CUDA graph key: a graph is captured per shape.
+- :class:`RowInputs`: one request's entries. Its fields, in order, *are* the packing order: integer fields go to
+  one ``long`` tensor ``[len(LONG_FIELDS), R]`` and float fields to one ``float32`` tensor
+  ``[len(FLOAT_FIELDS), R]`` (:class:`PackedRows`), so a round moves to the device (or into a graph's static
+  inputs) with one copy per dtype, and nothing matches positions by a comment.
+- :class:`RoundInputs`: what the runner's stages read: the shape plus one device tensor ``[R]`` per row field,
+  views of the packed tensors, under the row field's own name.
+
+The stages' outputs are typed too (:class:`TreeStage`, :class:`VerifyStage`, held by :class:`RoundWork`), so the
+CUDA-graph runner can capture each stage on its own and the engine can time the split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ddtree import spec
+from ddtree.models import TreeVisibility
+
+NO_WINDOW = 1 << 30  # RowInputs.window of a row that sees its whole context
+
+
+@dataclass(frozen=True)
+class RoundShape:
+    """The host-known sizes of one round; nothing inside a round reads a device value to learn them."""
+
+    rows: int  # requests in the round (a graph key: the batch bucket, padding rows included)
+    max_budget: int  # N - 1: tree nodes past the root (0 when no row drafts)
+    block_size: int  # batch max block size (L + 1); 1 when no row drafts
+    kv_len: int  # target cache positions the verify reads: >= max(start) + N
+    draft_kv_len: int  # drafter cache positions the draft reads: >= max(start)
+    greedy: bool  # every row has temperature 0
+    filtered: bool  # some row uses top-p < 1 or top-k > 0 (else sampling skips the vocabulary sort)
+    contiguous: bool  # every row is AR or DFlash: accepted nodes are already contiguous (compaction skipped)
+
+    @property
+    def drafts(self) -> bool:
+        """Whether some row drafts (block size above 1)."""
+        return self.block_size > 1
+
+
+@dataclass(frozen=True)
+class RowInputs:
+    """One request's inputs to a round. Field order is the packing order (ints, then floats; see the module)."""
+
+    slot: int  # KV cache slot
+    root_token: int  # the last committed token, the tree's root
+    start: int  # position of the root (= committed KV length)
+    budget: int  # draft nodes to verify, 0 for AR
+    topk: int  # most candidates per depth, 0 = no cap
+    depth_limit: int  # block_size - 1 (0 for AR)
+    window: int  # drafter context window (NO_WINDOW: all)
+    top_k: int  # sampling top-k of the target's distribution, 0 = off
+    seed: int  # the request's sampling seed
+    step: int  # tokens generated so far (the sampling counter)
+    temperature: float  # 0 = greedy
+    top_p: float
+
+    @classmethod
+    def padding(cls, scratch_slot: int) -> RowInputs:
+        """A row that fills a graph's bucket: the KV caches' scratch slot, budget 0, greedy; it never touches a
+        live request's cache."""
+        return cls(slot=scratch_slot, root_token=0, start=0, budget=0, topk=0, depth_limit=0, window=NO_WINDOW,
+                   top_k=0, seed=0, step=0, temperature=0.0, top_p=1.0)
+
+
+LONG_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(RowInputs) if f.type in ("int", int))
+FLOAT_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(RowInputs) if f.type in ("float", float))
+assert len(LONG_FIELDS) + len(FLOAT_FIELDS) == len(dataclasses.fields(RowInputs)), "RowInputs: int or float fields"
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """Rows packed by dtype: ``longs [len(LONG_FIELDS), R]``, ``floats [len(FLOAT_FIELDS), R]`` (host or device)."""
+
+    longs: Tensor
+    floats: Tensor
+
+    @classmethod
+    def pack(cls, rows: Sequence[RowInputs]) -> PackedRows:
+        longs = torch.tensor([[getattr(r, f) for f in LONG_FIELDS] for r in rows], dtype=torch.long)
+        floats = torch.tensor([[float(getattr(r, f)) for f in FLOAT_FIELDS] for r in rows], dtype=torch.float32)
+        return cls(longs=longs.T.reshape(len(LONG_FIELDS), len(rows)),
+                   floats=floats.T.reshape(len(FLOAT_FIELDS), len(rows)))
+
+    @property
+    def rows(self) -> int:
+        return self.longs.shape[1]
+
+    def field(self, name: str) -> Tensor:
+        """The ``[R]`` view of one row field."""
+        if name in LONG_FIELDS:
+            return self.longs[LONG_FIELDS.index(name)]
+        return self.floats[FLOAT_FIELDS.index(name)]
+
+    def to(self, device: torch.device) -> PackedRows:
+        return PackedRows(self.longs.contiguous().to(device, non_blocking=True),
+                          self.floats.contiguous().to(device, non_blocking=True))
+
+    def advanced(self, result: Tensor) -> PackedRows:
+        """The next round's rows from this round's device ``result`` (:meth:`ModelRunner.round`), on the device:
+        each row's root is the last token it commits, its position and step move by the tokens it commits."""
+        n = result[:, 0]
+        longs = self.longs.clone()
+        longs[LONG_FIELDS.index("root_token")] = torch.gather(result, 1, n[:, None])[:, 0]  # result[:, 1 + n - 1]
+        longs[LONG_FIELDS.index("start")] += n
+        longs[LONG_FIELDS.index("step")] += n
+        return PackedRows(longs, self.floats)
+
+
+@dataclass(frozen=True)
+class RoundInputs:
+    """A round as the runner's stages read it: the shape and one ``[R]`` device tensor per :class:`RowInputs`
+    field (same names), views of a :class:`PackedRows`."""
+
+    shape: RoundShape
+    slot: Tensor
+    root_token: Tensor
+    start: Tensor
+    budget: Tensor
+    topk: Tensor
+    depth_limit: Tensor
+    window: Tensor
+    top_k: Tensor
+    seed: Tensor
+    step: Tensor
+    temperature: Tensor
+    top_p: Tensor
+
+    @classmethod
+    def from_packed(cls, packed: PackedRows, shape: RoundShape) -> RoundInputs:
+        """Views of ``packed`` (a graph's static inputs stay views of its buffers, refreshed by one copy each)."""
+        fields = dict(zip(LONG_FIELDS, packed.longs.unbind(0), strict=True))
+        fields.update(zip(FLOAT_FIELDS, packed.floats.unbind(0), strict=True))
+        return cls(shape=shape, **fields)
+
+
+@dataclass
+class TreeStage:
+    """The tree stage's output: the trees and where their nodes sit."""
+
+    trees: spec.Trees
+    positions: Tensor  # [R, N] RoPE positions (start + depth)
+    write_pos: Tensor  # [R, N] cache indices the verify writes (start + i)
+    visibility: TreeVisibility  # prefix + ancestors, what the tree-attention kernel reads
+    mask: Tensor | None  # the dense [R, N, kv_len] mask, built only when the dense attention path runs
+
+
+@dataclass
+class VerifyStage:
+    """The verify stage's output."""
+
+    hidden: Tensor | None  # [R, N, F] target features for the drafter (None when no row drafts)
+    choices: Tensor  # [R, N] the target's token at each node (argmax or sampled)
+
+
+@dataclass
+class RoundWork:
+    """The stages' outputs of one round; each stage fills its own field. A captured graph's outputs live here."""
+
+    draft_logits: Tensor | None = None  # [R, L, V], None when no row drafts
+    tree: TreeStage | None = None
+    verify: VerifyStage | None = None
+    result: Tensor | None = None  # [R, 1 + L + 1]: tokens committed (bonus included), then the tokens
