@@ -48,12 +48,12 @@ def test_right_key_is_served_and_health_metrics_stay_open(keyed):
     assert keyed.get("/health").status_code == 200
     metrics = keyed.get("/metrics")
     assert metrics.status_code == 200
-    assert 'ddtree:requests_total{outcome="unauthorized"} 0.0' in metrics.text
+    assert 'ddtree:requests_total{model_name="tiny",outcome="unauthorized"} 0.0' in metrics.text
 
 
 def test_refusals_are_counted(keyed):
     keyed.post("/v1/completions", json=OK)
-    assert 'ddtree:requests_total{outcome="unauthorized"} 1.0' in keyed.get("/metrics").text
+    assert 'ddtree:requests_total{model_name="tiny",outcome="unauthorized"} 1.0' in keyed.get("/metrics").text
 
 
 def test_admin_route_needs_the_admin_key(keyed, engine):
@@ -115,7 +115,7 @@ def test_body_over_the_limit_is_413_declared_or_chunked(engine):
     assert len(exact) == 4096
     r = client.post("/v1/completions", content=exact, headers={"content-type": "application/json"})
     assert r.status_code == 200, r.text
-    assert 'ddtree:requests_total{outcome="too_large"} 2.0' in client.get("/metrics").text
+    assert 'ddtree:requests_total{model_name="tiny",outcome="too_large"} 2.0' in client.get("/metrics").text
 
 
 def test_default_body_limit_carries_the_longest_prompt_that_fits(app, engine):

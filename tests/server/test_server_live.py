@@ -97,7 +97,7 @@ def test_full_queue_answers_503_with_retry_after(one_slot):
                     error = r.json()["error"]
                     assert error["code"] == "queue_full" and "queue" in error["message"]
                     metrics = (await b.get("/metrics")).text
-                    assert 'ddtree:requests_total{outcome="queue_full"} 1.0' in metrics
+                    assert 'ddtree:requests_total{model_name="tiny",outcome="queue_full"} 1.0' in metrics
                     await next_event(running_lines)
                     assert engine.snapshot().running == 1 and not engine.snapshot().requests_total
 

@@ -17,7 +17,12 @@ def scrape(client) -> dict[tuple[str, tuple], float]:
 
 
 def value(samples, name: str, **labels) -> float:
-    return samples[(name, tuple(sorted(labels.items())))]
+    """The sample of ``name`` with ``labels`` (every family carries the served model's ``model_name`` label)."""
+    return samples[(name, tuple(sorted({"model_name": "tiny", **labels}.items())))]
+
+
+def _has(samples, name: str, **labels) -> bool:
+    return (name, tuple(sorted({"model_name": "tiny", **labels}.items()))) in samples
 
 
 def test_counters_move_with_completed_requests(client, engine):
@@ -31,8 +36,9 @@ def test_counters_move_with_completed_requests(client, engine):
     client.post("/v1/completions", json={"prompt": "hello", "model": "nope"})  # refused: not found
     after = scrape(client)
 
-    def delta(name, **labels):
-        return value(after, name, **labels) - value(before, name, **labels)
+    def delta(name, **labels):  # a labelled histogram has no samples before its first observation
+        return value(after, name, **labels) - (value(before, name, **labels) if (name, labels) and
+                                                  _has(before, name, **labels) else 0.0)
 
     completion = sum(a["usage"]["completion_tokens"] for a in answers)
     prompt = sum(a["usage"]["prompt_tokens"] for a in answers)

@@ -59,10 +59,15 @@ class Ticket:
         chunks: asyncio.Queue[StreamChunk] = asyncio.Queue()
         loop = self._loop
 
-        def deliver(chunk: StreamChunk) -> None:  # engine thread
-            loop.call_soon_threadsafe(chunks.put_nowait, chunk)
+        def on_loop(chunk: StreamChunk) -> None:
+            chunks.put_nowait(chunk)
             if chunk.finished:
-                loop.call_soon_threadsafe(self._free_slot)
+                self._free_slot()
+
+        def deliver(chunk: StreamChunk) -> None:  # engine thread
+            # One hand-over per chunk: with two, the loop could answer the client (and a test's loop close)
+            # between the final chunk and the slot's release.
+            loop.call_soon_threadsafe(on_loop, chunk)
 
         rid = engine.submit(request, deliver)
         self.submitted = True

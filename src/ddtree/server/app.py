@@ -36,17 +36,18 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ddtree import __version__
-from ddtree.engine.api import GenerationRequest
 from ddtree.errors import ConfigError, InvalidRequestError, QueueFullError
 from ddtree.server.admission import Admission
 from ddtree.server.auth import AccessPolicy, AuthMiddleware
 from ddtree.server.generation import (
     CancellingStreamingResponse,
+    Job,
     StreamUsage,
+    TextShaper,
     complete,
     sse_events,
-    wait_turn,
 )
+from ddtree.server.info_routes import ModelNotFound, check_model, register_info_routes
 from ddtree.server.limits import PROVISIONAL_BODY_BYTES, BodyLimitMiddleware, ResolvedLimits, ServerLimits
 from ddtree.server.metrics import ServerMetrics
 from ddtree.server.protocol import (
@@ -73,13 +74,6 @@ NOT_READY_RETRY_AFTER_S = 5
 
 class _Unavailable(Exception):
     """The engine is loading, failed to load, or is shutting down: 503."""
-
-
-class _ModelNotFound(Exception):
-    """The request names a model this server does not serve: 404."""
-
-    def __init__(self, requested: str, served: str) -> None:
-        super().__init__(f"model {requested!r} does not exist; this server serves {served!r} (see GET /v1/models)")
 
 
 class EngineHost:
@@ -217,7 +211,8 @@ def create_app(
         return gate[0]
 
     metrics = ServerMetrics(lambda: host.engine if host.ready else None,
-                            lambda: (gate[0].queued, gate[0].queued_tokens) if gate else (0, 0))
+                            lambda: (gate[0].queued, gate[0].queued_tokens) if gate else (0, 0),
+                            model_fn=lambda: host.engine.model_name if host.ready and host.engine else "")
     started_at = time.time()
 
     async def off_loop(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -268,8 +263,8 @@ def create_app(
         return JSONResponse(error_body(f"internal server error: {type(exc).__name__}: {exc}", type_="server_error",
                                        code="internal_error"), status_code=500)
 
-    @app.exception_handler(_ModelNotFound)
-    async def _no_model(request: Request, exc: _ModelNotFound) -> JSONResponse:
+    @app.exception_handler(ModelNotFound)
+    async def _no_model(request: Request, exc: ModelNotFound) -> JSONResponse:
         refuse(request, "not_found")
         return JSONResponse(error_body(str(exc), param="model", code="model_not_found"), status_code=404)
 
@@ -312,40 +307,22 @@ def create_app(
         status = "failed" if host.startup_error is not None else "starting"
         return JSONResponse({"status": status, "message": host.status_message()}, status_code=503)
 
-    @app.get("/v1/models")
-    async def models() -> JSONResponse:
-        engine = host.require_ready()
-        card = {"id": engine.model_name, "object": "model", "created": int(started_at), "owned_by": "ddtree",
-                "root": engine.model_name, "max_model_len": engine.config.max_len}
-        return JSONResponse({"object": "list", "data": [card]})
-
-    @app.get("/server_info")
-    async def server_info() -> JSONResponse:
-        engine = host.require_ready()
-        snap = engine.snapshot()
-        rounds = snap.verify_rounds_total
-        info = {
-            "model": engine.model_name,
-            "engine": _jsonable(engine.info()),
-            "default_tree": engine.defaults.to_dict(),
-            "snapshot": _jsonable(snap),
-            "server": {
-                "ddtree_version": __version__,
-                "pid": os.getpid(),
-                "rss_bytes": resident_memory_bytes(),
-                "uptime_s": time.time() - started_at,
-                "drain_timeout_s": host.drain_timeout,
-                "limits": host.require_limits().to_dict(),
-                "queue": app.state.queue(),
-                "auth": {"api_key": access.api_key is not None, "admin_api_key": access.admin_api_key is not None,
-                         "loopback_only": access.loopback_only},
-            },
-            # SGLang's place for the running acceptance length (read by tools written for SGLang).
-            "internal_states": [{"avg_spec_accept_length": snap.generation_tokens_total / rounds if rounds else 0.0,
-                                 "num_running_reqs": snap.running,
-                                 "num_queue_reqs": snap.queued + admission().queued}],
+    def server_block() -> dict[str, Any]:
+        return {
+            "ddtree_version": __version__,
+            "pid": os.getpid(),
+            "rss_bytes": resident_memory_bytes(),
+            "uptime_s": time.time() - started_at,
+            "drain_timeout_s": host.drain_timeout,
+            "limits": host.require_limits().to_dict(),
+            "queue": app.state.queue(),
+            "auth": {"api_key": access.api_key is not None, "admin_api_key": access.admin_api_key is not None,
+                     "loopback_only": access.loopback_only},
         }
-        return JSONResponse(info)
+
+    app.state.stats_baseline = register_info_routes(
+        app, engine_fn=host.require_ready, started_at=started_at, server_fn=server_block,
+        queued_fn=lambda: admission().queued, off_loop=off_loop, jsonable=_jsonable)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -368,71 +345,87 @@ def create_app(
 
     # ---------------------------------------------------------------------------------- generation routes
 
-    def check_model(engine: Engine, model: str | None) -> None:
-        if model is not None and model != engine.model_name:
-            raise _ModelNotFound(model, engine.model_name)
-
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         engine = host.require_ready()
         check_model(engine, body.model)
         limits = host.require_limits()
+        max_tokens = body.check()
         limits.check_fields(body.stop, body.stop_token_ids)
+        prompts = body.prompt_list()
+        limits.check_choices(len(prompts), body.num_samples)
+        ids_list: list[list[int]] = []
+        for i, prompt in enumerate(prompts):
+            where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            if isinstance(prompt, str):
+                limits.check_prompt_chars(prompt, where)
+                ids_list.append(await off_loop(engine.encode_prompt, prompt))
+            else:
+                limits.check_prompt_ids(prompt)
+                ids_list.append(list(prompt))
+        echoes = ([p if isinstance(p, str) else await off_loop(engine.tokenizer.decode, p) for p in prompts]
+                  if body.echo else None)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        if isinstance(body.prompt, str):
-            limits.check_prompt_chars(body.prompt, "prompt")
-            prompt_ids = await off_loop(engine.encode_prompt, body.prompt)
-        else:
-            limits.check_prompt_ids(body.prompt)
-            prompt_ids = body.prompt
-        request = body.to_generation_request(prompt_ids, engine.defaults, request_id)
-        builder = ResponseBuilder(request_id=request_id, model=engine.model_name, chat=False)
-        return await run_generation(engine, request, builder, raw, body)
+        return await run_generation(engine, body, ids_list, max_tokens, request_id, raw, chat=False, echoes=echoes)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         engine = host.require_ready()
         check_model(engine, body.model)
         limits = host.require_limits()
+        body.check()
         limits.check_fields(body.stop, body.stop_token_ids)
+        limits.check_choices(1, body.num_samples)
         # The tokenizer's chat template; the engine reports a template failure as an invalid request (400).
         prompt_ids = await off_loop(_encode_chat, engine, limits, body.template_messages(),
                                     body.chat_template_kwargs or {})
+        max_tokens = body.max_tokens_for(len(prompt_ids), engine.config.max_len)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        request = body.to_generation_request(prompt_ids, engine.defaults, request_id, engine.config.max_len)
-        builder = ResponseBuilder(request_id=request_id, model=engine.model_name, chat=True)
-        return await run_generation(engine, request, builder, raw, body)
+        return await run_generation(engine, body, [prompt_ids], max_tokens, request_id, raw, chat=True)
 
-    async def run_generation(engine: Engine, request: GenerationRequest, builder: ResponseBuilder, raw: Request,
-                             body: CompletionRequest | ChatCompletionRequest) -> Response:
-        """Validate, wait for a turn in the admission queue (a client that leaves meanwhile never reaches the
-        engine), submit, answer."""
-        ids, _ = engine.validate(request)  # 400 now, not after waiting in the queue
-        ticket = admission().enter(len(ids) + request.sampling.max_tokens)  # QueueFullError: 503
-        rid = request.request_id
-        if body.stream:
+    async def run_generation(engine: Engine, body: CompletionRequest | ChatCompletionRequest,
+                             prompts: list[list[int]], max_tokens: int, request_id: str, raw: Request, *,
+                             chat: bool, echoes: list[str] | None = None) -> Response:
+        """Validate every engine request behind the body, give each a place in the admission queue (all or
+        none), answer: a stream of events, or one body once every choice is done. A client that leaves while
+        its requests wait never reaches the engine."""
+        runs = body.generation_requests(prompts, engine.defaults, request_id, max_tokens)
+        for request, _ in runs:
+            engine.validate(request)  # 400 now, not after waiting in the queue
+        gate = admission()
+        stop_ids = frozenset(engine.eos_ids) | frozenset(body.stop_token_ids or ())
+        jobs: list[Job] = []
+        try:
+            for request, indices in runs:
+                ticket = gate.enter(len(request.prompt_token_ids or ()) + request.sampling.max_tokens)
+                prompt_index = indices[0] // body.num_samples
+                shaper = TextShaper(engine.tokenizer, stop=request.sampling.stop, stop_ids=stop_ids,
+                                    prefix=echoes[prompt_index] if echoes else "",
+                                    keep_special=body.keep_special_tokens, include_stop=body.include_stop)
+                jobs.append(Job(request=request, indices=indices, ticket=ticket, shaper=shaper))
+        except QueueFullError:
+            for job in jobs:
+                job.cancel(engine)
+            raise
+        builder = ResponseBuilder(request_id=request_id, model=engine.model_name, chat=chat,
+                                  num_choices=len(prompts) * body.num_samples)
+        prompt_tokens = sum(len(p) for p in prompts)
+        if body.streaming:
             # Headers go out now (what streaming clients expect); the events wait for the turn. A client that
             # leaves meanwhile ends the response, which closes the generator before anything was submitted.
-            usage = StreamUsage(len(ids), body.include_usage, body.continuous_usage)
+            usage = StreamUsage(prompt_tokens, body.include_usage, body.continuous_usage)
 
             def cancel() -> None:
-                if ticket.submitted:  # one still queued never reached the engine: nothing to cancel there
-                    engine.cancel(rid)
-                ticket.release()
+                for job in jobs:
+                    job.cancel(engine)
 
             return CancellingStreamingResponse(
-                sse_events(engine, request, ticket, builder, usage, metrics),
+                sse_events(engine, jobs, builder, usage, metrics),
                 cancel=cancel,
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        try:
-            if not await wait_turn(ticket.wait, raw):
-                return Response(status_code=499)  # nobody is listening; the status is for the access log
-            chunks = await ticket.submit_when_room(engine, request)  # raises QueueFullError if the engine is shutting down
-            return await complete(engine, chunks, rid, builder, raw, metrics)
-        finally:
-            ticket.release()
+        return await complete(engine, jobs, builder, prompt_tokens, raw, metrics)
 
     return app
 

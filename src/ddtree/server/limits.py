@@ -64,12 +64,15 @@ class ServerLimits:
     max_stop_chars: int = 1024
     max_stop_token_ids: int = 1024
     tokenizer_workers: int | None = None
+    max_choices: int = 64  # prompts x n of one request (each is one engine request, or one copy of a greedy one)
 
     def validated(self) -> ServerLimits:
         for name in ("max_body_bytes", "max_queued_tokens", "max_queued", "tokenizer_workers"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(f"{name} must be an integer >= 1 (or unset), got {value!r}")
+        if isinstance(self.max_choices, bool) or not isinstance(self.max_choices, int) or self.max_choices < 1:
+            raise ConfigError(f"max_choices must be an integer >= 1, got {self.max_choices!r}")
         for name in ("max_stop", "max_stop_chars", "max_stop_token_ids"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -93,7 +96,7 @@ class ServerLimits:
             max_token_bytes=bound.max_token_bytes, max_queued_tokens=queued_tokens,
             max_queued=self.max_queued or max_queue, max_running=max_batch, max_stop=self.max_stop,
             max_stop_chars=self.max_stop_chars, max_stop_token_ids=self.max_stop_token_ids,
-            tokenizer_workers=workers,
+            tokenizer_workers=workers, max_choices=self.max_choices,
         )
 
 
@@ -180,6 +183,14 @@ class ResolvedLimits:
     max_stop_chars: int
     max_stop_token_ids: int
     tokenizer_workers: int
+    max_choices: int
+
+    def check_choices(self, prompts: int, n: int) -> None:
+        """Refuse a request of more choices (prompts x n) than one request may ask for."""
+        if prompts * n > self.max_choices:
+            param = "n" if prompts == 1 else "prompt"
+            raise InvalidRequestError(f"{prompts} prompt(s) x n={n} asks for {prompts * n} choices; at most "
+                                      f"{self.max_choices} are allowed per request", param=param)
 
     def check_prompt_chars(self, text: str, param: str) -> None:
         """Refuse a text that cannot fit in ``max_len`` tokens, before spending time tokenizing it."""

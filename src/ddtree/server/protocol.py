@@ -11,13 +11,20 @@ add their own), but fields of features we do not implement are rejected when the
 never silently gets less than it asked for. Inside the ``ddtree`` object unknown keys are an error: a typo there
 would otherwise quietly benchmark the server's defaults.
 
-Speculative statistics travel twice, because two kinds of tools read them:
+Batches and samples: a completions ``prompt`` may be a list of prompts and ``n`` asks for several samples of each;
+every prompt-sample pair is one choice, in vLLM's order (:meth:`_SamplingBody.generation_requests`).
 
-- ``"ddtree": {...}``: our own :class:`~ddtree.engine.api.RequestStats` (acceptance histogram, stage times, the
-  resolved tree settings).
-- ``"meta_info": {"spec_verify_ct", "spec_accept_length", ...}``: SGLang's names. SGLang attaches ``meta_info`` to
-  each choice of an OpenAI response (``return_meta_info``) and to the top level of its native ``/generate``
-  answer; we put the same object in both places (n is always 1), and on the last content chunk of a stream.
+Speculative statistics travel three times, because three kinds of tools read them
+(:mod:`ddtree.server.spec_stats` has the definitions):
+
+- ``"ddtree": {...}``: our own :class:`~ddtree.engine.api.RequestStats` (acceptance histogram indexed by committed
+  tokens, stage times, the resolved tree settings).
+- ``"meta_info": {"spec_verify_ct", "spec_accept_length", "spec_accept_rate", ...}``: SGLang's names and
+  conventions. SGLang attaches ``meta_info`` to each choice of an OpenAI response (``return_meta_info``) and to the
+  top level of its native ``/generate`` answer; we put it on every choice (and at the top level for one choice),
+  and on each choice's last content chunk of a stream.
+- ``"metrics": {"speculative_decoding": {...}}``: vLLM's per-request object (AIPerf reads it), at the top level
+  of a one-choice answer and on a stream's final chunks.
 """
 
 from __future__ import annotations
@@ -25,7 +32,8 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -40,15 +48,37 @@ from pydantic import (
 
 from ddtree.engine.api import GenerationRequest, RequestStats, SamplingParams, TreeSettings
 from ddtree.errors import InvalidRequestError
+from ddtree.server.spec_stats import FINISH_REASONS, sglang_meta_info, vllm_speculative_decoding
 
 # Completions default to 16 new tokens like OpenAI, vLLM and SGLang; chat defaults to the rest of the context.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 TREE_FIELDS: frozenset[str] = frozenset(TreeSettings.__dataclass_fields__)
-# Engine finish reasons as OpenAI clients see them; "cancelled" and "error" never reach a 200 response.
-FINISH_REASONS: dict[str, str] = {"stop": "stop", "length": "length", "cancelled": "abort", "error": "error"}
 
 
 # ----------------------------------------------------------------------------------------------- request bodies
+
+# Fields of OpenAI's, vLLM's and SGLang's request schemas that ask for something ddtree does not do: accepted only
+# as null or at the listed neutral values, refused with a 400 naming them otherwise (never silently dropped).
+# Fields not listed and not declared below (``user``, ``metadata``, a benchmark tool's own keys) are ignored.
+_NEUTRAL_ONLY: dict[str, tuple[Any, ...]] = {
+    "best_of": (1,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
+    "min_p": (0, 0.0), "typical_p": (1, 1.0), "length_penalty": (1, 1.0), "use_beam_search": (False,),
+    "logit_bias": ({},), "bad_words": ([],), "allowed_token_ids": (), "logits_processors": ([],),
+    "truncate_prompt_tokens": (), "prompt_logprobs": (), "return_tokens_as_token_ids": (False,),
+    "spaces_between_special_tokens": (True,), "guided_json": (), "guided_regex": (), "guided_choice": (),
+    "guided_grammar": (), "structured_outputs": (), "regex": (), "json_schema": (), "ebnf": (),
+    "priority": (0,), "suffix": ("",), "lora_path": (), "return_hidden_states": (False,),
+}
+_CHAT_NEUTRAL_ONLY: dict[str, tuple[Any, ...]] = {
+    "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto"),
+    "audio": (), "modalities": (["text"],), "prediction": (), "web_search_options": (), "reasoning_effort": (),
+    "chat_template": (), "documents": (), "continue_final_message": (False,), "add_generation_prompt": (True,),
+    "echo": (False,),
+}
+MIN_TOKENS_REFUSAL = ("min_tokens > 0 is not supported: it needs the engine to mask EOS and stop token ids out of "
+                      "the target's distribution for the first min_tokens tokens, which it does not do yet")
+LOGPROBS_REFUSAL = ("log-probs are not supported yet (they need the verify round's logits from the engine); "
+                    "send the request without {field}")
 
 
 class StreamOptions(BaseModel):
@@ -57,62 +87,84 @@ class StreamOptions(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    include_usage: StrictBool = False
-    continuous_usage_stats: StrictBool = False
+    include_usage: StrictBool | None = None
+    continuous_usage_stats: StrictBool | None = None
 
 
 class _SamplingBody(BaseModel):
-    """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
+    """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``. Every optional field of the OpenAI
+    schema also takes an explicit ``null``, which means its default."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # extras are checked against _NEUTRAL_ONLY, then ignored
 
     model: str | None = None
     max_tokens: StrictInt | None = None
-    temperature: StrictFloat = 1.0  # OpenAI's default; send 0 for greedy
-    top_p: StrictFloat = 1.0
-    top_k: StrictInt = -1  # vLLM/SGLang spell "no filter" -1; 0 means the same
+    temperature: StrictFloat | None = None  # None: OpenAI's default 1.0; send 0 for greedy
+    top_p: StrictFloat | None = None
+    top_k: StrictInt | None = None  # vLLM/SGLang spell "no filter" -1; 0 means the same
     seed: StrictInt | None = None
     stop: Any = None  # a string or a list of strings; checked below for a clearer message than a union's
     stop_token_ids: list[StrictInt] | None = None
-    ignore_eos: StrictBool = False
-    n: StrictInt = 1
-    stream: StrictBool = False
+    ignore_eos: StrictBool | None = None
+    n: StrictInt | None = None
+    stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
+    min_tokens: StrictInt | None = None
+    include_stop_str_in_output: StrictBool | None = None
+    skip_special_tokens: StrictBool | None = None
     ddtree: dict[str, Any] | None = None
-    # Accepted only at their neutral values: we do not implement them and must not pretend to.
-    presence_penalty: StrictFloat = 0.0
-    frequency_penalty: StrictFloat = 0.0
-    repetition_penalty: StrictFloat | None = None
-    logit_bias: dict[str, Any] | None = None
-    best_of: StrictInt | None = None
     user: str | None = None
+
+    NEUTRAL_ONLY: ClassVar[dict[str, tuple[Any, ...]]] = _NEUTRAL_ONLY
+
+    @property
+    def streaming(self) -> bool:
+        return bool(self.stream)
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
 
     @property
     def continuous_usage(self) -> bool:
         """Usage on every chunk; like vLLM, only together with ``include_usage``."""
-        return self.include_usage and self.stream_options is not None and self.stream_options.continuous_usage_stats
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    @property
+    def num_samples(self) -> int:
+        return 1 if self.n is None else self.n
+
+    @property
+    def keep_special_tokens(self) -> bool:
+        return self.skip_special_tokens is False
+
+    @property
+    def include_stop(self) -> bool:
+        return bool(self.include_stop_str_in_output)
 
     def _check_unsupported(self) -> None:
-        if self.n != 1:
-            raise InvalidRequestError(
-                f"n must be 1, got {self.n}: ddtree serves one completion per request; send {self.n} requests",
-                param="n",
-            )
-        if self.best_of not in (None, 1):
-            raise InvalidRequestError(f"best_of must be 1, got {self.best_of}: not supported", param="best_of")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0.0:
-                raise InvalidRequestError(f"{name} is not supported; leave it at 0", param=name)
-        if self.repetition_penalty not in (None, 1.0):
-            raise InvalidRequestError("repetition_penalty is not supported; leave it at 1", param="repetition_penalty")
-        if self.logit_bias:
-            raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
-        if self.top_k < -1:
+        if self.n is not None and self.n < 1:
+            raise InvalidRequestError(f"n must be >= 1, got {self.n}", param="n")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options is only allowed together with stream: true",
+                                      param="stream_options")
+        if self.min_tokens is not None:
+            if self.min_tokens < 0:
+                raise InvalidRequestError(f"min_tokens must be >= 0, got {self.min_tokens}", param="min_tokens")
+            if self.min_tokens > 0:
+                raise InvalidRequestError(MIN_TOKENS_REFUSAL, param="min_tokens")
+        if self.top_k is not None and self.top_k < -1:
             raise InvalidRequestError(f"top_k must be >= -1 (-1 or 0: no filter), got {self.top_k}", param="top_k")
+        if self.keep_special_tokens and self.stop:
+            raise InvalidRequestError(
+                "skip_special_tokens: false cannot be combined with stop strings (the engine matches stop strings "
+                "on the text without special tokens); drop one of the two", param="skip_special_tokens")
+        for name, neutral in self.NEUTRAL_ONLY.items():
+            value = (self.model_extra or {}).get(name)
+            if value is not None and not _is_neutral(value, neutral):
+                shown = f"[{', '.join(repr(v) for v in neutral)}]" if neutral else "null"
+                raise InvalidRequestError(f"{name} is not supported by ddtree serve; leave it out or send "
+                                          f"{shown}", param=name)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -123,17 +175,18 @@ class _SamplingBody(BaseModel):
             return value
         raise ValueError(f"stop must be a string or a list of strings, got {value!r:.80}")
 
-    def sampling(self, max_tokens: int) -> SamplingParams:
+    def sampling(self, max_tokens: int, *, seed: int | None = None) -> SamplingParams:
+        """The engine's sampling parameters; ``seed`` overrides the request's (one per sample of ``n``)."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(
-            temperature=float(self.temperature),
-            top_p=float(self.top_p),
-            top_k=max(self.top_k, 0),
-            seed=self.seed,
+            temperature=1.0 if self.temperature is None else float(self.temperature),
+            top_p=1.0 if self.top_p is None else float(self.top_p),
+            top_k=max(self.top_k or 0, 0),
+            seed=self.seed if seed is None else seed,
             max_tokens=max_tokens,
             stop=stop,
             stop_token_ids=tuple(self.stop_token_ids or ()),
-            ignore_eos=self.ignore_eos,
+            ignore_eos=bool(self.ignore_eos),
         )
 
     def tree(self, defaults: TreeSettings) -> TreeSettings | None:
@@ -142,51 +195,86 @@ class _SamplingBody(BaseModel):
             return None
         return defaults.merged(self.ddtree)
 
+    def generation_requests(self, prompts: Sequence[Sequence[int]], defaults: TreeSettings, request_id: str,
+                            max_tokens: int) -> list[tuple[GenerationRequest, list[int]]]:
+        """The engine requests behind this body, each with the choice indices it answers (vLLM's order: prompt
+        ``i``'s samples are choices ``i * n .. i * n + n - 1``). Greedy samples are identical, so each prompt runs
+        once and its answer is copied to its ``n`` choices (what vLLM returns); sampled ones run ``n`` times with
+        seeds ``seed + j`` (distinct, and reproducible when the request has a seed)."""
+        n = self.num_samples
+        base = self.sampling(max_tokens)
+        tree = self.tree(defaults)
+        out = []
+        for i, ids in enumerate(prompts):
+            if base.greedy or n == 1:
+                runs = [(base, list(range(i * n, i * n + n)))]
+            else:
+                runs = [(self.sampling(max_tokens, seed=None if self.seed is None else (self.seed + j) % 2**63),
+                         [i * n + j]) for j in range(n)]
+            for sampling, indices in runs:
+                rid = f"{request_id}-{indices[0]}" if len(prompts) * n > 1 else request_id
+                out.append((GenerationRequest(prompt_token_ids=list(ids), tree=tree, sampling=sampling,
+                                              request_id=rid), indices))
+        return out
+
+
+def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
+    """Whether ``value`` is one of ``neutral`` (numbers compare by value, ``True`` is not ``1``)."""
+    def number(x: Any) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+    return any((number(value) and number(v) and value == v) or (type(value) is type(v) and value == v)
+               for v in neutral)
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+
+
+def _check_text(value: str, where: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:  # JSON can carry lone surrogates ("\ud800"); text cannot
+        raise ValueError(f"{where} is not valid Unicode text ({exc.reason} at index {exc.start})") from None
+    return value
+
 
 class CompletionRequest(_SamplingBody):
-    """``POST /v1/completions``. ``prompt`` is one string or one list of token ids."""
+    """``POST /v1/completions``. ``prompt``: a string, a list of strings, a list of token ids, or a list of token-id
+    lists; a list is a batch, one choice (``n`` choices) per prompt, in order."""
 
-    prompt: Any  # one string or one list of token ids; checked below for a clearer message than a union's
-    echo: StrictBool = False
+    prompt: Any  # checked below for a clearer message than a union's
+    echo: StrictBool | None = None
     logprobs: StrictInt | None = None
-    suffix: str | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, value: Any) -> Any:
+    def _prompts(cls, value: Any) -> Any:
         if isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError as exc:  # JSON can carry lone surrogates ("\ud800"); text cannot
-                raise ValueError(f"prompt is not valid Unicode text ({exc.reason} at index {exc.start})") from None
+            return _check_text(value, "prompt")
+        if _is_ids(value):
             return value
-        if isinstance(value, list) and value and all(isinstance(v, (str, list)) for v in value):
-            raise ValueError(
-                f"batched prompts ({len(value)} prompts in a list) are not supported; "
-                "send one prompt (a string or a list of token ids) per request"
-            )
-        if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return [_check_text(v, f"prompt[{i}]") for i, v in enumerate(value)]
+        if isinstance(value, list) and all(_is_ids(v) for v in value):
             return value
-        raise ValueError(f"prompt must be a string or a list of token ids, got {value!r:.80}")
+        raise ValueError("prompt must be a string, a list of strings, a list of token ids or a list of token-id "
+                         f"lists, got {value!r:.80}")
 
-    def to_generation_request(self, prompt_token_ids: Sequence[int], defaults: TreeSettings,
-                              request_id: str) -> GenerationRequest:
-        """``prompt_token_ids``: the prompt as given, or the text prompt tokenized (the server needs its length
-        for streamed usage before the engine reports it)."""
+    def prompt_list(self) -> list[str | list[int]]:
+        """The batch: each prompt a string or a list of token ids (one prompt unless ``prompt`` lists several)."""
+        p = self.prompt
+        if isinstance(p, str) or _is_ids(p):
+            return [p]
+        return list(p)
+
+    def check(self) -> int:
+        """Refuse what this server cannot do; returns max_tokens."""
         self._check_unsupported()
-        if self.echo:
-            raise InvalidRequestError("echo is not supported", param="echo")
-        if self.logprobs:
-            raise InvalidRequestError("logprobs are not supported", param="logprobs")
-        if self.suffix:
-            raise InvalidRequestError("suffix is not supported", param="suffix")
-        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
-        return GenerationRequest(
-            prompt_token_ids=list(prompt_token_ids),
-            tree=self.tree(defaults),
-            sampling=self.sampling(max_tokens),
-            request_id=request_id,
-        )
+        if self.logprobs is not None:
+            raise InvalidRequestError(LOGPROBS_REFUSAL.format(field="logprobs"), param="logprobs")
+        if not self.prompt_list() or any(len(p) == 0 for p in self.prompt_list()):
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        return COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
 
 
 class TextPart(BaseModel):
@@ -220,45 +308,42 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingBody):
     """``POST /v1/chat/completions``; the prompt is the tokenizer's chat template applied to ``messages``."""
 
+    NEUTRAL_ONLY: ClassVar[dict[str, tuple[Any, ...]]] = {**_NEUTRAL_ONLY, **_CHAT_NEUTRAL_ONLY}
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: StrictInt | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    logprobs: StrictBool = False
+    logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
-    tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.for_template(i) for i, m in enumerate(self.messages)]
 
-    def to_generation_request(
-        self, prompt_token_ids: Sequence[int], defaults: TreeSettings, request_id: str, max_len: int
-    ) -> GenerationRequest:
-        """``prompt_token_ids`` is the rendered chat; without a token limit the answer may fill the context."""
+    def check(self) -> None:
+        """Refuse what this server cannot do (before the chat template is applied)."""
         self._check_unsupported()
-        if self.logprobs or self.top_logprobs:
-            raise InvalidRequestError("logprobs are not supported", param="logprobs")
-        if self.tools:
-            raise InvalidRequestError("tools are not supported", param="tools")
+        if self.logprobs:
+            raise InvalidRequestError(LOGPROBS_REFUSAL.format(field="logprobs"), param="logprobs")
+        if self.top_logprobs is not None:
+            raise InvalidRequestError(LOGPROBS_REFUSAL.format(field="top_logprobs"), param="top_logprobs")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise InvalidRequestError(
                 f"response_format {self.response_format.get('type')!r} is not supported; only 'text' is",
                 param="response_format",
             )
+        for param in ("max_completion_tokens", "max_tokens"):
+            value = getattr(self, param)
+            if value is not None and value < 1:
+                raise InvalidRequestError(f"{param} must be >= 1, got {value}", param=param)
+
+    def max_tokens_for(self, prompt_tokens: int, max_len: int) -> int:
+        """The token limit asked for; without one the answer may fill the rest of the context."""
         if self.max_completion_tokens is not None:
-            max_tokens, param = self.max_completion_tokens, "max_completion_tokens"
-        elif self.max_tokens is not None:
-            max_tokens, param = self.max_tokens, "max_tokens"
-        else:
-            max_tokens, param = max(1, max_len - len(prompt_token_ids)), None
-        if param is not None and max_tokens < 1:
-            raise InvalidRequestError(f"{param} must be >= 1, got {max_tokens}", param=param)
-        return GenerationRequest(
-            prompt_token_ids=list(prompt_token_ids),
-            tree=self.tree(defaults),
-            sampling=self.sampling(max_tokens),
-            request_id=request_id,
-        )
+            return self.max_completion_tokens
+        if self.max_tokens is not None:
+            return self.max_tokens
+        return max(1, max_len - prompt_tokens)
 
 
 class ServerConfigUpdate(BaseModel):
@@ -292,10 +377,6 @@ def request_param(param: str | None) -> str | None:
     return param
 
 
-def usage(stats: RequestStats) -> dict[str, int]:
-    return token_usage(stats.prompt_tokens, stats.completion_tokens)
-
-
 def token_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
         "prompt_tokens": prompt_tokens,
@@ -304,73 +385,81 @@ def token_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def meta_info(request_id: str, stats: RequestStats) -> dict[str, Any]:
-    """SGLang's per-request ``meta_info`` keys, so tools written for SGLang read our acceptance unchanged."""
-    reason = stats.finish_reason or "stop"
-    return {
-        "id": request_id,
-        "prompt_tokens": stats.prompt_tokens,
-        "completion_tokens": stats.completion_tokens,
-        "spec_verify_ct": stats.verify_rounds,
-        "spec_accept_length": stats.accept_length,
-        "spec_accept_histogram": list(stats.accept_hist),
-        "finish_reason": {"type": FINISH_REASONS.get(reason, reason)},
-        "e2e_latency": stats.latency_s,
-        "ttft": stats.ttft_s,
-        "queue_time": stats.queue_s,
-    }
+@dataclass
+class ChoiceResult:
+    """One finished choice: its index, the text the client sees, and the statistics of the engine request that
+    produced it (choices copied from one greedy run share it)."""
+
+    index: int
+    text: str
+    stats: RequestStats
+    request_id: str
 
 
 class ResponseBuilder:
     """Builds the JSON objects of one request's response, streamed or not, for either endpoint.
 
     ``chat`` selects the chat shapes (``message``/``delta``, ``chat.completion[.chunk]``) over the completions
-    shapes (``text``, ``text_completion``)."""
+    shapes (``text``, ``text_completion``). Statistics: every choice carries SGLang's ``meta_info``; a response
+    of one choice also carries them at the top level (``meta_info``, ``ddtree``, and vLLM's
+    ``metrics.speculative_decoding``, which vLLM too sends only when there is one choice); with several choices
+    each choice carries its own ``ddtree``."""
 
-    def __init__(self, *, request_id: str, model: str, chat: bool) -> None:
+    def __init__(self, *, request_id: str, model: str, chat: bool, num_choices: int = 1) -> None:
         self.request_id = request_id
         self.model = model
         self.chat = chat
+        self.num_choices = num_choices
         self.created = int(time.time())
-        self._sent_role = False
+        self._sent_role: set[int] = set()
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model}
 
-    def response(self, text: str, stats: RequestStats) -> dict[str, Any]:
-        """The non-streaming answer."""
-        meta = meta_info(self.request_id, stats)
-        reason = FINISH_REASONS[stats.finish_reason or "stop"]
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": reason, "meta_info": meta}
-            body = self._head("chat.completion")
+    def _stats_on(self, body: dict[str, Any], choice: dict[str, Any], result_id: str, stats: RequestStats) -> None:
+        meta = sglang_meta_info(result_id, stats)
+        choice["meta_info"] = meta
+        if self.num_choices == 1:
+            body.update(meta_info=meta, ddtree=stats.to_dict(),
+                        metrics={"speculative_decoding": vllm_speculative_decoding(stats)})
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason, "meta_info": meta}
-            body = self._head("text_completion")
-        body.update(choices=[choice], usage=usage(stats), meta_info=meta, ddtree=stats.to_dict())
+            choice["ddtree"] = stats.to_dict()
+
+    def response(self, choices: list[ChoiceResult], prompt_tokens: int) -> dict[str, Any]:
+        """The non-streaming answer; ``prompt_tokens`` counts each prompt once (not once per sample)."""
+        body = self._head("chat.completion" if self.chat else "text_completion")
+        out = []
+        for c in sorted(choices, key=lambda c: c.index):
+            reason = FINISH_REASONS[c.stats.finish_reason or "stop"]
+            if self.chat:
+                choice = {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
+                          "finish_reason": reason}
+            else:
+                choice = {"index": c.index, "text": c.text, "logprobs": None, "finish_reason": reason}
+            self._stats_on(body, choice, c.request_id, c.stats)
+            out.append(choice)
+        body["choices"] = out
+        body["usage"] = token_usage(prompt_tokens, sum(c.stats.completion_tokens for c in choices))
         return body
 
-    def chunk(self, text: str, stats: RequestStats | None, *, include_usage: bool,
-              running_usage: dict[str, int] | None = None) -> dict[str, Any]:
-        """One streamed chunk of new text; ``stats`` is given on the last one (it carries the finish reason).
-
-        ``running_usage`` (continuous usage stats) is the cumulative usage so far; otherwise ``include_usage``
-        puts OpenAI's ``"usage": null`` on the chunk."""
+    def chunk(self, index: int, text: str, stats: RequestStats | None = None, *, result_id: str = "",
+              include_usage: bool = False, running_usage: dict[str, int] | None = None) -> dict[str, Any]:
+        """One streamed chunk of choice ``index``'s new text; ``stats`` is given on its last one (it carries the
+        finish reason). ``running_usage`` (continuous usage stats) is the cumulative usage so far; otherwise
+        ``include_usage`` puts OpenAI's ``"usage": null`` on the chunk."""
         reason = None if stats is None else FINISH_REASONS[stats.finish_reason or "stop"]
         if self.chat:
             delta: dict[str, Any] = {"content": text}
-            if not self._sent_role:
+            if index not in self._sent_role:
                 delta = {"role": "assistant", "content": text}
-                self._sent_role = True
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+                self._sent_role.add(index)
+            choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
             body = self._head("chat.completion.chunk")
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
             body = self._head("text_completion")
         if stats is not None:
-            choice["meta_info"] = meta_info(self.request_id, stats)
-            body["ddtree"] = stats.to_dict()
+            self._stats_on(body, choice, result_id, stats)
         body["choices"] = [choice]
         if running_usage is not None:
             body["usage"] = running_usage
@@ -378,10 +467,13 @@ class ResponseBuilder:
             body["usage"] = None  # OpenAI: null on every chunk but the final usage chunk
         return body
 
-    def usage_chunk(self, stats: RequestStats) -> dict[str, Any]:
-        """The final chunk of ``stream_options.include_usage``: no choices, the request's token counts."""
+    def usage_chunk(self, usage: dict[str, int], stats: RequestStats | None) -> dict[str, Any]:
+        """The final chunk of ``stream_options.include_usage``: no choices, the request's token counts (and, for
+        one choice, vLLM's ``metrics.speculative_decoding``, where vLLM puts it in a stream)."""
         body = self._head("chat.completion.chunk" if self.chat else "text_completion")
-        body.update(choices=[], usage=usage(stats))
+        body.update(choices=[], usage=usage)
+        if stats is not None and self.num_choices == 1:
+            body["metrics"] = {"speculative_decoding": vllm_speculative_decoding(stats)}
         return body
 
 
