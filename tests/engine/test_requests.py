@@ -442,6 +442,7 @@ def test_prefill_graph_padding_rows_write_only_the_scratch_slot(tiny_pair, monke
     import torch
 
     from ddtree.engine.cuda_graphs import PrefillGraphs
+    from ddtree.engine.kernels import KernelSet
     from ddtree.engine.runner import ModelRunner, PrefillInputs
 
     target, drafter = tiny_pair
@@ -450,8 +451,8 @@ def test_prefill_graph_padding_rows_write_only_the_scratch_slot(tiny_pair, monke
     ids = torch.zeros(3, 9, dtype=torch.long)
     for r, n in enumerate(lens):
         ids[r, :n] = torch.randint(1, 60, (n,), generator=gen)
-    graphed = ModelRunner(target, drafter, slots=4, cache_len=48, kernels=False)
-    eager = ModelRunner(target, drafter, slots=4, cache_len=48, kernels=False)
+    graphed = ModelRunner(target, drafter, slots=4, cache_len=48, kernels=KernelSet.torch())
+    eager = ModelRunner(target, drafter, slots=4, cache_len=48, kernels=KernelSet.torch())
     for cache in (graphed.target_cache, graphed.drafter_cache):
         cache.k.normal_(generator=gen)
         cache.v.normal_(generator=gen)

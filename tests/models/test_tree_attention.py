@@ -451,12 +451,13 @@ def test_chunked_prefill_through_the_kernel_equals_the_dense_path():
     """ModelRunner.prefill with the kernel (a causal chunk as a tree) against the dense mask: two chunks, the second
     continuing two rows at different starts beside a new row, ragged valid lengths. Logits and every committed
     cache entry must agree."""
+    from ddtree.engine.kernels import KernelSet
     from ddtree.engine.runner import ModelRunner, PrefillInputs
 
     target = random_target(head_dim=64, num_heads=4, num_kv_heads=2, num_layers=2).to(DEVICE)
     runs = {}
     for kernels in (False, True):
-        runner = ModelRunner(target, None, slots=3, cache_len=40, kernels=kernels)
+        runner = ModelRunner(target, None, slots=3, cache_len=40, kernels=KernelSet.resolve(kernels, target, None))
         assert runner.tree_kernel == kernels
         gen = torch.Generator().manual_seed(1)
         ids = torch.randint(0, target.config.vocab_size, (2, 7), generator=gen).to(DEVICE)

@@ -17,6 +17,7 @@ import torch
 from ddtree.devices import resolve_device, resolve_dtype
 from ddtree.engine.api import TreeSettings
 from ddtree.engine.config import EngineConfig
+from ddtree.engine.kernels import KernelSet
 from ddtree.engine.runner import ModelRunner
 from ddtree.errors import ConfigError
 from ddtree.models import fuse_projections
@@ -40,6 +41,7 @@ class EngineParts:
     trained_block_size: int
     cache_len: int  # KV positions per slot: max_len plus the headroom one step may write past it
     runner: ModelRunner
+    kernels: KernelSet  # which ops run Triton kernels, resolved once here (the runner holds the same)
     graphs: object | None  # cuda_graphs.RoundGraphs
     prefill_graphs: object | None  # cuda_graphs.PrefillGraphs
     overlap: bool  # EngineConfig.overlap_rounds resolved for the device
@@ -79,23 +81,24 @@ def build(target, drafter, tokenizer, config: EngineConfig, *, model_name: str) 
             "draft positions past the trained depth are untrained and rarely accepted",
             stacklevel=4,
         )
+    kernels = KernelSet.resolve(config.gpu_kernels, target, drafter)
     if device.type == "cuda":
         # One matmul for q/k/v and one for gate/up per layer (the weights become views of a fused matrix) and,
         # with gpu_kernels, Triton kernels for the element-wise steps: the graphs captured below launch ~10
         # kernels per decoder layer instead of ~50.
-        fuse_projections(target, kernels=config.gpu_kernels)
+        fuse_projections(target, kernels=kernels.fused_ops)
         if drafter is not None:
-            fuse_projections(drafter, kernels=config.gpu_kernels)
+            fuse_projections(drafter, kernels=kernels.fused_ops)
     _check_fp8_sharing(drafter, config.draft_fp8)
     if config.draft_fp8:
-        _quantize_drafter(target, drafter, tokenizer, kernels=config.gpu_kernels)
+        _quantize_drafter(target, drafter, tokenizer, kernels=kernels.fused_ops)
     headroom = max(config.prefill_chunk, config.max_budget + 1, max_block) + 1
     max_batch = config.max_batch
     if config.kv_memory_fraction is not None:
         max_batch = _slots_from_memory(target, drafter, config, headroom, device)
     config = replace(config, max_batch=max_batch, max_block_size=max_block)
     cache_len = config.max_len + headroom
-    runner = ModelRunner(target, drafter, slots=max_batch, cache_len=cache_len, kernels=config.gpu_kernels)
+    runner = ModelRunner(target, drafter, slots=max_batch, cache_len=cache_len, kernels=kernels)
     graphs = prefill_graphs = None
     if config.cuda_graphs and device.type == "cuda":
         from ddtree.engine.cuda_graphs import PrefillGraphs, RoundGraphs
@@ -108,8 +111,8 @@ def build(target, drafter, tokenizer, config: EngineConfig, *, model_name: str) 
     log.info("engine: %s on %s/%s, %d slots x %d tokens, KV %.1f MiB", model_name, device, config.dtype, max_batch,
              cache_len, runner.kv_bytes / 2**20)
     return EngineParts(target=target, drafter=drafter, tokenizer=tokenizer, config=config, model_name=model_name,
-                       trained_block_size=trained_block_size, cache_len=cache_len, runner=runner, graphs=graphs,
-                       prefill_graphs=prefill_graphs, overlap=overlap, eos_ids=_eos_ids(target, tokenizer))
+                       trained_block_size=trained_block_size, cache_len=cache_len, runner=runner, kernels=kernels,
+                       graphs=graphs, prefill_graphs=prefill_graphs, overlap=overlap, eos_ids=_eos_ids(target, tokenizer))
 
 
 def default_tree(parts: EngineParts) -> TreeSettings:

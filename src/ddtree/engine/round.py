@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from ddtree import spec
-from ddtree.models import TreeVisibility
+from ddtree.spec.attention import TreeVisibility
 
 NO_WINDOW = 1 << 30  # RowInputs.window of a row that sees its whole context
 

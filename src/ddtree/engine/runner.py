@@ -28,8 +28,10 @@ import torch
 from torch import Tensor
 
 from ddtree import spec
+from ddtree.engine.kernels import KernelSet
 from ddtree.engine.round import RoundInputs, RoundWork, TreeStage, VerifyStage
-from ddtree.models import DFlashDrafter, KVCache, TargetModel, TreeVisibility
+from ddtree.models import DFlashDrafter, KVCache, TargetModel
+from ddtree.spec.attention import TreeVisibility
 
 __all__ = ["HostCopy", "ModelRunner", "PrefillInputs", "RoundInputs", "StageTimer", "root_only_trees", "to_host"]
 
@@ -98,16 +100,14 @@ class ModelRunner:
         *,
         slots: int,
         cache_len: int,
-        kernels: bool = True,
+        kernels: KernelSet,
     ) -> None:
-        """kernels: use the Triton kernels where they can run (CUDA): the vocabulary top-k and node selection of
-        tree building, the walk, the KV compaction, the verify's and the drafter's tree attention
-        (``EngineConfig.gpu_kernels``; the layers' own kernels are chosen by :func:`ddtree.models.fuse_projections`)."""
+        """kernels: which ops run their Triton kernel (:class:`~ddtree.engine.kernels.KernelSet`, resolved once
+        from ``EngineConfig.gpu_kernels``; the fused layers' element-wise kernels are chosen when the engine fuses
+        them, :func:`ddtree.models.fuse_projections`)."""
         self.target = target
         self.drafter = drafter
-        self.spec_kernels = kernels  # Triton for the vocabulary pass, node selection, walk and compaction
-        self.tree_kernel = kernels and target.supports_tree_attention()
-        self.draft_kernel = kernels and drafter is not None and drafter.supports_tree_attention()
+        self.kernels = kernels
         param = next(target.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.target_cache: KVCache = target.allocate_cache(slots, cache_len)
@@ -115,6 +115,11 @@ class ModelRunner:
         self.feature_layers: tuple[int, ...] = (
             tuple(drafter.config.target_layer_ids) if drafter is not None else ()
         )
+
+    @property
+    def tree_kernel(self) -> bool:
+        """Whether the verify and prefill attend through the tree-attention kernel (no dense mask)."""
+        return self.kernels.tree_attention
 
     @property
     def kv_bytes(self) -> int:
@@ -130,9 +135,9 @@ class ModelRunner:
         positions = inp.start[:, None] + torch.arange(t, device=self.device)
         visibility = spec.causal_visibility(t, inp.valid_len)
         # The tree kernel takes a causal chunk as a tree whose every node sees the ones before it (and skips the
-        # keys after a query tile's last token); elsewhere the dense mask.
+        # keys after a query tile's last token); the dense path gets its mask.
         tree = TreeVisibility(inp.start, visibility, inp.kv_len)
-        mask = None if self.tree_kernel else spec.build_attention_mask(inp.start, positions, visibility, inp.kv_len)
+        mask = None if self.kernels.tree_attention else spec.build_attention_mask(inp.start, positions, visibility, inp.kv_len)
         out = self.target(
             inp.ids,
             positions,
@@ -179,7 +184,7 @@ class ModelRunner:
                 block_len=inp.depth_limit + 1,
                 window=inp.window,
                 kv_len=inp.shape.draft_kv_len,
-                tree_kernel=self.draft_kernel,
+                tree_kernel=self.kernels.draft_attention,
             )
 
     def stage_tree(self, inp: RoundInputs, work: RoundWork) -> None:
@@ -192,20 +197,21 @@ class ModelRunner:
                 max_budget=shape.max_budget,
                 depth_limit=inp.depth_limit,
                 root_tokens=inp.root_token,
-                fast_topk=self.spec_kernels,
+                fast_topk=self.kernels.vocab_topk,
+                fast_select=self.kernels.tree_select,
             )
         else:
             trees = root_only_trees(inp.root_token)
         n = trees.tokens.shape[1]
         write_pos = spec.tree_write_positions(inp.start, n)
-        # On CUDA the verify attends through the Triton tree kernel, which reads (start, visibility) directly;
-        # elsewhere it needs the dense [R, N, kv_len] mask.
+        # With KernelSet.tree_attention the verify attends through the Triton tree kernel, which reads (start,
+        # visibility) directly; the dense path needs the [R, N, kv_len] mask.
         work.tree = TreeStage(
             trees=trees,
             positions=spec.tree_positions(inp.start, trees.depths),
             write_pos=write_pos,
             visibility=TreeVisibility(inp.start, trees.visibility, shape.kv_len),
-            mask=None if self.tree_kernel else spec.build_attention_mask(inp.start, write_pos, trees.visibility,
+            mask=None if self.kernels.tree_attention else spec.build_attention_mask(inp.start, write_pos, trees.visibility,
                                                                          shape.kv_len),
         )
 
@@ -232,10 +238,10 @@ class ModelRunner:
 
     def stage_commit(self, inp: RoundInputs, work: RoundWork) -> None:
         max_depth = inp.shape.block_size - 1 if work.draft_logits is not None else 0
-        walk = spec.walk_trees(work.tree.trees, work.verify.choices, max_depth, kernel=self.spec_kernels)
+        walk = spec.walk_trees(work.tree.trees, work.verify.choices, max_depth, kernel=self.kernels.walk)
         for cache in (self.target_cache.k, self.target_cache.v):
             spec.compact_cache(cache, inp.slot, inp.start, walk.path, contiguous=inp.shape.contiguous,
-                               kernel=self.spec_kernels)
+                               kernel=self.kernels.compaction)
         hidden = work.verify.hidden  # [R, N, F]
         if hidden is not None:
             feats = torch.gather(hidden, 1, walk.path[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [R, L+1, F]

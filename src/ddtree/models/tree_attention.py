@@ -50,6 +50,9 @@ import torch
 from torch import Tensor
 
 from ddtree.errors import ConfigError
+
+# The visibility contract lives with the core (ddtree.spec.attention); re-exported here for callers of the kernel.
+from ddtree.spec.attention import PackedVisibility, TreeVisibility, pack_visibility  # noqa: F401
 from ddtree.triton_runtime import INTERPRETED, tl, triton
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -111,50 +114,6 @@ def choose_tiles(requests: int, rows: int, kv_len: int, head_dim: int, elem_byte
 
 def _next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
-
-
-class PackedVisibility(NamedTuple):
-    """``new_vis`` as the kernel reads it: one bit per (query, key) and each query's last visible key.
-
-    Bits instead of a [T, T] byte gather: a tile of 64 new keys is one int64 word per query row (a [BLOCK_M] load
-    and shifts in registers), which also frees the registers a [BLOCK_M, BLOCK_N] pointer gather held."""
-
-    bits: Tensor  # [R, T, ceil(T / 64)] int64: bit j % 64 of word j // 64 of query t = new_vis[t, j] or j == t
-    last: Tensor  # [R, T] int32: the largest such j (a tile of queries visits the new keys up to its max only)
-
-
-class TreeVisibility(NamedTuple):
-    """What the kernel needs instead of a dense mask (a NamedTuple so graphs and compile accept it).
-
-    The new tokens must have been written at ``start + arange(T)`` (tree rounds and prefill chunks are)."""
-
-    start: Tensor  # [R] long, committed cache length of each row = cache index of its new token 0
-    new_vis: Tensor  # [R, T, T] bool, new token t sees new token t'
-    kv_len: int  # static bound >= max(start) + T; sizes the context split (host int, no sync)
-    packed: PackedVisibility | None = None  # pack_visibility(new_vis), once per forward instead of once per layer
-
-    def with_packed(self) -> TreeVisibility:
-        """This visibility with :func:`pack_visibility` computed (a forward packs once and reuses it per layer)."""
-        return self if self.packed is not None else self._replace(packed=pack_visibility(self.new_vis))
-
-
-def pack_visibility(new_vis: Tensor) -> PackedVisibility:
-    """[R, T, T] bool -> :class:`PackedVisibility` (the diagonal set: every query sees its own key)."""
-    r, t, _ = new_vis.shape
-    idx = torch.arange(t, device=new_vis.device)
-    vis = new_vis | (idx[:, None] == idx[None, :])
-    words = -(-t // 64)
-    # Bytes first (two bytes of scratch per bit, not sixteen: 31 short prompts beside a 1118-token one in a prefill
-    # step are 82 MB, not 660), then eight bytes per int64 word, least significant first (little-endian, as CUDA,
-    # x86 and ARM store them).
-    padded = torch.zeros((r, t, words * 64), dtype=torch.uint8, device=new_vis.device)
-    padded[..., :t] = vis
-    shifts = torch.arange(8, device=new_vis.device, dtype=torch.uint8)
-    # Distinct powers of two: the sum is the bitwise OR.
-    packed_bytes = (padded.view(r, t, words * 8, 8) << shifts).sum(-1, dtype=torch.uint8)
-    bits = packed_bytes.view(torch.int64)  # [R, T, words]
-    last = torch.where(vis, idx, -1).amax(-1).to(torch.int32)
-    return PackedVisibility(bits, last)
 
 
 def supports_head_dim(head_dim: int) -> bool:

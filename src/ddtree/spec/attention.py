@@ -17,6 +17,8 @@ read the same tensor (``mask[b, q, kv]``), so no third format is needed.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -70,3 +72,48 @@ def build_attention_mask(prefix_len: Tensor, write_pos: Tensor, new_visibility: 
 def additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
     """Boolean mask -> additive float mask: 0 where visible, the dtype's finite minimum elsewhere."""
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+
+
+# ---- the tree-attention kernel's visibility contract (ddtree.models.tree_attention reads these) ----------------
+class PackedVisibility(NamedTuple):
+    """``new_vis`` as the kernel reads it: one bit per (query, key) and each query's last visible key.
+
+    Bits instead of a [T, T] byte gather: a tile of 64 new keys is one int64 word per query row (a [BLOCK_M] load
+    and shifts in registers), which also frees the registers a [BLOCK_M, BLOCK_N] pointer gather held."""
+
+    bits: Tensor  # [R, T, ceil(T / 64)] int64: bit j % 64 of word j // 64 of query t = new_vis[t, j] or j == t
+    last: Tensor  # [R, T] int32: the largest such j (a tile of queries visits the new keys up to its max only)
+
+
+class TreeVisibility(NamedTuple):
+    """What the kernel needs instead of a dense mask (a NamedTuple so graphs and compile accept it).
+
+    The new tokens must have been written at ``start + arange(T)`` (tree rounds and prefill chunks are)."""
+
+    start: Tensor  # [R] long, committed cache length of each row = cache index of its new token 0
+    new_vis: Tensor  # [R, T, T] bool, new token t sees new token t'
+    kv_len: int  # static bound >= max(start) + T; sizes the context split (host int, no sync)
+    packed: PackedVisibility | None = None  # pack_visibility(new_vis), once per forward instead of once per layer
+
+    def with_packed(self) -> TreeVisibility:
+        """This visibility with :func:`pack_visibility` computed (a forward packs once and reuses it per layer)."""
+        return self if self.packed is not None else self._replace(packed=pack_visibility(self.new_vis))
+
+
+def pack_visibility(new_vis: Tensor) -> PackedVisibility:
+    """[R, T, T] bool -> :class:`PackedVisibility` (the diagonal set: every query sees its own key)."""
+    r, t, _ = new_vis.shape
+    idx = torch.arange(t, device=new_vis.device)
+    vis = new_vis | (idx[:, None] == idx[None, :])
+    words = -(-t // 64)
+    # Bytes first (two bytes of scratch per bit, not sixteen: 31 short prompts beside a 1118-token one in a prefill
+    # step are 82 MB, not 660), then eight bytes per int64 word, least significant first (little-endian, as CUDA,
+    # x86 and ARM store them).
+    padded = torch.zeros((r, t, words * 64), dtype=torch.uint8, device=new_vis.device)
+    padded[..., :t] = vis
+    shifts = torch.arange(8, device=new_vis.device, dtype=torch.uint8)
+    # Distinct powers of two: the sum is the bitwise OR.
+    packed_bytes = (padded.view(r, t, words * 8, 8) << shifts).sum(-1, dtype=torch.uint8)
+    bits = packed_bytes.view(torch.int64)  # [R, T, words]
+    last = torch.where(vis, idx, -1).amax(-1).to(torch.int32)
+    return PackedVisibility(bits, last)

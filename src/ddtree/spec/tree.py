@@ -216,6 +216,7 @@ def build_trees(
     depth_limit: Tensor | None = None,
     root_tokens: Tensor | None = None,
     fast_topk: bool = False,
+    fast_select: bool | None = None,
 ) -> Trees:
     """The ``budget`` most probable draft prefixes of every request, as flat trees in descending-score order.
 
@@ -228,8 +229,10 @@ def build_trees(
     root_tokens: [R] long token of node 0 (the last committed token).
     fast_topk: take each depth's candidates from the fused Triton top-k + logsumexp kernel where it can run
         (see :func:`depth_candidates`) and select the nodes with the Triton kernel of
-        :mod:`ddtree.spec.tree_select` (step 2-3 above); the engine passes ``EngineConfig.gpu_kernels``. The same
-        candidates and nodes either way; scores differ only by the float32 rounding of the normaliser.
+        :mod:`ddtree.spec.tree_select` (step 2-3 above). The same candidates and nodes either way; scores differ
+        only by the float32 rounding of the normaliser.
+    fast_select: the node selection's own choice (the engine passes ``KernelSet.vocab_topk`` and
+        ``KernelSet.tree_select``); None = as ``fast_topk``.
 
     Budget values above ``max_budget`` behave as ``max_budget``; nodes that would need a probability-0 token are
     left invalid, so a tree can hold fewer than its budget.
@@ -260,7 +263,7 @@ def build_trees(
         log_probs = log_probs.masked_fill(capped.unsqueeze(1), -math.inf)
     node_ids = torch.arange(1, n, device=device).expand(rows, b)
 
-    if fast_topk and tree_select.available(log_probs, b):
+    if (fast_topk if fast_select is None else fast_select) and tree_select.available(log_probs, b):
         # Steps 2-3 in one Triton launch (tree_select); the same nodes as the loop below wherever they are valid.
         sel_score, sel_depth, sel_parent, sel_rank = tree_select.select_nodes(log_probs, budget_r, depth_limit, b)
         sel_token = torch.gather(cand_tokens.reshape(rows, depths * width), 1, sel_depth * width + sel_rank)
