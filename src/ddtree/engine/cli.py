@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import typer
 
 from ddtree.engine.api import METHODS, GenerationRequest, SamplingParams, TreeSettings
 from ddtree.engine.config import EngineConfig
+from ddtree.engine.options import engine_options
 
 
 def _parse_window(value: str | None) -> int | None:
@@ -19,10 +21,11 @@ def _parse_window(value: str | None) -> int | None:
         raise typer.BadParameter(f"--draft-window must be an integer or 'none', got {value!r}") from None
 
 
+# The engine's own flags (--target, --draft, --device, --dtype, --max-len, --cuda-graphs, ...) come from
+# EngineConfig; this command sets the batch and the limits from the one request it runs.
+@engine_options(exclude=("max_batch", "max_budget", "max_block_size", "seed"), defaults={"max_len": 16384})
 def generate(
     prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text (with --chat: the user message)."),
-    target: str | None = typer.Option(None, help="Target model directory or hub id (default: the demo target)."),
-    draft: str | None = typer.Option(None, help="DFlash drafter directory or hub id; 'none' for AR only."),
     method: str = typer.Option("ddtree", help=f"One of {', '.join(METHODS)}."),
     budget: int = typer.Option(16, help="Draft nodes verified per round (ddtree)."),
     topk: int | None = typer.Option(None, help="Most candidates per draft depth (default: no cap)."),
@@ -37,19 +40,14 @@ def generate(
     ignore_eos: bool = typer.Option(False, "--ignore-eos"),
     chat: bool = typer.Option(False, "--chat", help="Apply the tokenizer's chat template to the prompt."),
     as_json: bool = typer.Option(False, "--json", help="Print text, token ids and stats as JSON."),
-    device: str = typer.Option("auto"),
-    dtype: str = typer.Option("auto"),
-    max_len: int = typer.Option(16384, "--max-len", help="Context limit (prompt + completion)."),
-    draft_fp8: bool = typer.Option(False, "--draft-fp8", help="The drafter's layer projections in fp8 (lossless; "
-                                   "acceptance may move; a GPU of compute capability >= 8.9, or the CPU)."),
+    *,
+    engine_config: EngineConfig,
 ) -> None:
     """Generate a completion for one prompt with AR, the DFlash chain or a DDTree tree."""
     tree = TreeSettings(method=method, budget=budget, topk=topk, block_size=block_size,  # type: ignore[arg-type]
                         draft_window=_parse_window(draft_window))
-    config = EngineConfig(
-        target=target, draft=draft, device=device, dtype=dtype, max_batch=1, max_len=max_len,
-        max_budget=max(budget, 1), max_block_size=block_size, default_tree=tree, draft_fp8=draft_fp8,
-    )
+    config = replace(engine_config, max_batch=1, max_budget=max(budget, 1), max_block_size=block_size,
+                     default_tree=tree)
     from ddtree.engine.engine import Engine
 
     engine = Engine.from_config(config)

@@ -34,10 +34,9 @@ def register(app: typer.Typer) -> None:
 
 def parse_ints(text: str, *, what: str) -> tuple[int, ...]:
     """``"60,1024,4096"`` -> ``(60, 1024, 4096)``; a readable error naming the flag otherwise."""
-    try:
-        values = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise ConfigError(f"{what} must be comma-separated integers, got {text!r}") from None
+    from ddtree.engine.options import int_list
+
+    values = int_list(text, name=what)
     if not values:
         raise ConfigError(f"{what} needs at least one value, got {text!r}")
     return values

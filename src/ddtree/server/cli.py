@@ -23,6 +23,7 @@ import logging
 import signal
 import socket
 import threading
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import typer
@@ -30,6 +31,7 @@ import uvicorn
 
 from ddtree.engine.api import TreeSettings
 from ddtree.engine.config import EngineConfig
+from ddtree.engine.options import engine_options
 from ddtree.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -118,20 +120,8 @@ def register(app: typer.Typer) -> None:
     app.command("serve")(serve)
 
 
+@engine_options()  # every EngineConfig field is a flag (--max-batch, --cuda-graphs/--no-cuda-graphs, ...)
 def serve(
-    target: str | None = typer.Option(None, help="Target model: a local Hugging Face directory or a hub id (default: the demo target)."),
-    draft: str | None = typer.Option(None, help="DFlash drafter directory or hub id (default: the demo drafter; 'none': plain decoding only)."),
-    device: str = typer.Option("auto", help="auto (cuda when available), cpu, cuda or cuda:N."),
-    dtype: str = typer.Option("auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16 or float16."),
-    max_batch: int = typer.Option(16, help="Requests decoding at once (KV slots)."),
-    max_len: int = typer.Option(4096, help="Tokens per request, prompt plus completion."),
-    max_budget: int = typer.Option(64, help="Largest tree budget a request may ask for."),
-    max_block_size: int | None = typer.Option(None, help="Largest block size a request may ask for (default: the drafter's trained size)."),
-    max_queue: int = typer.Option(256, help="Requests waiting for a slot before new ones get 503."),
-    prefill_chunk: int = typer.Option(512, help="Prompt tokens prefilled per engine step."),
-    kv_memory_fraction: float | None = typer.Option(None, help="Size max_batch from this fraction of free device memory instead."),
-    seed: int = typer.Option(0, help="Engine seed."),
-    draft_fp8: bool = typer.Option(False, "--draft-fp8", help="Run the drafter's layer projections in fp8 (half the bytes a draft reads; lossless, acceptance may move; needs a GPU of compute capability >= 8.9)."),
     method: str = typer.Option("ddtree", help="Default method: ar, dflash or ddtree."),
     budget: int = typer.Option(16, help="Default tree budget (draft nodes verified per round)."),
     topk: int | None = typer.Option(None, help="Default cap on candidates per depth (default: none)."),
@@ -146,6 +136,8 @@ def serve(
     max_body_bytes: int | None = typer.Option(None, help="Largest request body (default: derived from --max-len and the tokenizer, so any prompt that fits is accepted)."),
     max_queued_tokens: int | None = typer.Option(None, help="Prompt + max_tokens of the requests waiting for a slot before new ones get 503 (default: 4 x max_batch x max_len)."),
     tokenizer_workers: int | None = typer.Option(None, help="Threads that tokenize and render chat templates off the event loop (default: the CPU count, at most 8)."),
+    *,
+    engine_config: EngineConfig,
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions) with per-request tree settings."""
     from ddtree.server.app import create_app
@@ -154,11 +146,7 @@ def serve(
 
     tree = TreeSettings(method=method, budget=budget, topk=topk, block_size=block_size,  # type: ignore[arg-type]
                         draft_window=draft_window)
-    config = EngineConfig(
-        target=target, draft=draft, device=device, dtype=dtype, max_batch=max_batch, max_len=max_len,
-        max_budget=max_budget, max_block_size=max_block_size, max_queue=max_queue, prefill_chunk=prefill_chunk,
-        kv_memory_fraction=kv_memory_fraction, default_tree=tree, seed=seed, draft_fp8=draft_fp8,
-    ).validated()
+    config = replace(engine_config, default_tree=tree).validated()
     access = AccessPolicy(api_key=api_key, admin_api_key=admin_api_key, loopback_only=is_loopback(host)).validated()
     limits = ServerLimits(max_body_bytes=max_body_bytes, max_queued_tokens=max_queued_tokens,
                           tokenizer_workers=tokenizer_workers).validated()

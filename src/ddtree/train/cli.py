@@ -17,6 +17,8 @@ from pathlib import Path
 
 import typer
 
+from ddtree.engine.options import int_list
+
 train_app = typer.Typer(
     name="train",
     help="Train the embedded demo pair: tokenizer, target, continuation data, DFlash drafter.",
@@ -83,7 +85,7 @@ def target_command(
 
     config = target_preset(preset, max_steps=steps, max_epochs=max_epochs, time_budget_s=time_budget_s,
                            seq_len=seq_len, batch_size=batch_size, lr=lr, seed=seed)
-    lengths = tuple(int(x) for x in perplexity_lengths.split(",") if x.strip())
+    lengths = int_list(perplexity_lengths, name="--perplexity-lengths")
     corpus = _corpus(max_files, held_out_fraction, corpus_root)
     result = train_target(corpus, tokenizer, out, config, device=device, log_path=log or out / "train_log.json",
                           perplexity_lengths=lengths)
@@ -172,7 +174,7 @@ def quality_command(
     from ddtree.train.quality import held_out_prompts, markdown_table, measure_acceptance, write_report
     from ddtree.train.runtime import environment
 
-    budget_list = tuple(int(b) for b in budgets.split(",") if b.strip())
+    budget_list = int_list(budgets, name="--budgets")
     corpus = _corpus(None, held_out_fraction, corpus_root)
     rows = held_out_prompts(corpus, target or demo_target_path(), prompt_len, prompts)
     config = EngineConfig(target=str(target) if target else None, draft=str(draft) if draft else None,

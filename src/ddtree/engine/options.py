@@ -1,0 +1,111 @@
+"""Command-line options generated from :class:`~ddtree.engine.config.EngineConfig`'s fields.
+
+Every CLI that builds an engine (``ddtree serve``, ``ddtree generate``, ``ddtree train quality``, ``ddtree lab
+sweep`` ...) takes its engine flags from here instead of re-declaring them with copied defaults (the role of
+vLLM's ``EngineArgs.add_cli_args``). Usage::
+
+    @engine_options(exclude=("max_batch",), defaults={"max_len": 16384})
+    def generate(prompt: str = typer.Option(...), *, engine_config: EngineConfig) -> None:
+        ...
+
+The decorated command gets one option per included field (``--max-len``; booleans as ``--cuda-graphs/--no-cuda-graphs``),
+with the field's default unless ``defaults`` overrides it, and receives them as one ``engine_config``. A field
+added to ``EngineConfig`` needs a line in :data:`HELP` (a test checks), and then reaches every such CLI.
+
+:func:`int_list` is the one parser of comma-separated integer lists (``--budgets 4,8,16``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import typing
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from ddtree.engine.config import EngineConfig
+from ddtree.errors import ConfigError
+
+# One help line per EngineConfig field (default_tree has its own options: --method, --budget, ...).
+HELP: dict[str, str] = {
+    "target": "Target model: a local Hugging Face directory or a hub id (default: the demo target).",
+    "draft": "DFlash drafter directory or hub id (default: the demo drafter; 'none': plain decoding only).",
+    "device": "auto (cuda when available), cpu, cuda or cuda:N.",
+    "dtype": "auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16 or float16.",
+    "max_batch": "Requests decoding at once (KV slots).",
+    "max_len": "Tokens per request, prompt plus completion.",
+    "max_budget": "Largest tree budget a request may ask for.",
+    "max_block_size": "Largest block size a request may ask for (default: the drafter's trained size).",
+    "max_queue": "Requests waiting for a slot before new ones are refused (the server answers 503).",
+    "prefill_chunk": "Prompt tokens prefilled per engine step.",
+    "kv_memory_fraction": "Size max_batch from this fraction of free device memory instead.",
+    "cuda_graphs": "Capture decode rounds as CUDA graphs (CUDA devices only).",
+    "prefill_graphs": "With CUDA graphs: also graph prefill chunks that start a prompt (up to 1024 tokens).",
+    "gpu_kernels": "Triton kernels on CUDA (fused layer ops, tree attention, vocabulary top-k, walk, compaction).",
+    "draft_fp8": "Run the drafter's layer projections in fp8 (half the bytes a draft reads; lossless, acceptance "
+                 "may move; needs a GPU of compute capability >= 8.9).",
+    "overlap_rounds": "Queue round n + 1 before reading round n while the batch is unchanged (default: on for CUDA).",
+    "seed": "Engine seed.",
+}
+_NOT_OPTIONS = ("default_tree",)
+
+
+def engine_fields() -> list[dataclasses.Field]:
+    """The EngineConfig fields that are command-line options."""
+    return [f for f in dataclasses.fields(EngineConfig) if f.name not in _NOT_OPTIONS]
+
+
+def engine_options(*, exclude: Iterable[str] = (), defaults: Mapping[str, Any] | None = None,
+                   names: Mapping[str, str] | None = None) -> Callable[[Callable], Callable]:
+    """Decorate a typer command that takes ``engine_config: EngineConfig`` (keyword) with one option per field.
+
+    exclude: fields the command sets itself (they keep EngineConfig's default in ``engine_config``).
+    defaults: per-field defaults of this command. names: per-field flag spellings (``{"draft_fp8": "--draft-fp8"}``
+    keeps a single flag where a command had one)."""
+    import typer
+
+    skip, overrides, spellings = set(exclude), dict(defaults or {}), dict(names or {})
+    unknown = (skip | set(overrides) | set(spellings)) - {f.name for f in engine_fields()}
+    if unknown:
+        raise ConfigError(f"engine_options: not EngineConfig option fields: {sorted(unknown)}")
+    hints = typing.get_type_hints(EngineConfig)
+    chosen = [f for f in engine_fields() if f.name not in skip]
+
+    def decorate(fn: Callable) -> Callable:
+        sig = inspect.signature(fn)
+        if "engine_config" not in sig.parameters:
+            raise TypeError(f"{fn.__name__} must take an engine_config parameter to use engine_options")
+        params = [p for p in sig.parameters.values() if p.name != "engine_config"]
+        taken = {p.name for p in params}
+        for f in chosen:
+            if f.name in taken:
+                raise TypeError(f"{fn.__name__} declares {f.name} itself; exclude it from engine_options")
+            default = overrides.get(f.name, f.default)
+            flag = "--" + f.name.replace("_", "-")
+            annotation = hints[f.name]
+            if annotation is bool or annotation == bool | None:
+                decls = [spellings.get(f.name, f"{flag}/--no-{flag[2:]}")]
+            else:
+                decls = [spellings.get(f.name, flag)]
+            option = typer.Option(default, *decls, help=HELP[f.name])
+            params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option,
+                                            annotation=annotation))
+
+        @functools.wraps(fn)
+        def command(**kwargs: Any) -> Any:
+            values = {f.name: kwargs.pop(f.name) for f in chosen}
+            return fn(**kwargs, engine_config=EngineConfig(**values))
+
+        command.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+        return command
+
+    return decorate
+
+
+def int_list(text: str, *, name: str = "value") -> tuple[int, ...]:
+    """``"4, 8,16"`` -> ``(4, 8, 16)``; empty items are skipped; anything else is a ConfigError naming ``name``."""
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ConfigError(f"{name} must be comma-separated integers, got {text!r}") from None
