@@ -32,11 +32,13 @@ from typing import Any
 
 import httpx
 
-from ddtree.errors import EngineError
+from ddtree.errors import DDTreeError
 
 
-class LaunchError(EngineError):
-    """A launched server did not come up (exited, timed out, or another process answered on its port)."""
+class LaunchError(DDTreeError, RuntimeError):
+    """A launched server did not come up (exited, timed out, or another process answered on its port).
+
+    Not an EngineError: no engine ran (EngineError is a request failing inside a running engine)."""
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
