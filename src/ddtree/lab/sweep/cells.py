@@ -53,6 +53,7 @@ def run_bench_cell(
         num_requests=config.num_requests,
         repeats=config.repeats,
         seed=config.seed,
+        warmup=config.warmup,
         text=config.prompt_text,
     )
     cells = asyncio.run(

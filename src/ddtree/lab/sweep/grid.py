@@ -189,6 +189,9 @@ class SweepConfig:
     repeats: int = 1
     seed: int = 0
     prompt_text: str = "words"  # bench prompt filler: "words" or "code" (held-out stdlib Python)
+    # An untimed run shaped like each cell before it is timed, so graph captures and kernel compilations a shape
+    # meets first are not measured. False only where nothing is captured or compiled on first use (the CPU).
+    warmup: bool = True
     gate_tasks: tuple[str, ...] | None = None  # HumanEval task ids; None = the bench's GATE_TASKS; () = no gate
     gate_max_tokens: int = 512
     launch: LaunchSpec | None = None
@@ -224,13 +227,13 @@ class SweepConfig:
         dims = _section(data, "dims")
         kwargs["dims"] = tuple((str(k), tuple(str(v) for v in _as_list(vs, f"dims.{k}"))) for k, vs in dims.items())
         bench = dict(_section(data, "bench"))
-        for key in ("contexts", "concurrency", "output_tokens", "num_requests", "repeats", "seed"):
+        for key in ("contexts", "concurrency", "output_tokens", "num_requests", "repeats", "seed", "warmup"):
             if key in bench:
                 kwargs[key] = bench.pop(key)
         if "text" in bench:
             kwargs["prompt_text"] = bench.pop("text")
         _no_leftovers("bench", bench, ["contexts", "concurrency", "output_tokens", "num_requests", "repeats", "seed",
-                                       "text"])
+                                       "text", "warmup"])
         gate = dict(_section(data, "gate"))
         if "tasks" in gate:
             kwargs["gate_tasks"] = gate.pop("tasks")
@@ -365,6 +368,8 @@ class SweepConfig:
             _check_ints("num_requests", (self.num_requests,), 1)
         if self.prompt_text not in ("words", "code"):
             raise ConfigError(f"prompt text must be 'words' or 'code', got {self.prompt_text!r}")
+        if not isinstance(self.warmup, bool):
+            raise ConfigError(f"bench warmup must be true or false, got {self.warmup!r}")
         for block, window in itertools.product(self.block_sizes, self.draft_windows):
             if block is not None and window is not None and window < block:
                 raise ConfigError(
