@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# The field's own clients against `ddtree serve` on the demo pair (CPU, loopback): lm-evaluation-harness
+# (local-completions: a small local generate task and a local multiple-choice task), GuideLLM and AIPerf.
+# Not part of CI. Records which ran and what each showed under $OUT (default results/clients/<time>/), one
+# log per tool plus summary.txt.
+#
+#   CLIENTS_VENV=/tmp/venv-clients bash benchmarks/clients.sh
+#
+# CLIENTS_VENV: a virtual environment with `pip install lm-eval guidellm aiperf` (kept apart from the project's:
+# the three pin their own torch/transformers). PYTHON: the project's interpreter (default: python on PATH).
+# Every step is bounded (timeout) and the server is killed by its process group at exit.
+set -uo pipefail
+
+CLIENTS_VENV=${CLIENTS_VENV:-/tmp/venv-clients}
+PYTHON=${PYTHON:-python}
+PORT=${PORT:-8765}
+REQUESTS=${REQUESTS:-8}
+OUT=${OUT:-results/clients/$(date +%Y%m%d-%H%M%S)}
+URL="http://127.0.0.1:${PORT}"
+mkdir -p "$OUT/tasks"
+OUT=$(cd "$OUT" && pwd)
+SUMMARY="$OUT/summary.txt"
+: > "$SUMMARY"
+note() { echo "$*" | tee -a "$SUMMARY"; }
+
+TOKENIZER=$("$PYTHON" -c "import ddtree, pathlib; print(pathlib.Path(ddtree.__file__).parent / 'assets/demo/target')")
+
+# ------------------------------------------------------------------------------------------------ the server
+setsid "$PYTHON" -m ddtree.server --device cpu --port "$PORT" --max-len 2048 --max-batch 8 --log-level warning \
+  > "$OUT/server.log" 2>&1 &
+SERVER_PID=$!
+trap 'kill -9 -- -"$SERVER_PID" 2>/dev/null' EXIT
+for _ in $(seq 1 600); do
+  curl -sf "$URL/health" > /dev/null && break
+  sleep 0.5
+done
+curl -sf "$URL/health" > /dev/null || { note "server: did not become healthy (see server.log)"; exit 1; }
+MODEL=$(curl -s "$URL/v1/models" | "$PYTHON" -c "import json, sys; print(json.load(sys.stdin)['data'][0]['id'])")
+note "server: ddtree serve, demo pair, CPU, model id $MODEL, $URL"
+
+accept() {  # acceptance since the last reset, from /server_info (what SGLang-style tools read)
+  curl -s "$URL/server_info" | "$PYTHON" -c \
+    "import json, sys; s = json.load(sys.stdin)['since_reset']; print(f\"verify rounds {s['verify_rounds']}, tokens {s['generation_tokens']}, accept length {s['accept_length']:.3f}\")"
+}
+vllm_counters() {  # vLLM's speculative counters from /metrics (what vLLM dashboards read)
+  curl -s "$URL/metrics" | grep -E '^vllm:spec_decode_num_(drafts|draft_tokens|accepted_tokens)_total' | tr '\n' ' '
+}
+
+# ------------------------------------------------------------------------------------ lm-evaluation-harness
+TASKS="$OUT/tasks"
+cat > "$TASKS/gen.jsonl" <<'EOF'
+{"prompt": "def add(a, b):\n    return", "answer": " a + b"}
+{"prompt": "def square(x):\n    return", "answer": " x * x"}
+{"prompt": "for i in range(10):\n    print(", "answer": "i)"}
+{"prompt": "import numpy as", "answer": " np"}
+EOF
+cat > "$TASKS/mc.jsonl" <<'EOF'
+{"question": "import numpy as", "choices": [" np", " pd"], "label": 0}
+{"question": "def f(x):\n    return", "choices": [" x", " }"], "label": 0}
+EOF
+cat > "$TASKS/ddtree_gen.yaml" <<EOF
+task: ddtree_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: $TASKS/gen.jsonl
+test_split: test
+output_type: generate_until
+doc_to_text: "{{prompt}}"
+doc_to_target: "{{answer}}"
+generation_kwargs:
+  until: ["\n"]
+  max_gen_toks: 16
+  do_sample: false
+  temperature: 0
+metric_list:
+  - metric: exact_match
+EOF
+cat > "$TASKS/ddtree_mc.yaml" <<EOF
+task: ddtree_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: $TASKS/mc.jsonl
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{question}}"
+doc_to_choice: "{{choices}}"
+doc_to_target: "{{label}}"
+metric_list:
+  - metric: acc
+EOF
+
+run_tool() {  # name, timeout seconds, command...
+  local name=$1 limit=$2; shift 2
+  curl -s -X POST "$URL/flush_cache" > /dev/null
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  note "$name: exit $rc; acceptance: $(accept); $(vllm_counters)"
+  return $rc
+}
+
+if [ -x "$CLIENTS_VENV/bin/lm_eval" ]; then
+  # Default local-completions settings: one prompt per request, sent as a list (the case that used to be a 400).
+  run_tool lm_eval_generate 900 env HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 "$CLIENTS_VENV/bin/lm_eval" \
+    --model local-completions --include_path "$TASKS" --tasks ddtree_gen \
+    --model_args "model=$MODEL,base_url=$URL/v1/completions,num_concurrent=2,max_retries=1,tokenizer_backend=huggingface,tokenizer=$TOKENIZER" \
+    --output_path "$OUT/lm_eval_generate"
+  grep -E "exact_match" "$OUT/lm_eval_generate.log" | tail -2 | tee -a "$SUMMARY"
+  # Multiple choice needs prompt log-probs (echo + logprobs): refused with a 400 naming logprobs in this version.
+  run_tool lm_eval_multiple_choice 600 env HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 "$CLIENTS_VENV/bin/lm_eval" \
+    --model local-completions --include_path "$TASKS" --tasks ddtree_mc \
+    --model_args "model=$MODEL,base_url=$URL/v1/completions,num_concurrent=1,max_retries=1,tokenizer_backend=huggingface,tokenizer=$TOKENIZER" \
+    --output_path "$OUT/lm_eval_mc"
+  grep -oE '"message": ?"[^"]*"|log-probs are not supported[^"]*' "$OUT/lm_eval_multiple_choice.log" | sort -u | head -2 \
+    | tee -a "$SUMMARY"
+else
+  note "lm_eval: not installed in $CLIENTS_VENV"
+fi
+
+# ------------------------------------------------------------------------------------------------- GuideLLM
+if [ -x "$CLIENTS_VENV/bin/guidellm" ]; then
+  # GuideLLM 0.8's `run` takes kind=... component specs (the older `benchmark --target ...` form is gone).
+  run_tool guidellm 900 env HF_HUB_OFFLINE=1 "$CLIENTS_VENV/bin/guidellm" run \
+    --backend "kind=openai_http,target=$URL,model=$MODEL" --profile kind=synchronous \
+    --constraint "kind=max_requests,count=$REQUESTS" \
+    --data "kind=synthetic_text,prompt_tokens=64,output_tokens=32" \
+    --output "kind=json,path=$OUT/guidellm.json"
+  tail -25 "$OUT/guidellm.log" | tee -a "$SUMMARY"
+else
+  note "guidellm: not installed in $CLIENTS_VENV"
+fi
+
+# --------------------------------------------------------------------------------------------------- AIPerf
+if [ -x "$CLIENTS_VENV/bin/aiperf" ]; then
+  run_tool aiperf 900 env HF_HUB_OFFLINE=1 "$CLIENTS_VENV/bin/aiperf" profile --model "$MODEL" --url "$URL" \
+    --endpoint-type completions --streaming --tokenizer "${AIPERF_TOKENIZER:-builtin}" --request-count "$REQUESTS" --concurrency 2 \
+    --synthetic-input-tokens-mean 64 --output-tokens-mean 32 --artifact-dir "$OUT/aiperf" --ui-type none
+  tail -40 "$OUT/aiperf.log" | tee -a "$SUMMARY"
+else
+  note "aiperf: not installed in $CLIENTS_VENV"
+fi
+note "done: $OUT"
