@@ -114,3 +114,21 @@ def test_git_revision_is_recorded_when_run_from_a_checkout():
         pytest.skip("not running from a git checkout")
     assert len(rev["commit"]) == 40 and isinstance(rev["dirty"], bool)
     assert os.path.isdir(rev["path"])
+
+
+def test_versions_name_the_installed_torch_and_triton():
+    """What scripts/test.sh prints first and every manifest records: the torch and Triton actually imported."""
+    import importlib.util
+
+    import torch
+
+    from ddtree.lab.sweep.manifest import versions
+
+    found = versions()
+    assert found["torch"] == torch.__version__
+    if importlib.util.find_spec("triton") is None:
+        assert found["triton"] is None
+    else:
+        import triton
+
+        assert found["triton"] == triton.__version__

@@ -21,7 +21,7 @@ from ddtree.errors import ConfigError
 from ddtree.lab.sweep.grid import SweepConfig
 from ddtree.lab.sweep.layout import MANIFEST_SCHEMA, RunLayout, atomic_write_json, read_json
 
-_PACKAGES = ("ddtree", "torch", "transformers", "tokenizers", "fastapi", "uvicorn", "httpx", "numpy")
+_PACKAGES = ("ddtree", "torch", "triton", "transformers", "tokenizers", "fastapi", "uvicorn", "httpx", "numpy")
 
 
 def versions() -> dict[str, str | None]:
