@@ -53,3 +53,35 @@ def test_generate_with_the_fp8_drafter_on_the_demo_pair_matches_ar(monkeypatch):
         assert res.exit_code == 0, res.output
         outs[method] = json.loads(res.stdout)["token_ids"]
     assert outs["ddtree"] == outs["ar"] and calls
+
+
+def test_cpu_threads_default_to_half_the_cores_and_are_validated():
+    import pytest
+
+    from ddtree.engine.config import EngineConfig
+    from ddtree.errors import ConfigError
+
+    assert EngineConfig().resolve_cpu_threads(2) == 1
+    assert EngineConfig().resolve_cpu_threads(16) == 8
+    assert EngineConfig().resolve_cpu_threads(None) == 1
+    assert EngineConfig(cpu_threads=3).resolve_cpu_threads(2) == 3
+    for bad in (0, True, 1.5):
+        with pytest.raises(ConfigError, match="cpu_threads"):
+            EngineConfig(cpu_threads=bad).validated()
+
+
+def test_a_cpu_engine_sets_torch_threads_from_its_config(tiny_pair, tiny_tokenizer):
+    import torch
+
+    from ddtree.engine import Engine, EngineConfig
+
+    before = torch.get_num_threads()
+    try:
+        target, drafter = tiny_pair
+        for threads in (2, 1):
+            torch.set_num_threads(3 - threads)
+            Engine(target, drafter, tiny_tokenizer,
+                   EngineConfig(device="cpu", max_batch=1, max_len=64, cpu_threads=threads))
+            assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)
