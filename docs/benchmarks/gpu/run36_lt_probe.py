@@ -1,4 +1,4 @@
-"""Ad hoc probe of session 9 (run 36), kept as the record of run36_lt_probe.md; not a maintained benchmark.
+"""Ad hoc probe of run 36 (d08a45f), kept as the record of run36_lt_probe.md; not a maintained benchmark.
 
 Host cost of cuBLAS against cuBLASLt on the stand-in: eager forward time, graph capture time, GPU replay time.
 Run from the repository root with PYTHONPATH=src on a CUDA machine."""
