@@ -9,7 +9,7 @@ import pytest
 from lab_helpers import FIXTURES, ReplayConfig, load_json_fixture, read_sse_fixture
 
 from ddtree.lab.client import BenchTarget, OpenAIClient
-from ddtree.lab.engines import CounterAcceptance, detect_engine, parse_metrics, spec_stats
+from ddtree.lab.engines import CounterAcceptance, parse_metrics, spec_stats
 
 
 def test_spec_stats_from_sglang_sglext():
@@ -76,7 +76,7 @@ def test_detect_engine_from_models_owner(replay_server, owner):
 
     async def detect() -> str:
         async with OpenAIClient(BenchTarget(url=replay.url)) as client:
-            return await detect_engine(client)
+            return await client.detect_engine()
 
     assert asyncio.run(detect()) == owner
 
@@ -87,7 +87,7 @@ def test_detect_engine_from_metric_prefix(replay_server):
 
     async def detect() -> str:
         async with OpenAIClient(BenchTarget(url=replay.url)) as client:
-            return await detect_engine(client)
+            return await client.detect_engine()
 
     assert asyncio.run(detect()) == "vllm"
 
@@ -97,6 +97,6 @@ def test_detect_engine_unknown_is_openai(replay_server):
 
     async def detect() -> str:
         async with OpenAIClient(BenchTarget(url=replay.url + "/v1/")) as client:
-            return await detect_engine(client)
+            return await client.detect_engine()
 
     assert asyncio.run(detect()) == "openai"

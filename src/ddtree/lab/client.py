@@ -9,19 +9,22 @@ tokenizer and says so (``itl_source``).
 
 Speculative statistics are read wherever a server puts them (:func:`ddtree.lab.engines.spec_stats`): ddtree's
 ``ddtree`` object, SGLang's ``meta_info`` / ``sglext.spec_tokens_details``, at the response or the choice level.
+The probes (:meth:`OpenAIClient.detect_engine`, ``scrape``, ``flush_cache``, ``server_info``) live here too, so
+the client depends on :mod:`ddtree.lab.engines` and never the other way round.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import httpx
 
 from ddtree.errors import ConfigError
-from ddtree.lab.engines import ENGINES, spec_details, spec_stats
+from ddtree.lab.engines import ENGINES, parse_metrics, spec_details, spec_stats
 
 Endpoint = Literal["completions", "chat"]
 
@@ -150,6 +153,73 @@ class OpenAIClient:
                 raise ConfigError(f"{where} lists no model; pass --model")
             self._model = data[0]["id"]
         return self._model
+
+    # Probes: what the server says about itself (engine, acceptance sources, configuration), each one request or
+    # a few; where each engine reports what is described in :mod:`ddtree.lab.engines`.
+
+    async def flush_cache(self) -> bool:
+        """SGLang's ``/flush_cache`` (resets the cumulative ``/server_info`` acceptance); True when it succeeded."""
+        for method in ("POST", "GET"):  # POST on current SGLang, GET on older builds
+            try:
+                response = await self.http.request(method, "/flush_cache")
+            except httpx.HTTPError:
+                return False
+            if response.status_code == 200:
+                return True
+            if response.status_code not in (404, 405):
+                return False
+        return False
+
+    async def server_info_accept_length(self) -> float | None:
+        """The mean ``avg_spec_accept_length`` over ``/server_info``'s ``internal_states`` (data-parallel ranks)."""
+        info = await self.get_json("/server_info") or await self.get_json("/get_server_info")
+        states = info.get("internal_states") if isinstance(info, Mapping) else None
+        values = [float(s["avg_spec_accept_length"]) for s in states or [] if isinstance(s, Mapping)
+                  and isinstance(s.get("avg_spec_accept_length"), (int, float)) and s["avg_spec_accept_length"] > 0]
+        return sum(values) / len(values) if values else None
+
+    async def scrape(self) -> dict[str, float] | None:
+        """The server's ``/metrics`` summed by sample name; ``None`` when it has none (or it does not parse)."""
+        text = await self.get_text("/metrics")
+        if not text:
+            return None
+        try:
+            return parse_metrics(text)
+        except ValueError:
+            return None
+
+    async def detect_engine(self) -> str:
+        """``ddtree``, ``sglang`` or ``vllm`` from what the server says about itself; ``openai`` when unknown.
+
+        Order: ``/v1/models`` ``owned_by`` (each of the three names itself there), then metric-name prefixes on
+        ``/metrics``, then ``/server_info`` keys."""
+        listing = await self.get_json("/v1/models")
+        for card in (listing or {}).get("data") or []:
+            owner = str(card.get("owned_by", "")).lower() if isinstance(card, Mapping) else ""
+            for engine in ("ddtree", "sglang", "vllm"):
+                if engine in owner:
+                    return engine
+        text = await self.get_text("/metrics") or ""
+        for engine in ("ddtree", "sglang", "vllm"):
+            if f"\n{engine}:" in "\n" + text:
+                return engine
+        info = await self.get_json("/server_info")
+        if isinstance(info, Mapping):
+            if "ddtree_version" in (info.get("server") or {}):
+                return "ddtree"
+            if "internal_states" in info:
+                return "sglang"
+        return "openai"
+
+    async def server_info(self, engine: str) -> dict[str, Any]:
+        """What the server says about its configuration and versions, for the record (``{}`` when nothing)."""
+        paths = {"ddtree": ("/server_info",), "sglang": ("/server_info", "/get_server_info"),
+                 "vllm": ("/version",), "openai": ()}[engine]
+        for path in paths:
+            info = await self.get_json(path)
+            if isinstance(info, dict):
+                return info
+        return {}
 
     async def body(self, *, prompt: str | list[int] | None = None, messages: list[dict] | None = None,
                    max_tokens: int, stream: bool, ignore_eos: bool = False, temperature: float = 0.0,

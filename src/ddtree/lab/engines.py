@@ -1,4 +1,7 @@
-"""Which engine answers at a URL, and where each engine reports speculative acceptance.
+"""Where each engine reports speculative acceptance, and how its answers are read.
+
+Pure parsing, no requests: the probes that ask a server (which engine it is, ``/metrics``, ``/flush_cache``,
+``/server_info``) are methods of :class:`ddtree.lab.client.OpenAIClient`, which imports this module.
 
 Acceptance length is counted the SGLang way everywhere: committed tokens per verify round, the bonus token
 included (so plain decoding scores 1.0). Sources, best first:
@@ -40,13 +43,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import httpx
 from prometheus_client.parser import text_string_to_metric_families
-
-if TYPE_CHECKING:
-    from ddtree.lab.client import OpenAIClient
 
 ENGINES: tuple[str, ...] = ("ddtree", "sglang", "vllm", "openai")
 
@@ -228,72 +227,3 @@ class CounterAcceptance:
         prefix = VLLM_PER_POSITION + "@"
         per_position = {int(k[len(prefix):]): v - before.get(k, 0.0) for k, v in after.items() if k.startswith(prefix)}
         return depth_curve_from_positions(per_position, drafts)
-
-
-async def flush_cache(client: OpenAIClient) -> bool:
-    """SGLang's ``/flush_cache`` (resets the cumulative ``/server_info`` acceptance); True when it succeeded."""
-    for method in ("POST", "GET"):  # POST on current SGLang, GET on older builds
-        try:
-            response = await client.http.request(method, "/flush_cache")
-        except httpx.HTTPError:
-            return False
-        if response.status_code == 200:
-            return True
-        if response.status_code not in (404, 405):
-            return False
-    return False
-
-
-async def server_info_accept_length(client: OpenAIClient) -> float | None:
-    """The mean ``avg_spec_accept_length`` over ``/server_info``'s ``internal_states`` (data-parallel ranks)."""
-    info = await client.get_json("/server_info") or await client.get_json("/get_server_info")
-    states = info.get("internal_states") if isinstance(info, Mapping) else None
-    values = [float(s["avg_spec_accept_length"]) for s in states or [] if isinstance(s, Mapping)
-              and isinstance(s.get("avg_spec_accept_length"), (int, float)) and s["avg_spec_accept_length"] > 0]
-    return sum(values) / len(values) if values else None
-
-
-async def scrape(client: OpenAIClient) -> dict[str, float] | None:
-    """The server's ``/metrics`` summed by sample name; ``None`` when it has none (or it does not parse)."""
-    text = await client.get_text("/metrics")
-    if not text:
-        return None
-    try:
-        return parse_metrics(text)
-    except ValueError:
-        return None
-
-
-async def detect_engine(client: OpenAIClient) -> str:
-    """``ddtree``, ``sglang`` or ``vllm`` from what the server says about itself; ``openai`` when unknown.
-
-    Order: ``/v1/models`` ``owned_by`` (each of the three names itself there), then metric-name prefixes on
-    ``/metrics``, then ``/server_info`` keys."""
-    listing = await client.get_json("/v1/models")
-    for card in (listing or {}).get("data") or []:
-        owner = str(card.get("owned_by", "")).lower() if isinstance(card, Mapping) else ""
-        for engine in ("ddtree", "sglang", "vllm"):
-            if engine in owner:
-                return engine
-    text = await client.get_text("/metrics") or ""
-    for engine in ("ddtree", "sglang", "vllm"):
-        if f"\n{engine}:" in "\n" + text:
-            return engine
-    info = await client.get_json("/server_info")
-    if isinstance(info, Mapping):
-        if "ddtree_version" in (info.get("server") or {}):
-            return "ddtree"
-        if "internal_states" in info:
-            return "sglang"
-    return "openai"
-
-
-async def server_info(client: OpenAIClient, engine: str) -> dict[str, Any]:
-    """What the server says about its configuration and versions, for the record (``{}`` when nothing)."""
-    paths = {"ddtree": ("/server_info",), "sglang": ("/server_info", "/get_server_info"),
-             "vllm": ("/version",), "openai": ()}[engine]
-    for path in paths:
-        info = await client.get_json(path)
-        if isinstance(info, dict):
-            return info
-    return {}

@@ -13,7 +13,7 @@ import pytest
 
 from ddtree.lab.bench import Workload, run_bench
 from ddtree.lab.client import BenchTarget, OpenAIClient
-from ddtree.lab.engines import CounterAcceptance, scrape
+from ddtree.lab.engines import CounterAcceptance
 
 
 def _bench(live, workload, out_dir=None, **target):
@@ -88,13 +88,13 @@ def test_counter_acceptance_matches_per_request_stats_on_ddtree(live_ddtree):
 
     async def go():
         async with OpenAIClient(BenchTarget(url=live_ddtree.url)) as client:
-            before = await scrape(client)
+            before = await client.scrape()
             completions = []
             for prompt in ([3, 4, 5, 6], [7, 8, 9, 10, 11]):
                 body = await client.body(prompt=prompt, max_tokens=10, stream=True, ignore_eos=True,
                                          extra={"ddtree": {"budget": 6}})
                 completions.append(await client.complete(body))
-            after = await scrape(client)
+            after = await client.scrape()
             return before, after, completions
 
     before, after, completions = asyncio.run(go())

@@ -43,15 +43,7 @@ from ddtree import __version__
 from ddtree.lab.bench.metrics import request_record, summarize_cell, summarize_run
 from ddtree.lab.bench.workload import Prompt, Workload, build_prompts, load_tokenizer
 from ddtree.lab.client import BenchTarget, Completion, OpenAIClient
-from ddtree.lab.engines import (
-    REQUEST_EXTRAS,
-    CounterAcceptance,
-    detect_engine,
-    flush_cache,
-    scrape,
-    server_info,
-    server_info_accept_length,
-)
+from ddtree.lab.engines import REQUEST_EXTRAS, CounterAcceptance
 from ddtree.lab.files import atomic_write_json
 
 CELL_SCHEMA = "ddtree.bench.cell/1"
@@ -74,9 +66,9 @@ async def run_bench(target: BenchTarget, workload: Workload, *, out_dir: Path | 
         tokenizer_name = target.tokenizer or getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
     cells: list[dict] = []
     async with OpenAIClient(target) as client:
-        engine = target.engine if target.engine != "auto" else await detect_engine(client)
+        engine = target.engine if target.engine != "auto" else await client.detect_engine()
         model = await client.model()
-        info = await server_info(client, engine)
+        info = await client.server_info(engine)
         env = {"ddtree_version": __version__, "url": target.url, "model": model,
                "python": sys.version.split()[0], "platform": platform.platform(), "server_info": info}
         total = sum(workload.requests_for(c) * workload.repeats for _, c in workload.cells())
@@ -105,18 +97,18 @@ async def _run_cell(client: OpenAIClient, engine: str, workload: Workload, conte
     for repeat in range(workload.repeats):
         prompts = build_prompts(tokenizer, context, n, phase=f"r{repeat}-", **key)
         lengths.extend(len(p.ids) for p in prompts)
-        before = await scrape(client)
-        flushed = engine == "sglang" and await flush_cache(client)  # /server_info's average then covers this run
+        before = await client.scrape()
+        flushed = engine == "sglang" and await client.flush_cache()  # /server_info's average then covers this run
         start = time.perf_counter()
         completions = await run_requests(client, engine, prompts, concurrency, workload.output_tokens,
                                          on_done=advance)
         duration = time.perf_counter() - start
-        after = await scrape(client)
+        after = await client.scrape()
         counter_accept, counter_depth = None, None
         if before is not None and after is not None:
             counter_accept = counters.from_counters(before, after)
             counter_depth = counters.depth_from_counters(before, after)
-        info_accept = await server_info_accept_length(client) if flushed else None
+        info_accept = await client.server_info_accept_length() if flushed else None
         records = [request_record(c, len(p.ids), tokenizer) for c, p in zip(completions, prompts, strict=True)]
         runs.append({"requests": records,
                      "summary": summarize_run(records, duration, counter_accept_length=counter_accept,

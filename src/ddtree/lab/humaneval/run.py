@@ -38,7 +38,7 @@ import httpx
 from ddtree import __version__
 from ddtree.errors import ConfigError
 from ddtree.lab.client import BenchTarget, OpenAIClient
-from ddtree.lab.engines import REQUEST_EXTRAS, detect_engine
+from ddtree.lab.engines import REQUEST_EXTRAS
 from ddtree.lab.files import atomic_write_json
 from ddtree.lab.humaneval.extract import build_program, extract_code
 from ddtree.lab.sandbox import ProgramResult, SandboxLimits, run_programs
@@ -184,7 +184,7 @@ async def fetch_answers(target: BenchTarget, problems: Mapping[str, dict], task_
     """Ask the server for every task (greedy, non-streamed); ``(answers, engine, model)``. ``transport``: an httpx
     transport to send through instead of the network (tests)."""
     async with OpenAIClient(target, transport=transport) as client:
-        engine = target.engine if target.engine != "auto" else await detect_engine(client)
+        engine = target.engine if target.engine != "auto" else await client.detect_engine()
         model = await client.model()
         semaphore = asyncio.Semaphore(concurrency)
 
