@@ -30,13 +30,12 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ddtree.engine.api import METHODS
 from ddtree.errors import ConfigError
-
-if TYPE_CHECKING:
-    from ddtree.lab.sweep.profiles import EngineProfile
+from ddtree.lab.sweep.profiles import EngineProfile
+from ddtree.lab.sweep.templates import render_template, template_placeholders
 
 # Names a launch template may use besides the extra dimensions: the tree knobs, the port the launcher picks and
 # the config id (handy for per-config output paths of the launched engine).
@@ -48,30 +47,7 @@ METHOD_FIELDS: dict[str, tuple[str, ...]] = {
     "dflash": ("block_size", "draft_window"),
     "ddtree": ("budget", "topk", "block_size", "draft_window"),
 }
-# Only ``{identifier}`` is a placeholder, so JSON in a template (vLLM's ``--speculative-config '{"a": 1}'``)
-# needs no escaping.
-_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _DIM_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-
-
-def template_placeholders(template: str) -> list[str]:
-    """The ``{name}`` placeholders of a launch template, in order of first appearance."""
-    seen: dict[str, None] = {}
-    for name in _PLACEHOLDER.findall(template):
-        seen.setdefault(name, None)
-    return list(seen)
-
-
-def render_template(template: str, values: Mapping[str, str]) -> str:
-    """Substitute ``{name}`` placeholders; a missing name is a :class:`ConfigError` naming it."""
-
-    def substitute(match: re.Match[str]) -> str:
-        name = match.group(1)
-        if name not in values:
-            raise ConfigError(f"launch template placeholder {{{name}}} has no value; known: {sorted(values)}")
-        return values[name]
-
-    return _PLACEHOLDER.sub(substitute, template)
 
 
 def _fmt(value: int | None, none: str = "none") -> str:
@@ -288,8 +264,6 @@ class SweepConfig:
         kwargs["launch"] = LaunchSpec(**launch) if launch else None
         profile = kwargs.get("profile")
         if profile:
-            from ddtree.lab.sweep.profiles import EngineProfile
-
             profile = dict(profile)
             profile["extra_args"] = tuple(profile.get("extra_args") or ())
             profile["options"] = tuple((str(k), str(v)) for k, v in (profile.get("options") or {}).items())

@@ -46,10 +46,13 @@ import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ddtree.errors import ConfigError
-from ddtree.lab.sweep.grid import SweepConfig, SweepPoint
+from ddtree.lab.sweep.templates import render_template
+
+if TYPE_CHECKING:  # the grid holds a profile, so it imports this module; annotations only here
+    from ddtree.lab.sweep.grid import SweepConfig, SweepPoint
 
 PROFILE_ENGINES: tuple[str, ...] = ("sglang", "vllm", "ddtree")
 _OPTIONS: dict[str, dict[str, tuple[str, ...]]] = {
@@ -247,8 +250,6 @@ def build_plan(config: SweepConfig, *, port: int | str | None = None, target: st
                draft: str | None = None) -> Plan:
     """The command per config: the profile's, the ``--launch`` template's, or (in process, settings per request)
     the ``ddtree serve`` line whose defaults are that config; raises on an inexpressible setting."""
-    from ddtree.lab.sweep.grid import render_template
-
     shown_port: int | str = port if port is not None else (config.launch.port if config.launch else None) or "{port}"
     commands: dict[str, LaunchCommand | str] = {}
     if config.profile is not None:

@@ -36,11 +36,12 @@ from rich.console import Console
 
 from ddtree.errors import ConfigError, DDTreeError
 from ddtree.lab.sweep.cells import CellFailed, resolve_gate_tasks, run_bench_cell, run_gate
-from ddtree.lab.sweep.grid import LaunchSpec, SweepConfig, SweepPoint, render_template
+from ddtree.lab.sweep.grid import LaunchSpec, SweepConfig, SweepPoint
 from ddtree.lab.sweep.launcher import LaunchedServer, LaunchError, LaunchRecord, free_port, stop_stale
 from ddtree.lab.sweep.layout import GATE_CELL, RunLayout, atomic_write_json, bench_cell_name, read_json
 from ddtree.lab.sweep.manifest import Manifest
 from ddtree.lab.sweep.profiles import LaunchCommand
+from ddtree.lab.sweep.templates import render_template
 
 if TYPE_CHECKING:
     from ddtree.engine import Engine
