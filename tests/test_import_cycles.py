@@ -1,11 +1,11 @@
-"""No import cycle between modules of src/ddtree at module level.
+"""No import cycle between modules of src/ddtree, counting imports inside functions too.
 
-The graph: every module under src/ddtree, ast-parsed; an edge for each top-level ``import ddtree...`` /
-``from ddtree... import name`` (``name`` resolved to a submodule when it is one, else the module itself).
-Decided: imports inside functions and under ``if TYPE_CHECKING:`` are not edges. Python runs them after both
-modules are loaded, so they cannot fail at import time; they are the accepted way to keep a heavy dependency lazy
-(``ddtree.engine`` imports the engine on first use). Cycles among them that remain (lab.client <-> lab.engines,
-lab.sweep.grid <-> profiles, cells <-> runner) are design debt, not import failures.
+The graph: every module under src/ddtree, ast-parsed; an edge for each ``import ddtree...`` /
+``from ddtree... import name`` anywhere in the module, at module level or inside a function or class (``name``
+resolved to a submodule when it is one, else the module itself). Only imports under ``if TYPE_CHECKING:`` are not
+edges: they never run. A function-level import cannot fail at import time, but a cycle through one is still two
+modules that each need the other, which is the design debt this test keeps out; a lazy import that only defers a
+heavy dependency (``ddtree.engine`` loading the engine on first use) is fine as long as it makes no cycle.
 """
 
 from __future__ import annotations
@@ -28,9 +28,31 @@ def _modules() -> dict[str, Path]:
     return out
 
 
+def _is_type_checking(node: ast.AST) -> bool:
+    """``if TYPE_CHECKING:`` or ``if typing.TYPE_CHECKING:``."""
+    test = node.test if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement of ``tree`` at any depth, except in the body of an ``if TYPE_CHECKING:``."""
+    found: list[ast.Import | ast.ImportFrom] = []
+    todo: list[ast.AST] = [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        elif _is_type_checking(node):
+            todo.extend(node.orelse)  # the else branch runs
+        else:
+            todo.extend(ast.iter_child_nodes(node))
+    return found
+
+
 def _edges(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     found = set()
-    for node in ast.parse(path.read_text()).body:  # module level only (see the docstring)
+    for node in _imports(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("ddtree"):
             for alias in node.names:
                 full = f"{node.module}.{alias.name}"
@@ -68,7 +90,20 @@ def test_the_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
-def test_src_ddtree_has_no_module_level_import_cycle():
+def test_function_level_imports_are_edges_and_type_checking_ones_are_not(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from ddtree.errors import ConfigError\n"
+        "def f():\n    from ddtree.lab import client\n    import ddtree.version\n"
+        "class C:\n    def g(self):\n        from ddtree.lab.engines import ENGINES\n"
+    )
+    modules = {"ddtree.errors": source, "ddtree.lab": source, "ddtree.lab.client": source,
+               "ddtree.lab.engines": source, "ddtree.version": source}
+    assert _edges("ddtree.m", source, modules) == {"ddtree.lab.client", "ddtree.version", "ddtree.lab.engines"}
+
+
+def test_src_ddtree_has_no_import_cycle():
     modules = _modules()
     assert "ddtree.engine.scheduler" in modules
     graph = {name: _edges(name, path, modules) for name, path in modules.items()}
