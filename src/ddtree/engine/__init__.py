@@ -6,6 +6,7 @@ from ddtree.engine.api import (
     RequestStats,
     SamplingParams,
     StreamChunk,
+    TokenLogprob,
     TreeSettings,
 )
 from ddtree.engine.config import EngineConfig
@@ -29,5 +30,6 @@ __all__ = [
     "RequestStats",
     "SamplingParams",
     "StreamChunk",
+    "TokenLogprob",
     "TreeSettings",
 ]

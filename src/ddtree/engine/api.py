@@ -36,6 +36,7 @@ from ddtree.errors import InvalidRequestError
 Method = Literal["ar", "dflash", "ddtree"]
 METHODS: tuple[str, ...] = ("ar", "dflash", "ddtree")
 FinishReason = Literal["stop", "length", "cancelled", "error"]
+MAX_LOGPROBS = 20  # the most top log-probs a request may ask for per position (OpenAI's bound, vLLM's default)
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,12 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Log-probs of the target's raw distribution (log_softmax of its logits before temperature / top-p / top-k,
+    # vLLM's default ``logprobs_mode="raw_logprobs"``): None = not computed; N = the chosen token's log-prob plus
+    # the N most probable tokens (0 <= N <= MAX_LOGPROBS) at every emitted token (``logprobs``) or every prompt
+    # position after the first (``prompt_logprobs``, for ``echo``; the first prompt token has none).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def validated(self) -> SamplingParams:
         if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
@@ -111,6 +118,9 @@ class SamplingParams:
             raise InvalidRequestError("stop strings must be non-empty strings", param="stop")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, 0, None)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 0, MAX_LOGPROBS)
         return self
 
     @property
@@ -159,6 +169,16 @@ class RequestStats:
         return out
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One position's log-probs under the target: the token there, its log-prob, and the request's ``N`` most
+    probable tokens with theirs (most probable first; equal values in token-id order, as ``torch.topk``)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, log-prob), N entries
+
+
 @dataclass
 class StreamChunk:
     """New output since the previous chunk. The final chunk has ``finished=True`` and carries ``stats``."""
@@ -170,6 +190,9 @@ class StreamChunk:
     finish_reason: FinishReason | None = None
     stats: RequestStats | None = None
     error: str | None = None  # set when finish_reason == "error"
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when the request asked for them
+    # the first chunk of a request that asked prompt_logprobs: one per prompt token, None for the first
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -183,6 +206,8 @@ class GenerationOutput:
     finish_reason: FinishReason
     stats: RequestStats
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry (SamplingParams.logprobs)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (SamplingParams.prompt_logprobs)
 
 
 def _check_int(name: str, value: Any, lo: int | None, hi: int | None) -> None:

@@ -69,6 +69,7 @@ def graph_key(shape: RoundShape, *, max_rows: int, cache_len: int) -> RoundShape
         greedy=shape.greedy,
         filtered=shape.filtered,
         contiguous=shape.contiguous,
+        logprobs=shape.logprobs,  # a log-prob round has its own graphs (a wider result: log-probs are captured)
     )
 
 

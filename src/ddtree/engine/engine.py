@@ -280,6 +280,9 @@ class Engine(Scheduler):
                     finish_reason=last.finish_reason or "error",
                     stats=last.stats or RequestStats(),
                     error=last.error,
+                    logprobs=(None if requests[i].sampling.logprobs is None
+                              else [lp for c in chunks for lp in (c.logprobs or ())]),
+                    prompt_logprobs=next((c.prompt_logprobs for c in chunks if c.prompt_logprobs is not None), None),
                 )
             )
         return outputs

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
-from ddtree.engine.api import FinishReason, RequestStats, SamplingParams, StreamChunk, TreeSettings
+from ddtree.engine.api import FinishReason, RequestStats, SamplingParams, StreamChunk, TokenLogprob, TreeSettings
 from ddtree.engine.detok import IncrementalDetokenizer
 
 
@@ -46,6 +46,10 @@ class RequestState:
     stats: RequestStats = field(default_factory=RequestStats)
     arrival: float = field(default_factory=time.perf_counter)
     admitted_at: float | None = None
+    # prompt log-probs gathered chunk by chunk during prefill (SamplingParams.prompt_logprobs), handed to the first
+    # chunk and then dropped (None for the first prompt token, which nothing predicts)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    _prompt_logprobs_sent: bool = False
 
     # ---- derived positions -------------------------------------------------------------------------------
     @property
@@ -80,6 +84,14 @@ class RequestState:
     @property
     def depth_limit(self) -> int:
         return 0 if self.tree.method == "ar" else int(self.tree.block_size) - 1
+
+    def take_prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        """The prompt log-probs, once (for the request's first chunk); None if not asked or already taken."""
+        if self._prompt_logprobs_sent or self.sampling.prompt_logprobs is None:
+            return None
+        self._prompt_logprobs_sent = True
+        out, self.prompt_logprobs = self.prompt_logprobs or [None] * min(1, len(self.prompt_ids)), None
+        return out
 
     # ---- committing ----------------------------------------------------------------------------------------
     def ends_by_token(self, tokens) -> bool:

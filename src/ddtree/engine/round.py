@@ -43,6 +43,9 @@ class RoundShape:
     greedy: bool  # every row has temperature 0
     filtered: bool  # some row uses top-p < 1 or top-k > 0 (else sampling skips the vocabulary sort)
     contiguous: bool  # every row is AR or DFlash: accepted nodes are already contiguous (compaction skipped)
+    # some row asked for log-probs: the verify keeps its logits and the result carries the accepted nodes'
+    # log-probs (ddtree.engine.logprobs); every row of such a round pays for them, rounds without pay nothing
+    logprobs: bool = False
 
     @property
     def drafts(self) -> bool:
@@ -163,6 +166,7 @@ class VerifyStage:
 
     hidden: Tensor | None  # [R, N, F] target features for the drafter (None when no row drafts)
     choices: Tensor  # [R, N] the target's token at each node (argmax or sampled)
+    logits: Tensor | None = None  # [R, N, V] the verify's logits, kept only when RoundShape.logprobs
 
 
 @dataclass
@@ -172,4 +176,6 @@ class RoundWork:
     draft_logits: Tensor | None = None  # [R, L, V], None when no row drafts
     tree: TreeStage | None = None
     verify: VerifyStage | None = None
-    result: Tensor | None = None  # [R, 1 + L + 1]: tokens committed (bonus included), then the tokens
+    # [R, 1 + (L + 1)]: tokens committed (bonus included), then the tokens; with RoundShape.logprobs followed by
+    # the log-prob columns of ddtree.engine.logprobs.pack_round_logprobs ((L + 1) * (1 + 2 * MAX_LOGPROBS))
+    result: Tensor | None = None

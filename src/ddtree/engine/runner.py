@@ -29,6 +29,7 @@ from torch import Tensor
 
 from ddtree import spec
 from ddtree.engine.kernels import KernelSet
+from ddtree.engine.logprobs import pack_round_logprobs
 from ddtree.engine.round import RoundInputs, RoundWork, TreeStage, VerifyStage
 from ddtree.models import DFlashDrafter, KVCache, TargetModel
 from ddtree.spec.attention import TreeVisibility
@@ -127,10 +128,11 @@ class ModelRunner:
 
     # ---- prefill ----------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, inp: PrefillInputs) -> Tensor:
+    def prefill(self, inp: PrefillInputs, *, every_position: bool = False) -> Tensor:
         """Write a causal prompt chunk into both caches; return the target's logits at each row's last token.
 
-        Returns ``[R, V]`` float logits."""
+        Returns ``[R, V]`` float logits; with ``every_position`` (prompt log-probs, only for chunks with a row that
+        asked: the output projection then runs over every token) ``[R, T, V]``, the logits at every column."""
         r, t = inp.ids.shape
         positions = inp.start[:, None] + torch.arange(t, device=self.device)
         visibility = spec.causal_visibility(t, inp.valid_len)
@@ -146,14 +148,14 @@ class ModelRunner:
             positions,
             mask,
             tree=tree,
-            logits_at=inp.last_index[:, None],
+            logits_at=None if every_position else inp.last_index[:, None],
             hidden_layers=self.feature_layers,
         )
         if self.drafter is not None:
             # Padding columns write features past the prompt; they stay invisible (beyond every ctx_len) and are
             # overwritten when those positions are committed.
             self.drafter.append_context(out.hidden, positions, self.drafter_cache, inp.slots, positions)
-        return out.logits[:, 0]
+        return out.logits if every_position else out.logits[:, 0]
 
     # ---- one speculative round, as four stages ------------------------------------------------------------------
     # Each stage reads the round's inputs and the earlier stages' typed outputs from a RoundWork and fills its own
@@ -234,7 +236,8 @@ class ModelRunner:
             depth_steps = inp.step[:, None] + trees.depths  # output index each node's draw would commit
             choices = spec.sample_choices(out.logits, inp.temperature, inp.top_p, inp.top_k, inp.seed, depth_steps,
                                           any_filter=inp.shape.filtered)
-        work.verify = VerifyStage(hidden=out.hidden, choices=choices)
+        work.verify = VerifyStage(hidden=out.hidden, choices=choices,
+                                  logits=out.logits if inp.shape.logprobs else None)
 
     def stage_commit(self, inp: RoundInputs, work: RoundWork) -> None:
         max_depth = inp.shape.block_size - 1 if work.draft_logits is not None else 0
@@ -247,8 +250,12 @@ class ModelRunner:
             feats = torch.gather(hidden, 1, walk.path[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [R, L+1, F]
             ctx_pos = inp.start[:, None] + torch.arange(walk.path.shape[1], device=self.device)
             self.drafter.append_context(feats, ctx_pos, self.drafter_cache, inp.slot, ctx_pos)
-        # One tensor for the host to read (one copy, one sync): the accepted count, then the committed tokens.
-        work.result = torch.cat([walk.num_accepted[:, None], walk.new_tokens], 1)
+        # One tensor for the host to read (one copy, one sync): the accepted count, then the committed tokens, then
+        # (rounds with log-probs) the target's log-probs at the accepted nodes (ddtree.engine.logprobs).
+        parts = [walk.num_accepted[:, None], walk.new_tokens]
+        if work.verify.logits is not None:
+            parts.append(pack_round_logprobs(work.verify.logits, walk.path, walk.new_tokens))
+        work.result = torch.cat(parts, 1)
 
     def _round_feature_layers(self, inp: RoundInputs) -> tuple[int, ...]:
         """Target layers whose features the drafter needs after this round: none when no row drafts.

@@ -28,13 +28,17 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ddtree.engine.api import StreamChunk
+from ddtree.engine.api import MAX_LOGPROBS, StreamChunk, TokenLogprob
 from ddtree.engine.build import EngineParts
+from ddtree.engine.logprobs import device_logprobs, host_entries, unpack_logprobs
 from ddtree.engine.request_state import Phase, RequestState
 from ddtree.engine.round import NO_WINDOW, PackedRows, RoundInputs, RoundShape, RowInputs
 from ddtree.engine.runner import HostCopy, PrefillInputs, StageTimer, to_host
 
 log = logging.getLogger("ddtree.engine")
+
+# One row's share of a round read on the host: its state, the tokens it commits, their log-probs (None unless asked).
+RowResult = tuple["RequestState", list[int], "list[TokenLogprob] | None"]
 
 @dataclass
 class _Counters:
@@ -108,7 +112,7 @@ class Scheduler:
             if prefilling:
                 self._guarded(self._prefill_step, prefilling)
                 worked = True
-            results: list[tuple[RequestState, list[int]]] = []
+            results: list[RowResult] = []
             follow_up: _Flight | None = None
             if flight is not None:
                 if self._can_follow(flight):
@@ -116,7 +120,7 @@ class Scheduler:
                 results = self._collect_guarded(flight)
                 flight = follow_up
                 worked = True
-            pending = {state.request_id: tokens for state, tokens in results}
+            pending = {state.request_id: tokens for state, tokens, _ in results}
             decoding = [s for s in self._active.values()
                         if s.phase is Phase.DECODE and not s.ends_by_token(pending.get(s.request_id, ()))]
             if follow_up is None and decoding:
@@ -198,7 +202,11 @@ class Scheduler:
         start = [s.prefilled for s, _ in rows]
         takes = [t for _, t in rows]
         logits = None
-        if self.prefill_graphs is not None and self.prefill_graphs.can_run(len(rows), width, start):
+        # Prompt log-probs need the logits at every position, which the prefill graphs do not keep: a chunk with a
+        # row that asked runs eagerly (and computes every row's; only the asking rows' are read).
+        prompt_lp = any(s.sampling.prompt_logprobs is not None for s, _ in rows)
+        every = None
+        if not prompt_lp and self.prefill_graphs is not None and self.prefill_graphs.can_run(len(rows), width, start):
             try:
                 logits = self.prefill_graphs.run(ids, [s.slot for s, _ in rows], takes)
             except Exception:  # a capture that fails (memory, an op graphs refuse) must not fail the requests
@@ -213,28 +221,60 @@ class Scheduler:
                 last_index=torch.tensor([t - 1 for t in takes], device=dev),
                 kv_len=max(s + width for s in start),
             )
-            logits = self.runner.prefill(inp)
+            if prompt_lp:
+                every = self.runner.prefill(inp, every_position=True)  # [R, T, V]
+                logits = torch.gather(every, 1, inp.last_index[:, None, None].expand(-1, 1, every.shape[-1]))[:, 0]
+            else:
+                logits = self.runner.prefill(inp)
+        if every is not None:
+            self._prompt_logprobs(rows, ids, every)
         done = [i for i, (s, take) in enumerate(rows) if s.prefilled + take == len(s.prompt_ids)]
         first: list[int] = []
+        first_lp: list[TokenLogprob | None] = []
         if done:
             sel = torch.tensor(done, device=dev)
             finished = [rows[i][0] for i in done]
             temp, top_p, top_k, seed = self._sampling_tensors(finished)
             greedy = all(s.sampling.greedy for s in finished)
-            (first,) = to_host(self.runner.sample_first(logits[sel], temp, top_p, top_k, seed, greedy,
-                                                        _any_filter(finished)))
+            chosen = self.runner.sample_first(logits[sel], temp, top_p, top_k, seed, greedy, _any_filter(finished))
+            if any(s.sampling.logprobs is not None for s in finished):
+                # the first token's log-probs: the prefill's last logits, in the same host read as the token
+                first, chosen_lp, top_lp, top_ids = to_host(chosen, *device_logprobs(logits[sel], chosen))
+                first_lp = [None if s.sampling.logprobs is None else
+                            host_entries([chosen_lp[j]], [top_lp[j]], [top_ids[j]], [first[j]], s.sampling.logprobs)[0]
+                            for j, s in enumerate(finished)]
+            else:
+                (first,) = to_host(chosen)
         elapsed = time.perf_counter() - t0
         for state, take in rows:
             state.prefilled += take
             state.stats.stage_s["prefill"] = state.stats.stage_s.get("prefill", 0.0) + elapsed
-        for i, tok in zip(done, first, strict=False):
+        for j, (i, tok) in enumerate(zip(done, first, strict=False)):
             state = rows[i][0]
             state.phase = Phase.DECODE
             state.stats.ttft_s = time.perf_counter() - state.arrival
             with self._lock:
                 if state.counted:
                     self._counters.prompt_tokens_total += len(state.prompt_ids)
-            self._emit(state, [tok])
+            self._emit(state, [tok], [first_lp[j]] if first_lp and first_lp[j] is not None else None)
+
+    def _prompt_logprobs(self, rows: list[tuple[RequestState, int]], ids: torch.Tensor, every: torch.Tensor) -> None:
+        """Append this chunk's prompt log-probs to each asking row: column ``c`` (position ``s + c``) predicts the
+        prompt token at ``s + c + 1``; the chunk's last column predicts the next chunk's first token (or the first
+        completion token: not a prompt token, dropped). The first prompt token has none (None, as vLLM)."""
+        nxt = torch.zeros_like(ids)  # [R, T] host: the token each column predicts (0 past the prompt)
+        for i, (state, take) in enumerate(rows):
+            follow = state.prompt_ids[state.prefilled + 1 : state.prefilled + take + 1]
+            nxt[i, : len(follow)] = torch.tensor(follow, dtype=torch.long)
+        chosen_lp, top_lp, top_ids = to_host(*device_logprobs(every, nxt.to(self.device)))
+        for i, (state, take) in enumerate(rows):
+            n_top = state.sampling.prompt_logprobs
+            if n_top is None:
+                continue
+            if state.prompt_logprobs is None:
+                state.prompt_logprobs = [None]
+            follow = state.prompt_ids[state.prefilled + 1 : state.prefilled + take + 1]
+            state.prompt_logprobs += host_entries(chosen_lp[i], top_lp[i], top_ids[i], follow, n_top)
 
     # ---- decode ----------------------------------------------------------------------------------------------
     def _decode_round(self, states: list[RequestState]) -> None:
@@ -268,6 +308,7 @@ class Scheduler:
             greedy=all(s.sampling.greedy for s in states),
             filtered=_any_filter(states),
             contiguous=all(s.tree.method != "ddtree" for s in states),
+            logprobs=any(s.sampling.logprobs is not None for s in states),
         )
         # One host tensor per dtype: one copy each to the device instead of one per field.
         return self._queue(states, PackedRows.pack(rows), shape)
@@ -310,9 +351,9 @@ class Scheduler:
             log.warning("queuing a follow-up round failed; launching from the host instead", exc_info=True)
             return None
 
-    def _collect(self, flight: _Flight) -> list[tuple[RequestState, list[int]]]:
-        """Wait for a launched round and account for it; returns each still-decoding row's committed tokens
-        (rows finished or cancelled while the round ran are dropped)."""
+    def _collect(self, flight: _Flight) -> list[RowResult]:
+        """Wait for a launched round and account for it; returns each still-decoding row's committed tokens and,
+        for rows that asked, their log-probs (rows finished or cancelled while the round ran are dropped)."""
         rows = flight.copy.get()
         stages = flight.timer.collect()
         with self._lock:
@@ -337,10 +378,15 @@ class Scheduler:
                     while len(c.accept_hist) <= n:
                         c.accept_hist.append(0)
                     c.accept_hist[n] += 1
-            out.append((state, row[1 : 1 + n]))
+            tokens = row[1 : 1 + n]
+            logprobs = None
+            if flight.shape.logprobs and state.sampling.logprobs is not None:
+                width = flight.shape.block_size  # L + 1 committed positions per row (1 for AR)
+                logprobs = unpack_logprobs(row[1 + width :], tokens, width, MAX_LOGPROBS, state.sampling.logprobs)
+            out.append((state, tokens, logprobs))
         return out
 
-    def _collect_guarded(self, flight: _Flight) -> list[tuple[RequestState, list[int]]]:
+    def _collect_guarded(self, flight: _Flight) -> list[RowResult]:
         """:meth:`_collect`; if reading the round fails (a device fault surfaces at the sync), its rows fail."""
         try:
             return self._collect(flight)
@@ -351,10 +397,10 @@ class Scheduler:
                 self._finish(state, "error", error=error)
             return []
 
-    def _emit_results(self, results: list[tuple[RequestState, list[int]]]) -> None:
-        for state, tokens in results:
+    def _emit_results(self, results: list[RowResult]) -> None:
+        for state, tokens, logprobs in results:
             if state.phase is Phase.DECODE:
-                self._emit(state, tokens)
+                self._emit(state, tokens, logprobs)
 
     def _sampling_tensors(self, states: list[RequestState]):
         """temperature, top_p [R] float and top_k, seed [R] long on the device, in two copies."""
@@ -366,7 +412,9 @@ class Scheduler:
         return floats[0], floats[1], longs[0], longs[1]
 
     # ---- emitting and finishing --------------------------------------------------------------------------------
-    def _emit(self, state: RequestState, tokens: list[int]) -> None:
+    def _emit(self, state: RequestState, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
+        """Commit ``tokens`` (with their log-probs, aligned, when the request asked) and deliver the chunk; the
+        first chunk also carries the prompt log-probs of a request that asked for them."""
         try:
             kept, text, reason = state.commit(tokens)
         except Exception:
@@ -377,13 +425,16 @@ class Scheduler:
         with self._lock:
             if state.counted:
                 self._counters.generation_tokens_total += len(kept)
+        extra = {"logprobs": logprobs[: len(kept)] if logprobs is not None else None,
+                 "prompt_logprobs": state.take_prompt_logprobs()}
         if reason is not None:
-            self._finish(state, reason, last_ids=kept, last_text=text)
+            self._finish(state, reason, last_ids=kept, last_text=text, **extra)
             return
-        self._deliver(state, StreamChunk(request_id=state.request_id, token_ids=kept, text=text))
+        self._deliver(state, StreamChunk(request_id=state.request_id, token_ids=kept, text=text, **extra))
 
     def _finish(self, state: RequestState, reason: str, *, last_ids: list[int] | None = None,
-                last_text: str = "", error: str | None = None) -> None:
+                last_text: str = "", error: str | None = None, logprobs: list[TokenLogprob] | None = None,
+                prompt_logprobs: list[TokenLogprob | None] | None = None) -> None:
         if state.phase is Phase.DONE:
             return
         if state.phase is Phase.WAITING:
@@ -412,6 +463,8 @@ class Scheduler:
             finish_reason=reason,  # type: ignore[arg-type]
             stats=st,
             error=error,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
         self._deliver(state, chunk, final=True)
 
