@@ -123,3 +123,36 @@ def test_out_of_range_logprobs_are_refused_by_name(field, value):
     with pytest.raises(InvalidRequestError) as info:
         SamplingParams(**{field: value}).validated()
     assert info.value.param == field
+
+
+def test_round_logprob_columns_sync_nothing_and_round_trip_exactly():
+    """pack_round_logprobs runs inside a round (and a captured graph): no op may read a device value on the host.
+    Its float columns come back bit for bit, -inf included, and in the documented layout."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ddtree.engine.logprobs import bits_to_floats, pack_round_logprobs, unpack_logprobs
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(str(func.overloadpacket.__name__))
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 5, 30, generator=gen)
+    logits[1, 4, 1] = float("-inf")
+    path = torch.tensor([[0, 2, 2], [0, 4, 4]])
+    tokens = torch.tensor([[5, 9, 9], [7, 1, 1]])
+    with Ops() as ops:
+        cols = pack_round_logprobs(logits, path, tokens, k=4)
+    assert not ops.names & {"_local_scalar_dense", "nonzero", "masked_select", "unique", "item"}
+    assert cols.shape == (2, 3 * (1 + 2 * 4)) and cols.dtype == torch.long
+    row = cols[1].tolist()
+    entries = unpack_logprobs(row, [7, 1], 3, 4, 2)
+    ref = torch.log_softmax(logits[1], -1)
+    assert entries[0].logprob == float(ref[0, 7]) and entries[1].logprob == float("-inf")  # token 1 at node 4
+    assert [i for i, _ in entries[0].top] == torch.topk(ref[0], 2).indices.tolist()
+    assert bits_to_floats(row[:3])[0] == float(ref[0, 7])

@@ -16,7 +16,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
-from ddtree.engine.api import FinishReason, RequestStats, SamplingParams, StreamChunk, TokenLogprob, TreeSettings
+from ddtree.engine.api import (
+    FinishReason,
+    RequestStats,
+    SamplingParams,
+    StreamChunk,
+    TokenLogprob,
+    TreeSettings,
+)
 from ddtree.engine.detok import IncrementalDetokenizer
 
 

@@ -271,10 +271,11 @@ class Scheduler:
             n_top = state.sampling.prompt_logprobs
             if n_top is None:
                 continue
-            if state.prompt_logprobs is None:
-                state.prompt_logprobs = [None]
+            # entries for positions 0 .. prefilled exist already; cutting there makes a rerun of the step (fault
+            # isolation) replace this chunk's entries instead of appending them twice
+            kept = (state.prompt_logprobs or [None])[: state.prefilled + 1]
             follow = state.prompt_ids[state.prefilled + 1 : state.prefilled + take + 1]
-            state.prompt_logprobs += host_entries(chosen_lp[i], top_lp[i], top_ids[i], follow, n_top)
+            state.prompt_logprobs = kept + host_entries(chosen_lp[i], top_lp[i], top_ids[i], follow, n_top)
 
     # ---- decode ----------------------------------------------------------------------------------------------
     def _decode_round(self, states: list[RequestState]) -> None:
