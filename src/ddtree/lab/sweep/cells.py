@@ -11,7 +11,7 @@ from ddtree.errors import DDTreeError
 from ddtree.lab.sweep.grid import SweepConfig, SweepPoint
 
 if TYPE_CHECKING:
-    from ddtree.lab.sweep.runner import Endpoint, SweepTarget
+    from ddtree.lab.sweep.target import Endpoint, SweepTarget
 
 GATE_CONCURRENCY = 4  # gate requests in flight at once; greedy outputs do not depend on it
 

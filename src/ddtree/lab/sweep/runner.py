@@ -28,75 +28,25 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rich.console import Console
 
 from ddtree.errors import ConfigError, DDTreeError
 from ddtree.lab.sweep.cells import CellFailed, resolve_gate_tasks, run_bench_cell, run_gate
 from ddtree.lab.sweep.grid import LaunchSpec, SweepConfig, SweepPoint
-from ddtree.lab.sweep.launcher import LaunchedServer, LaunchError, LaunchRecord, free_port, stop_stale
+from ddtree.lab.sweep.launcher import LaunchedServer, LaunchError, free_port, stop_stale
 from ddtree.lab.sweep.layout import GATE_CELL, RunLayout, atomic_write_json, bench_cell_name, read_json
 from ddtree.lab.sweep.manifest import Manifest
 from ddtree.lab.sweep.profiles import LaunchCommand
+from ddtree.lab.sweep.target import Endpoint, SweepTarget
 from ddtree.lab.sweep.templates import render_template
 
 if TYPE_CHECKING:
     from ddtree.engine import Engine
     from ddtree.engine.config import EngineConfig
-
-Mode = Literal["inprocess", "url", "launch"]
-
-
-@dataclass(frozen=True)
-class SweepTarget:
-    """Where the sweep's requests go, and how they are shaped (shared by every config)."""
-
-    mode: Mode = "inprocess"
-    url: str | None = None  # mode "url": the running ddtree server
-    engine: str = "auto"  # the bench's engine kind for url/launch (ddtree, sglang, vllm; auto-detected)
-    model: str | None = None  # served model name; None = the first of /v1/models
-    endpoint: Literal["completions", "chat"] = "completions"
-    tokenizer: str | None = None  # the served model's tokenizer when the bench cannot infer it
-    extra_body: Mapping[str, Any] = field(default_factory=dict)  # merged into every request
-    api_key: str | None = None
-    timeout_s: float = 600.0
-    engine_config: EngineConfig | None = None  # mode "inprocess"; None = the demo pair, sized to the grid
-    host: str = "127.0.0.1"  # mode "launch": where the launched server is reached
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("inprocess", "url", "launch"):
-            raise ConfigError(f"unknown sweep mode {self.mode!r}; use inprocess, url or launch")
-        if self.mode == "url" and not self.url:
-            raise ConfigError("mode url needs --url of a running ddtree server")
-        if "ddtree" in self.extra_body and self.mode != "launch":
-            raise ConfigError(
-                "--extra-body must not set 'ddtree': the sweep sets the tree settings of each config itself"
-            )
-
-    def describe(self) -> dict[str, Any]:
-        """The manifest's record of the target (no API key)."""
-        out: dict[str, Any] = {
-            "mode": self.mode,
-            "url": self.url,
-            "engine": self.engine,
-            "model": self.model,
-            "endpoint": self.endpoint,
-            "tokenizer": self.tokenizer,
-            "extra_body": dict(self.extra_body),
-        }
-        if self.engine_config is not None:
-            cfg = dataclasses.asdict(self.engine_config)
-            out["engine_config"] = cfg
-        out["description"] = {
-            "inprocess": "in-process ddtree engine, settings per request",
-            "url": f"ddtree server at {self.url}, settings per request",
-            "launch": "one launched server per config",
-        }[self.mode]
-        return out
-
 
 def sized_engine_config(config: SweepConfig, base: EngineConfig | None = None, **explicit: Any) -> EngineConfig:
     """An :class:`EngineConfig` whose preallocated limits fit the whole grid.
@@ -122,19 +72,6 @@ def sized_engine_config(config: SweepConfig, base: EngineConfig | None = None, *
 
 
 # ------------------------------------------------------------------------------------------------ endpoints
-@dataclass
-class Endpoint:
-    """One config's place to send requests."""
-
-    url: str
-    engine: str
-    model: str | None
-    extra_body: dict[str, Any]
-    launch: LaunchRecord | None = None
-    alive: Callable[[], bool] = lambda: True
-    tokenizer: Any = None  # a loaded tokenizer for exact prompt lengths, when the backend has one
-
-
 class Backend(Protocol):
     """How configs reach an engine: ``serve(point)`` yields the endpoint for one config; ``close()`` at the end."""
 
