@@ -1,9 +1,11 @@
 """A real ``python -m ddtree.server`` on loopback driven by the official ``openai`` SDK through every field the
-field's clients send: batched prompts, ``n``, echo, stop-string inclusion, special tokens, explicit nulls, the
-refusals (log-probs, ``min_tokens``), the model card, tokenization, the statistics reset and the metrics.
+field's clients send: batched prompts, ``n``, echo, stop-string inclusion, special tokens, explicit nulls, log-probs
+(completions, echo, chat, streamed), the refusals (``min_tokens``, out-of-range log-probs), the model card,
+tokenization, the statistics reset and the metrics.
 
 References are independent of the code under test: the same server's answer to each prompt alone, a sampled
-choice against the request with that choice's seed, the tiny tokenizer itself, and the Prometheus text parser.
+choice against the request with that choice's seed, the tiny tokenizer itself, the target's own full forward (for
+log-probs), and the Prometheus text parser.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 from server_helpers import ServerProcess
 
@@ -121,8 +124,8 @@ def test_explicit_nulls_mean_defaults(sdk):
 
 
 @pytest.mark.parametrize(("kwargs", "param"), [
-    ({"logprobs": 2}, "logprobs"),
-    ({"echo": True, "logprobs": 1}, "logprobs"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"echo": True, "logprobs": -1}, "logprobs"),
     ({"extra_body": {"min_tokens": 4}}, "min_tokens"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"best_of": 3}, "best_of"),
@@ -178,7 +181,7 @@ def test_chat_n_streamed_and_not(sdk):
 
 
 @pytest.mark.parametrize(("kwargs", "param"), [
-    ({"logprobs": True}, "logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"top_logprobs": 3}, "top_logprobs"),
     ({"extra_body": {"min_tokens": 2}}, "min_tokens"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
@@ -288,3 +291,112 @@ def test_stats_reset_routes(sdk, server, route):
     one = sdk.completions.create(model="target", prompt=PROMPT, **GREEDY).model_dump()["meta_info"]
     info = httpx.get(server.url + "/server_info").json()
     assert info["internal_states"][0]["avg_spec_accept_length"] == pytest.approx(one["spec_accept_length"])
+
+
+# ------------------------------------------------------------------------------------------------- log-probs
+# The reference is the target itself, loaded in this process (the server loads the same weights from disk): a
+# plain full forward over prompt + output and log_softmax, no cache and no trees. The server speculates (DDTree,
+# budget 4), so equal log-probs mean they are the target's at the accepted nodes.
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-5 * max(1.0, abs(b))
+
+
+def _reference(tiny_pair, prompt_ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    """The greedy continuation of ``prompt_ids`` and log_softmax over prompt + continuation (row p: token p+1)."""
+    target, _ = tiny_pair
+    ids = list(prompt_ids)
+    with torch.inference_mode():
+        for _ in range(n):
+            ids.append(int(target.forward_train(torch.tensor([ids])).logits[0, -1].argmax()))
+        logp = torch.log_softmax(target.forward_train(torch.tensor([ids])).logits[0].float(), dim=-1)
+    return ids[len(prompt_ids):], logp
+
+
+def _token(tokenizer, i: int) -> str:
+    return tokenizer.decode([i], skip_special_tokens=False)
+
+
+def test_completion_logprobs_are_the_targets(sdk, tiny_pair, tiny_tokenizer):
+    prompt_ids = tiny_tokenizer.encode(PROMPT)
+    r = sdk.completions.create(model="target", prompt=PROMPT, logprobs=3, **GREEDY)
+    out, logp = _reference(tiny_pair, prompt_ids, 10)
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [_token(tiny_tokenizer, i) for i in out]
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:j]) for j in range(len(lp.tokens))]
+    start = len(prompt_ids) - 1
+    for j, tok in enumerate(out):
+        row = logp[start + j]
+        assert _close(lp.token_logprobs[j], float(row[tok]))
+        top = torch.topk(row, 3)
+        expected = {_token(tiny_tokenizer, int(i)): float(v) for v, i in zip(top.values, top.indices, strict=True)}
+        assert set(lp.top_logprobs[j]) == set(expected)  # greedy: the chosen token is the most probable one
+        assert all(_close(lp.top_logprobs[j][k], v) for k, v in expected.items())
+
+
+def test_echo_with_logprobs_scores_the_prompt_first_token_null(sdk, tiny_pair, tiny_tokenizer):
+    prompt = "def add(a, b):\n    return"
+    prompt_ids = tiny_tokenizer.encode(prompt)
+    r = sdk.completions.create(model="target", prompt=prompt, echo=True, logprobs=1, **{**GREEDY, "max_tokens": 4})
+    out, logp = _reference(tiny_pair, prompt_ids, 4)
+    lp = r.choices[0].logprobs
+    ids = prompt_ids + out
+    assert r.choices[0].text.startswith(prompt)
+    assert lp.tokens == [_token(tiny_tokenizer, i) for i in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for p in range(1, len(ids)):
+        assert _close(lp.token_logprobs[p], float(logp[p - 1, ids[p]])), p
+        best = int(logp[p - 1].argmax())
+        assert _token(tiny_tokenizer, best) in lp.top_logprobs[p]  # the top-1 plus the token itself
+        assert _token(tiny_tokenizer, ids[p]) in lp.top_logprobs[p]
+    # logprobs: 0 is the chosen token's log-prob alone
+    zero = sdk.completions.create(model="target", prompt=PROMPT, logprobs=0, **GREEDY).choices[0].logprobs
+    assert all(len(t) == 1 for t in zero.top_logprobs)
+
+
+def test_streamed_completion_logprobs_equal_the_plain_answer(sdk):
+    plain = sdk.completions.create(model="target", prompt=PROMPT, logprobs=2, echo=True, **GREEDY)
+    tokens, values, tops, offsets, text = [], [], [], [], ""
+    for chunk in sdk.completions.create(model="target", prompt=PROMPT, logprobs=2, echo=True, stream=True, **GREEDY):
+        for c in chunk.choices:
+            text += c.text
+            if c.logprobs is not None:
+                tokens += c.logprobs.tokens
+                values += c.logprobs.token_logprobs
+                tops += c.logprobs.top_logprobs
+                offsets += c.logprobs.text_offset
+    want = plain.choices[0].logprobs
+    assert text == plain.choices[0].text
+    assert (tokens, values, tops, offsets) == (want.tokens, want.token_logprobs, want.top_logprobs, want.text_offset)
+
+
+def test_chat_logprobs_and_top_logprobs_streamed_and_not(sdk, tiny_pair, tiny_tokenizer):
+    r = sdk.chat.completions.create(model="target", messages=MESSAGES, logprobs=True, top_logprobs=2, temperature=0,
+                                    max_tokens=6, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 6
+    assert "".join(c.token for c in content) == r.choices[0].message.content
+    prompt_ids = tiny_tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
+    prompt_ids = list(getattr(prompt_ids, "input_ids", prompt_ids))
+    assert r.usage.prompt_tokens == len(prompt_ids)
+    out, logp = _reference(tiny_pair, prompt_ids, 6)
+    for j, (c, tok) in enumerate(zip(content, out, strict=True)):
+        row = logp[len(prompt_ids) - 1 + j]
+        assert c.token == _token(tiny_tokenizer, tok) and c.bytes == list(c.token.encode("utf-8"))
+        assert _close(c.logprob, float(row[tok]))
+        top = torch.topk(row, 2)
+        assert [t.token for t in c.top_logprobs] == [_token(tiny_tokenizer, int(i)) for i in top.indices]
+        assert all(_close(t.logprob, float(v)) for t, v in zip(c.top_logprobs, top.values, strict=True))
+    streamed = []
+    for chunk in sdk.chat.completions.create(model="target", messages=MESSAGES, logprobs=True, top_logprobs=2,
+                                             temperature=0, max_tokens=6, stream=True,
+                                             extra_body={"ignore_eos": True}):
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                streamed += c.logprobs.content
+    assert [s.model_dump() for s in streamed] == [c.model_dump() for c in content]
+    # without logprobs nothing is computed or sent
+    plain = sdk.chat.completions.create(model="target", messages=MESSAGES, temperature=0, max_tokens=3)
+    assert plain.choices[0].logprobs is None

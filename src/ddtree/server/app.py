@@ -49,6 +49,7 @@ from ddtree.server.generation import (
 )
 from ddtree.server.info_routes import ModelNotFound, check_model, register_info_routes
 from ddtree.server.limits import PROVISIONAL_BODY_BYTES, BodyLimitMiddleware, ResolvedLimits, ServerLimits
+from ddtree.server.logprobs import LogprobFormatter
 from ddtree.server.metrics import ServerMetrics
 from ddtree.server.protocol import (
     ChatCompletionRequest,
@@ -402,7 +403,9 @@ def create_app(
                 shaper = TextShaper(engine.tokenizer, stop=request.sampling.stop, stop_ids=stop_ids,
                                     prefix=echoes[prompt_index] if echoes else "",
                                     keep_special=body.keep_special_tokens, include_stop=body.include_stop)
-                jobs.append(Job(request=request, indices=indices, ticket=ticket, shaper=shaper))
+                formatter = (LogprobFormatter(engine.tokenizer, chat=chat, prompt_ids=list(request.prompt_token_ids))
+                             if request.sampling.logprobs is not None else None)
+                jobs.append(Job(request=request, indices=indices, ticket=ticket, shaper=shaper, logprobs=formatter))
         except QueueFullError:
             for job in jobs:
                 job.cancel(engine)

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ddtree.engine.api import GenerationRequest, StreamChunk
 from ddtree.engine.detok import IncrementalDetokenizer
 from ddtree.errors import InvalidRequestError, QueueFullError
+from ddtree.server.logprobs import LogprobFormatter
 from ddtree.server.metrics import ServerMetrics
 from ddtree.server.protocol import ChoiceResult, ResponseBuilder, error_body, token_usage
 
@@ -159,6 +160,17 @@ class Job:
     shaper: TextShaper
     finished: bool = False
     last_token_at: float | None = None
+    logprobs: LogprobFormatter | None = None  # when the request asked for log-probs
+
+    def feed(self, chunk: StreamChunk) -> str:
+        """The chunk's text for the client; its log-probs are kept until :meth:`take_logprobs`."""
+        if self.logprobs is not None:
+            self.logprobs.feed(chunk)
+        return self.shaper.feed(chunk)
+
+    def take_logprobs(self) -> dict[str, Any] | None:
+        """The log-probs of every token since the last call (None when the request did not ask for them)."""
+        return self.logprobs.take() if self.logprobs is not None else None
 
     def cancel(self, engine: Engine) -> None:
         """Free what the job holds, however the response ends (idempotent)."""
@@ -212,12 +224,13 @@ async def sse_events(engine: Engine, jobs: list[Job], builder: ResponseBuilder, 
             chunk = item
             job.timed(chunk, metrics)
             usage.completion += len(chunk.token_ids) * len(job.indices)
-            text = job.shaper.feed(chunk)
+            text = job.feed(chunk)
             if not chunk.finished:
                 if text:
+                    logprobs = job.take_logprobs()
                     for index in job.indices:
                         yield _sse(builder.chunk(index, text, include_usage=usage.include,
-                                                 running_usage=usage.running()))
+                                                 running_usage=usage.running(), logprobs=logprobs))
                 continue
             job.finished = True
             remaining -= 1
@@ -232,9 +245,11 @@ async def sse_events(engine: Engine, jobs: list[Job], builder: ResponseBuilder, 
             assert chunk.stats is not None
             metrics.finished(chunk.stats)
             last_stats = chunk.stats
+            logprobs = job.take_logprobs()
             for index in job.indices:
                 yield _sse(builder.chunk(index, text, chunk.stats, result_id=job.request.request_id,
-                                         include_usage=usage.include, running_usage=usage.running()))
+                                         include_usage=usage.include, running_usage=usage.running(),
+                                         logprobs=logprobs))
         if usage.include:
             yield _sse(builder.usage_chunk(usage.final(), last_stats))
         yield _SSE_DONE
@@ -265,7 +280,7 @@ async def complete(engine: Engine, jobs: list[Job], builder: ResponseBuilder, pr
             if isinstance(item, Exception):
                 raise item
             job.timed(item, metrics)
-            texts[id(job)].append(job.shaper.feed(item))
+            texts[id(job)].append(job.feed(item))
             if item.finished:
                 job.finished = True
                 finals.append((job, item))
@@ -296,5 +311,6 @@ async def complete(engine: Engine, jobs: list[Job], builder: ResponseBuilder, pr
         assert final.stats is not None
         metrics.finished(final.stats)
         text = "".join(texts[id(job)])
-        choices += [ChoiceResult(index, text, final.stats, job.request.request_id) for index in job.indices]
+        logprobs = job.take_logprobs()
+        choices += [ChoiceResult(index, text, final.stats, job.request.request_id, logprobs) for index in job.indices]
     return JSONResponse(builder.response(choices, prompt_tokens))

@@ -46,7 +46,7 @@ from pydantic import (
     model_validator,
 )
 
-from ddtree.engine.api import GenerationRequest, RequestStats, SamplingParams, TreeSettings
+from ddtree.engine.api import MAX_LOGPROBS, GenerationRequest, RequestStats, SamplingParams, TreeSettings
 from ddtree.errors import InvalidRequestError
 from ddtree.server.spec_stats import FINISH_REASONS, sglang_meta_info, vllm_speculative_decoding
 
@@ -77,8 +77,6 @@ _CHAT_NEUTRAL_ONLY: dict[str, tuple[Any, ...]] = {
 }
 MIN_TOKENS_REFUSAL = ("min_tokens > 0 is not supported: it needs the engine to mask EOS and stop token ids out of "
                       "the target's distribution for the first min_tokens tokens, which it does not do yet")
-LOGPROBS_REFUSAL = ("log-probs are not supported yet (they need the verify round's logits from the engine); "
-                    "send the request without {field}")
 
 
 class StreamOptions(BaseModel):
@@ -187,7 +185,17 @@ class _SamplingBody(BaseModel):
             stop=stop,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=bool(self.ignore_eos),
+            logprobs=self.logprobs_asked(),
+            prompt_logprobs=self.prompt_logprobs_asked(),
         )
+
+    def logprobs_asked(self) -> int | None:
+        """Top log-probs per emitted token (None: none); each endpoint spells it its own way."""
+        return None
+
+    def prompt_logprobs_asked(self) -> int | None:
+        """Top log-probs per prompt token (completions' ``echo`` with ``logprobs``)."""
+        return None
 
     def tree(self, defaults: TreeSettings) -> TreeSettings | None:
         """The request's tree settings: the ``ddtree`` overrides merged onto the server's current defaults."""
@@ -216,6 +224,11 @@ class _SamplingBody(BaseModel):
                 out.append((GenerationRequest(prompt_token_ids=list(ids), tree=tree, sampling=sampling,
                                               request_id=rid), indices))
         return out
+
+
+def _check_logprobs(name: str, value: int | None) -> None:
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise InvalidRequestError(f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}", param=name)
 
 
 def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
@@ -267,11 +280,16 @@ class CompletionRequest(_SamplingBody):
             return [p]
         return list(p)
 
+    def logprobs_asked(self) -> int | None:
+        return self.logprobs
+
+    def prompt_logprobs_asked(self) -> int | None:
+        return self.logprobs if self.echo else None
+
     def check(self) -> int:
         """Refuse what this server cannot do; returns max_tokens."""
         self._check_unsupported()
-        if self.logprobs is not None:
-            raise InvalidRequestError(LOGPROBS_REFUSAL.format(field="logprobs"), param="logprobs")
+        _check_logprobs("logprobs", self.logprobs)
         if not self.prompt_list() or any(len(p) == 0 for p in self.prompt_list()):
             raise InvalidRequestError("the prompt is empty", param="prompt")
         return COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
@@ -320,13 +338,16 @@ class ChatCompletionRequest(_SamplingBody):
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.for_template(i) for i, m in enumerate(self.messages)]
 
+    def logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def check(self) -> None:
         """Refuse what this server cannot do (before the chat template is applied)."""
         self._check_unsupported()
-        if self.logprobs:
-            raise InvalidRequestError(LOGPROBS_REFUSAL.format(field="logprobs"), param="logprobs")
-        if self.top_logprobs is not None:
-            raise InvalidRequestError(LOGPROBS_REFUSAL.format(field="top_logprobs"), param="top_logprobs")
+        _check_logprobs("top_logprobs", self.top_logprobs)
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs: true (as in OpenAI's API); send both",
+                                      param="top_logprobs")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise InvalidRequestError(
                 f"response_format {self.response_format.get('type')!r} is not supported; only 'text' is",
@@ -394,6 +415,7 @@ class ChoiceResult:
     text: str
     stats: RequestStats
     request_id: str
+    logprobs: dict[str, Any] | None = None  # the endpoint's log-probs object (server.logprobs), when asked
 
 
 class ResponseBuilder:
@@ -432,10 +454,10 @@ class ResponseBuilder:
         for c in sorted(choices, key=lambda c: c.index):
             reason = FINISH_REASONS[c.stats.finish_reason or "stop"]
             if self.chat:
-                choice = {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
-                          "finish_reason": reason}
+                choice = {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                          "logprobs": c.logprobs, "finish_reason": reason}
             else:
-                choice = {"index": c.index, "text": c.text, "logprobs": None, "finish_reason": reason}
+                choice = {"index": c.index, "text": c.text, "logprobs": c.logprobs, "finish_reason": reason}
             self._stats_on(body, choice, c.request_id, c.stats)
             out.append(choice)
         body["choices"] = out
@@ -443,7 +465,8 @@ class ResponseBuilder:
         return body
 
     def chunk(self, index: int, text: str, stats: RequestStats | None = None, *, result_id: str = "",
-              include_usage: bool = False, running_usage: dict[str, int] | None = None) -> dict[str, Any]:
+              include_usage: bool = False, running_usage: dict[str, int] | None = None,
+              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         """One streamed chunk of choice ``index``'s new text; ``stats`` is given on its last one (it carries the
         finish reason). ``running_usage`` (continuous usage stats) is the cumulative usage so far; otherwise
         ``include_usage`` puts OpenAI's ``"usage": null`` on the chunk."""
@@ -453,10 +476,10 @@ class ResponseBuilder:
             if index not in self._sent_role:
                 delta = {"role": "assistant", "content": text}
                 self._sent_role.add(index)
-            choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+            choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
             body = self._head("chat.completion.chunk")
         else:
-            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
             body = self._head("text_completion")
         if stats is not None:
             self._stats_on(body, choice, result_id, stats)
