@@ -91,3 +91,6 @@ if triton is not None:
         refuses it ("mask has unsupported dtype"). ``tl.where`` broadcasts the condition without that, and
         compiles to the same predicate, so kernels that use it read the same on every Triton from 3.2 on."""
         return tl.where(cond, mask, False)
+
+else:  # no Triton: kernels are not defined, but modules that name the helper still import
+    masked_if = None
