@@ -55,16 +55,13 @@ def test_generate_with_the_fp8_drafter_on_the_demo_pair_matches_ar(monkeypatch):
     assert outs["ddtree"] == outs["ar"] and calls
 
 
-def test_cpu_threads_default_to_half_the_cores_and_are_validated():
+def test_cpu_threads_are_validated():
     import pytest
 
     from ddtree.engine.config import EngineConfig
     from ddtree.errors import ConfigError
 
-    assert EngineConfig().resolve_cpu_threads(2) == 1
-    assert EngineConfig().resolve_cpu_threads(16) == 8
-    assert EngineConfig().resolve_cpu_threads(None) == 1
-    assert EngineConfig(cpu_threads=3).resolve_cpu_threads(2) == 3
+    assert EngineConfig().cpu_threads is None and EngineConfig(cpu_threads=3).validated().cpu_threads == 3
     for bad in (0, True, 1.5):
         with pytest.raises(ConfigError, match="cpu_threads"):
             EngineConfig(cpu_threads=bad).validated()
@@ -83,5 +80,7 @@ def test_a_cpu_engine_sets_torch_threads_from_its_config(tiny_pair, tiny_tokeniz
             Engine(target, drafter, tiny_tokenizer,
                    EngineConfig(device="cpu", max_batch=1, max_len=64, cpu_threads=threads))
             assert torch.get_num_threads() == threads
+        Engine(target, drafter, tiny_tokenizer, EngineConfig(device="cpu", max_batch=1, max_len=64))
+        assert torch.get_num_threads() == 1  # None leaves torch's setting alone
     finally:
         torch.set_num_threads(before)

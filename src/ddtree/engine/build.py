@@ -8,7 +8,6 @@ of its own: set-up (``/proc/meminfo``, fp8 calibration, fusing) changes for othe
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 import weakref
 from dataclasses import dataclass, replace
@@ -83,10 +82,8 @@ def build(target, drafter, tokenizer, config: EngineConfig, *, model_name: str) 
             stacklevel=4,
         )
     kernels = KernelSet.resolve(config.gpu_kernels, target, drafter)
-    if device.type == "cpu":
-        # On a 2-core machine two OpenMP threads made a 17-row demo verify 10x slower whenever a third thread ran
-        # (the server's event loop, a bench client); one thread per two cores leaves them room.
-        torch.set_num_threads(config.resolve_cpu_threads(os.cpu_count()))
+    if device.type == "cpu" and config.cpu_threads is not None:
+        torch.set_num_threads(config.cpu_threads)
     if device.type == "cuda":
         # One matmul for q/k/v and one for gate/up per layer (the weights become views of a fused matrix) and,
         # with gpu_kernels, Triton kernels for the element-wise steps: the graphs captured below launch ~10

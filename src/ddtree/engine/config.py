@@ -34,9 +34,9 @@ class EngineConfig:
     # Queue round n + 1 on the device (inputs advanced there from round n's result) before reading round n, while the
     # batch stays the same: the device never waits for the host between rounds. None = on for CUDA devices.
     overlap_rounds: bool | None = None
-    # Intra-op threads torch uses on a CPU device (torch.set_num_threads, which is process-wide). None = half the
-    # cores, at least one (resolve_cpu_threads): a round's ops are small, and an OpenMP thread that waits at every
-    # op's barrier for a core taken by the server's or a client's Python thread costs more than it computes.
+    # Intra-op threads torch uses on a CPU device (torch.set_num_threads, which is process-wide). None = torch's
+    # default (one per core). 1 on a machine whose cores other processes keep busy: a round's ops are small, and an
+    # OpenMP thread that waits at every op's barrier for a taken core costs more than it computes (docs/benchmarks.md).
     cpu_threads: int | None = None
     default_tree: TreeSettings = field(default_factory=TreeSettings)
     seed: int = 0
@@ -56,11 +56,5 @@ class EngineConfig:
             raise ConfigError(f"kv_memory_fraction must be in (0, 1), got {self.kv_memory_fraction!r}")
         if self.cpu_threads is not None and (isinstance(self.cpu_threads, bool) or not isinstance(self.cpu_threads, int)
                                              or self.cpu_threads < 1):
-            raise ConfigError(f"cpu_threads must be an integer >= 1 or None (half the cores), got {self.cpu_threads!r}")
+            raise ConfigError(f"cpu_threads must be an integer >= 1 or None (torch's default), got {self.cpu_threads!r}")
         return self
-
-    def resolve_cpu_threads(self, cores: int | None) -> int:
-        """The intra-op thread count for a CPU device with ``cores`` cores (``os.cpu_count()``; None = 1)."""
-        if self.cpu_threads is not None:
-            return self.cpu_threads
-        return max(1, (cores or 1) // 2)

@@ -46,7 +46,7 @@ HELP: dict[str, str] = {
     "draft_fp8": "Run the drafter's layer projections in fp8 (half the bytes a draft reads; lossless, acceptance "
                  "may move; needs a GPU of compute capability >= 8.9).",
     "overlap_rounds": "Queue round n + 1 before reading round n while the batch is unchanged (default: on for CUDA).",
-    "cpu_threads": "Torch intra-op threads on a CPU device (process-wide; default: half the cores, at least 1).",
+    "cpu_threads": "Torch intra-op threads on a CPU device (process-wide; default: torch's, one per core; 1 on a busy machine).",
     "seed": "Engine seed.",
 }
 _NOT_OPTIONS = ("default_tree",)
