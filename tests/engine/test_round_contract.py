@@ -6,13 +6,15 @@ import dataclasses
 
 import torch
 
+from ddtree.engine.api import MAX_STOP_IDS
 from ddtree.engine.cuda_graphs import graph_key
 from ddtree.engine.round import FLOAT_FIELDS, LONG_FIELDS, PackedRows, RoundInputs, RoundShape, RowInputs
 
 
 def _row(i: int) -> RowInputs:
     return RowInputs(slot=i, root_token=10 + i, start=20 + i, budget=3, topk=2, depth_limit=7, window=99, top_k=5,
-                     seed=1000 + i, step=4 + i, temperature=0.5 + i, top_p=0.75)
+                     seed=1000 + i, step=4 + i, min_tokens=6 + i, temperature=0.5 + i, top_p=0.75,
+                     banned=tuple(range(i + 1)))
 
 
 def test_every_row_field_reaches_the_round_inputs_tensor_of_its_own_name():
@@ -21,8 +23,11 @@ def test_every_row_field_reaches_the_round_inputs_tensor_of_its_own_name():
                        contiguous=False)
     inp = RoundInputs.from_packed(PackedRows.pack(rows), shape)
     for f in dataclasses.fields(RowInputs):
-        assert getattr(inp, f.name).tolist() == [getattr(r, f.name) for r in rows], f.name
-    assert set(LONG_FIELDS) | set(FLOAT_FIELDS) == {f.name for f in dataclasses.fields(RowInputs)}
+        if f.name != "banned":
+            assert getattr(inp, f.name).tolist() == [getattr(r, f.name) for r in rows], f.name
+    # the banned ids: MAX_STOP_IDS rows after the long fields, -1 past each row's own
+    assert inp.banned.T.tolist() == [list(r.banned) + [-1] * (MAX_STOP_IDS - len(r.banned)) for r in rows]
+    assert set(LONG_FIELDS) | set(FLOAT_FIELDS) | {"banned"} == {f.name for f in dataclasses.fields(RowInputs)}
     assert inp.shape is shape
 
 

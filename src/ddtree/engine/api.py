@@ -37,6 +37,9 @@ Method = Literal["ar", "dflash", "ddtree"]
 METHODS: tuple[str, ...] = ("ar", "dflash", "ddtree")
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 MAX_LOGPROBS = 20  # the most top log-probs a request may ask for per position (OpenAI's bound, vLLM's default)
+# min_tokens: the token ids a round masks per row (EOS ids plus stop_token_ids) ride in the round's packed inputs
+# as this many fixed columns (a fixed width keeps one CUDA graph per shape)
+MAX_STOP_IDS = 16
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,10 @@ class SamplingParams:
     # position after the first (``prompt_logprobs``, for ``echo``; the first prompt token has none).
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # vLLM's min_tokens: neither EOS (unless ignore_eos) nor a stop token id may be chosen, and no stop string is
+    # matched, before this many tokens are emitted; the engine masks those ids out of the target's logits at every
+    # tree node (and the prefill's first token) whose output index is below it, so AR, chain and tree stay lossless
+    min_tokens: int = 0
 
     def validated(self) -> SamplingParams:
         if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
@@ -112,6 +119,11 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}", param="top_p")
         _check_int("top_k", self.top_k, 0, None)
         _check_int("max_tokens", self.max_tokens, 1, None)
+        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
+        if len(set(self.stop_token_ids)) > MAX_STOP_IDS and self.min_tokens > 0:
+            raise InvalidRequestError(
+                f"min_tokens > 0 allows at most {MAX_STOP_IDS} distinct stop_token_ids (with EOS), "
+                f"got {len(set(self.stop_token_ids))}", param="stop_token_ids")
         if self.seed is not None:
             _check_int("seed", self.seed, 0, 2**63 - 1)
         if any(not isinstance(s, str) or not s for s in self.stop):

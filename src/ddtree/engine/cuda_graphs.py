@@ -70,6 +70,7 @@ def graph_key(shape: RoundShape, *, max_rows: int, cache_len: int) -> RoundShape
         filtered=shape.filtered,
         contiguous=shape.contiguous,
         logprobs=shape.logprobs,  # a log-prob round has its own graphs (a wider result: log-probs are captured)
+        min_tokens=shape.min_tokens,  # so has a min_tokens round (the masking is captured)
     )
 
 

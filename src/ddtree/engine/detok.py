@@ -26,8 +26,10 @@ class IncrementalDetokenizer:
     read_offset: int = 0
     stopped: bool = False
 
-    def add(self, new_ids: Sequence[int]) -> str:
-        """Append token ids; return the new text that is safe to emit (stop string trimmed if it appeared)."""
+    def add(self, new_ids: Sequence[int], *, check_stop: bool = True) -> str:
+        """Append token ids; return the new text that is safe to emit (stop string trimmed if it appeared).
+
+        check_stop=False (tokens before min_tokens): the text is emitted whole, no stop string is matched in it."""
         self.ids.extend(new_ids)
         prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
         full = self.tokenizer.decode(self.ids[self.prefix_offset :], skip_special_tokens=True)
@@ -35,6 +37,9 @@ class IncrementalDetokenizer:
             self.text += full[len(prefix) :]
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.ids)
+        if not check_stop and not self.stopped:
+            out, self.emitted = self.text[self.emitted :], len(self.text)
+            return out
         return self._emit(final=False)
 
     def finish(self) -> str:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from ddtree.engine.api import (
+    MAX_STOP_IDS,
     GenerationOutput,
     GenerationRequest,
     RequestStats,
@@ -185,6 +186,10 @@ class Engine(Scheduler):
             max_len=self.config.max_len,
             counted=counted,
         )
+        if len(state.banned_ids) > MAX_STOP_IDS:
+            raise InvalidRequestError(
+                f"min_tokens masks EOS and the stop token ids, at most {MAX_STOP_IDS} in all; this request has "
+                f"{len(state.banned_ids)}", param="min_tokens")
         state.stats.prompt_tokens = len(ids)
         state.stats.tree = tree.to_dict()
         self._enqueue(state)

@@ -92,6 +92,15 @@ class RequestState:
     def depth_limit(self) -> int:
         return 0 if self.tree.method == "ar" else int(self.tree.block_size) - 1
 
+    @property
+    def banned_ids(self) -> tuple[int, ...]:
+        """The ids min_tokens masks while fewer than min_tokens tokens are out: EOS (unless ignore_eos) and the stop
+        token ids, as vLLM; empty without min_tokens (the round then masks nothing for this row)."""
+        if self.sampling.min_tokens <= 0:
+            return ()
+        eos = () if self.sampling.ignore_eos else self.eos_ids
+        return tuple(sorted(set(self.sampling.stop_token_ids) | set(eos)))
+
     def take_prompt_logprobs(self) -> list[TokenLogprob | None] | None:
         """The prompt log-probs, once (for the request's first chunk); None if not asked or already taken."""
         if self._prompt_logprobs_sent or self.sampling.prompt_logprobs is None:
@@ -137,7 +146,11 @@ class RequestState:
         text_ids = kept
         if reason == "stop" and kept and (kept[-1] in self.eos_ids or kept[-1] in self.sampling.stop_token_ids):
             text_ids = kept[:-1]  # a stop token is reported in ids but not rendered as text
-        text = self.detok.add(text_ids)
+        # stop strings are not matched before min_tokens tokens are out (vLLM): the tokens up to that count go in
+        # unchecked, the rest (and any text a later match straddles) are checked as usual
+        unchecked = max(0, self.sampling.min_tokens - (len(self.output_ids) - len(kept)))
+        text = self.detok.add(text_ids[:unchecked], check_stop=False) if unchecked else ""
+        text += self.detok.add(text_ids[unchecked:])
         if self.detok.stopped:
             reason = "stop"
         if reason is not None:

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from ddtree import spec
+from ddtree.engine.api import MAX_STOP_IDS
 from ddtree.spec.attention import TreeVisibility
 
 NO_WINDOW = 1 << 30  # RowInputs.window of a row that sees its whole context
@@ -46,6 +47,9 @@ class RoundShape:
     # some row asked for log-probs: the verify keeps its logits and the result carries the accepted nodes'
     # log-probs (ddtree.engine.logprobs); every row of such a round pays for them, rounds without pay nothing
     logprobs: bool = False
+    # some row has min_tokens > 0: the verify masks each row's banned ids (RowInputs.banned) at the nodes whose
+    # output index is below its min_tokens; rounds without skip the masking
+    min_tokens: bool = False
 
     @property
     def drafts(self) -> bool:
@@ -67,20 +71,24 @@ class RowInputs:
     top_k: int  # sampling top-k of the target's distribution, 0 = off
     seed: int  # the request's sampling seed
     step: int  # tokens generated so far (the sampling counter)
+    min_tokens: int  # SamplingParams.min_tokens: banned ids are masked at output indices below it (0: never)
     temperature: float  # 0 = greedy
     top_p: float
+    # the ids min_tokens masks (EOS ids unless ignore_eos, stop_token_ids): packed after the long fields as
+    # MAX_STOP_IDS rows, padded with -1 (masks nothing)
+    banned: tuple[int, ...] = ()
 
     @classmethod
     def padding(cls, scratch_slot: int) -> RowInputs:
         """A row that fills a graph's bucket: the KV caches' scratch slot, budget 0, greedy; it never touches a
         live request's cache."""
         return cls(slot=scratch_slot, root_token=0, start=0, budget=0, topk=0, depth_limit=0, window=NO_WINDOW,
-                   top_k=0, seed=0, step=0, temperature=0.0, top_p=1.0)
+                   top_k=0, seed=0, step=0, min_tokens=0, temperature=0.0, top_p=1.0)
 
 
 LONG_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(RowInputs) if f.type in ("int", int))
 FLOAT_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(RowInputs) if f.type in ("float", float))
-assert len(LONG_FIELDS) + len(FLOAT_FIELDS) == len(dataclasses.fields(RowInputs)), "RowInputs: int or float fields"
+assert len(LONG_FIELDS) + len(FLOAT_FIELDS) + 1 == len(dataclasses.fields(RowInputs)), "RowInputs: int or float fields"
 
 
 @dataclass(frozen=True)
@@ -92,9 +100,14 @@ class PackedRows:
 
     @classmethod
     def pack(cls, rows: Sequence[RowInputs]) -> PackedRows:
-        longs = torch.tensor([[getattr(r, f) for f in LONG_FIELDS] for r in rows], dtype=torch.long)
+        for r in rows:
+            if len(r.banned) > MAX_STOP_IDS:
+                raise ValueError(f"RowInputs.banned holds at most {MAX_STOP_IDS} ids, got {len(r.banned)}")
+        longs = torch.tensor([[getattr(r, f) for f in LONG_FIELDS]
+                              + list(r.banned) + [-1] * (MAX_STOP_IDS - len(r.banned)) for r in rows],
+                             dtype=torch.long)
         floats = torch.tensor([[float(getattr(r, f)) for f in FLOAT_FIELDS] for r in rows], dtype=torch.float32)
-        return cls(longs=longs.T.reshape(len(LONG_FIELDS), len(rows)),
+        return cls(longs=longs.T.reshape(len(LONG_FIELDS) + MAX_STOP_IDS, len(rows)),
                    floats=floats.T.reshape(len(FLOAT_FIELDS), len(rows)))
 
     @property
@@ -138,15 +151,18 @@ class RoundInputs:
     top_k: Tensor
     seed: Tensor
     step: Tensor
+    min_tokens: Tensor
     temperature: Tensor
     top_p: Tensor
+    banned: Tensor  # [MAX_STOP_IDS, R] the ids min_tokens masks, -1 = none
 
     @classmethod
     def from_packed(cls, packed: PackedRows, shape: RoundShape) -> RoundInputs:
         """Views of ``packed`` (a graph's static inputs stay views of its buffers, refreshed by one copy each)."""
-        fields = dict(zip(LONG_FIELDS, packed.longs.unbind(0), strict=True))
+        n = len(LONG_FIELDS)
+        fields = dict(zip(LONG_FIELDS, packed.longs[:n].unbind(0), strict=True))
         fields.update(zip(FLOAT_FIELDS, packed.floats.unbind(0), strict=True))
-        return cls(shape=shape, **fields)
+        return cls(shape=shape, banned=packed.longs[n:], **fields)
 
 
 @dataclass

@@ -30,6 +30,7 @@ from torch import Tensor
 from ddtree import spec
 from ddtree.engine.kernels import KernelSet
 from ddtree.engine.logprobs import pack_round_logprobs
+from ddtree.engine.min_tokens import mask_min_tokens
 from ddtree.engine.round import RoundInputs, RoundWork, TreeStage, VerifyStage
 from ddtree.models import DFlashDrafter, KVCache, TargetModel
 from ddtree.spec.attention import TreeVisibility
@@ -230,11 +231,14 @@ class ModelRunner:
             tree=tree.visibility,
             hidden_layers=self._round_feature_layers(inp),
         )
+        depth_steps = inp.step[:, None] + trees.depths  # output index each node's choice would commit
+        logits = out.logits
+        if inp.shape.min_tokens:
+            logits = mask_min_tokens(logits, inp.banned, inp.min_tokens, depth_steps)
         if inp.shape.greedy:
-            choices = out.logits.argmax(dim=-1)
+            choices = logits.argmax(dim=-1)
         else:
-            depth_steps = inp.step[:, None] + trees.depths  # output index each node's draw would commit
-            choices = spec.sample_choices(out.logits, inp.temperature, inp.top_p, inp.top_k, inp.seed, depth_steps,
+            choices = spec.sample_choices(logits, inp.temperature, inp.top_p, inp.top_k, inp.seed, depth_steps,
                                           any_filter=inp.shape.filtered)
         work.verify = VerifyStage(hidden=out.hidden, choices=choices,
                                   logits=out.logits if inp.shape.logprobs else None)
@@ -277,11 +281,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample_first(self, logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, seed: Tensor,
-                     greedy: bool, filtered: bool = True) -> Tensor:
-        """The first completion token of each row from its prefill logits ``[R, V]`` -> ``[R]``."""
+                     greedy: bool, filtered: bool = True, min_tokens: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """The first completion token of each row from its prefill logits ``[R, V]`` -> ``[R]``.
+
+        min_tokens: ``(banned [B, R], min_tokens [R])`` when some row has min_tokens > 0 (its banned ids are masked:
+        the first token is output index 0)."""
+        step = torch.zeros_like(seed)[:, None]  # the first completion token is output index 0
+        if min_tokens is not None:
+            logits = mask_min_tokens(logits[:, None, :], min_tokens[0], min_tokens[1], step)[:, 0]
         if greedy:
             return logits.argmax(dim=-1)
-        step = torch.zeros_like(seed)[:, None]  # the first completion token is output index 0
         return spec.sample_choices(logits[:, None, :], temperature, top_p, top_k, seed, step,
                                    any_filter=filtered)[:, 0]
 

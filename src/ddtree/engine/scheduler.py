@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ddtree.engine.api import MAX_LOGPROBS, StreamChunk, TokenLogprob
+from ddtree.engine.api import MAX_LOGPROBS, MAX_STOP_IDS, StreamChunk, TokenLogprob
 from ddtree.engine.build import EngineParts
 from ddtree.engine.logprobs import device_logprobs, host_entries, unpack_logprobs
 from ddtree.engine.request_state import Phase, RequestState
@@ -236,7 +236,13 @@ class Scheduler:
             finished = [rows[i][0] for i in done]
             temp, top_p, top_k, seed = self._sampling_tensors(finished)
             greedy = all(s.sampling.greedy for s in finished)
-            chosen = self.runner.sample_first(logits[sel], temp, top_p, top_k, seed, greedy, _any_filter(finished))
+            ban = None
+            if any(s.banned_ids for s in finished):  # min_tokens: the first token (output index 0) is masked too
+                ids = [list(s.banned_ids) + [-1] * (MAX_STOP_IDS - len(s.banned_ids)) for s in finished]
+                ban = (torch.tensor(ids, dtype=torch.long).T.contiguous().to(dev),
+                       torch.tensor([s.sampling.min_tokens for s in finished], dtype=torch.long).to(dev))
+            chosen = self.runner.sample_first(logits[sel], temp, top_p, top_k, seed, greedy, _any_filter(finished),
+                                              min_tokens=ban)
             if any(s.sampling.logprobs is not None for s in finished):
                 # the first token's log-probs: the prefill's last logits, in the same host read as the token
                 first, chosen_lp, top_lp, top_ids = to_host(chosen, *device_logprobs(logits[sel], chosen))
@@ -298,7 +304,8 @@ class Scheduler:
                 slot=s.slot, root_token=extra[-1] if extra else s.root_token, start=s.root_position + len(extra),
                 budget=s.budget, topk=s.topk, depth_limit=s.depth_limit, window=s.tree.draft_window or NO_WINDOW,
                 top_k=int(s.sampling.top_k), seed=s.seed, step=len(s.output_ids) + len(extra),
-                temperature=float(s.sampling.temperature), top_p=float(s.sampling.top_p)))
+                min_tokens=s.sampling.min_tokens, temperature=float(s.sampling.temperature),
+                top_p=float(s.sampling.top_p), banned=s.banned_ids))
         reach = max(r.start for r in rows)
         shape = RoundShape(
             rows=len(rows),
@@ -310,6 +317,7 @@ class Scheduler:
             filtered=_any_filter(states),
             contiguous=all(s.tree.method != "ddtree" for s in states),
             logprobs=any(s.sampling.logprobs is not None for s in states),
+            min_tokens=any(s.banned_ids for s in states),
         )
         # One host tensor per dtype: one copy each to the device instead of one per field.
         return self._queue(states, PackedRows.pack(rows), shape)
