@@ -1,6 +1,6 @@
 """A real ``python -m ddtree.server`` on loopback driven by the official ``openai`` SDK through every field the
 field's clients send: batched prompts, ``n``, echo, stop-string inclusion, special tokens, explicit nulls, log-probs
-(completions, echo, chat, streamed), the refusals (``min_tokens``, out-of-range log-probs), the model card,
+(completions, echo, chat, streamed), ``min_tokens``, the refusals (out-of-range log-probs), the model card,
 tokenization, the statistics reset and the metrics.
 
 References are independent of the code under test: the same server's answer to each prompt alone, a sampled
@@ -109,6 +109,32 @@ def test_echo_include_stop_and_special_tokens(sdk):
         assert alone(sdk, PROMPT, max_tokens=12, extra_body={"ignore_eos": True, "skip_special_tokens": skip}) == text
 
 
+def test_min_tokens_holds_stop_strings_and_eos_back(sdk):
+    """min_tokens reaches the engine: a stop string inside the first min_tokens tokens does not end the answer
+    (streamed or not, completions and chat), and with EOS allowed the answer still has at least min_tokens tokens
+    (the engine tests check the masking itself against a full-forward decoder)."""
+    text = alone(sdk, PROMPT, max_tokens=12)
+    stop = text[3:5]
+    assert alone(sdk, PROMPT, max_tokens=12, stop=[stop]) == text[: text.index(stop)]  # without min_tokens: cut
+    held = sdk.completions.create(model="target", prompt=PROMPT, stop=[stop], temperature=0, max_tokens=12,
+                                  extra_body={"ignore_eos": True, "min_tokens": 12})
+    assert held.choices[0].text == text and held.choices[0].finish_reason == "length"
+    streamed = "".join(c.choices[0].text for c in sdk.completions.create(
+        model="target", prompt=PROMPT, stop=[stop], temperature=0, max_tokens=12, stream=True,
+        extra_body={"ignore_eos": True, "min_tokens": 12}) if c.choices)
+    assert streamed == text
+    for prompt in (PROMPT, "x", "def f(x):"):
+        r = sdk.completions.create(model="target", prompt=prompt, temperature=0, max_tokens=20,
+                                   extra_body={"min_tokens": 9})
+        assert r.usage.completion_tokens >= 9
+    chat = sdk.chat.completions.create(model="target", messages=MESSAGES, temperature=0, max_tokens=10,
+                                       extra_body={"ignore_eos": True})
+    content = chat.choices[0].message.content
+    held = sdk.chat.completions.create(model="target", messages=MESSAGES, temperature=0, max_tokens=10,
+                                       stop=[content[2:4]], extra_body={"ignore_eos": True, "min_tokens": 10})
+    assert held.choices[0].message.content == content and held.usage.completion_tokens == 10
+
+
 def test_explicit_nulls_mean_defaults(sdk):
     nulls = {k: None for k in ("temperature", "top_p", "top_k", "n", "stream", "presence_penalty",
                                "frequency_penalty", "repetition_penalty", "stop", "seed", "stream_options",
@@ -126,7 +152,7 @@ def test_explicit_nulls_mean_defaults(sdk):
 @pytest.mark.parametrize(("kwargs", "param"), [
     ({"logprobs": 21}, "logprobs"),
     ({"echo": True, "logprobs": -1}, "logprobs"),
-    ({"extra_body": {"min_tokens": 4}}, "min_tokens"),
+    ({"extra_body": {"min_tokens": 5}}, "min_tokens"),  # above max_tokens (4)
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"best_of": 3}, "best_of"),
     ({"extra_body": {"min_p": 0.2}}, "min_p"),
@@ -183,7 +209,7 @@ def test_chat_n_streamed_and_not(sdk):
 @pytest.mark.parametrize(("kwargs", "param"), [
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"top_logprobs": 3}, "top_logprobs"),
-    ({"extra_body": {"min_tokens": 2}}, "min_tokens"),
+    ({"extra_body": {"min_tokens": 5}}, "min_tokens"),  # above max_tokens (4)
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"tool_choice": "required", "extra_body": {}}, "tool_choice"),
 ], ids=lambda v: str(v) if isinstance(v, str) else None)

@@ -119,7 +119,10 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}", param="top_p")
         _check_int("top_k", self.top_k, 0, None)
         _check_int("max_tokens", self.max_tokens, 1, None)
-        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
+        _check_int("min_tokens", self.min_tokens, 0, None)
+        if self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
+                                      param="min_tokens")
         if len(set(self.stop_token_ids)) > MAX_STOP_IDS and self.min_tokens > 0:
             raise InvalidRequestError(
                 f"min_tokens > 0 allows at most {MAX_STOP_IDS} distinct stop_token_ids (with EOS), "

@@ -75,8 +75,6 @@ _CHAT_NEUTRAL_ONLY: dict[str, tuple[Any, ...]] = {
     "chat_template": (), "documents": (), "continue_final_message": (False,), "add_generation_prompt": (True,),
     "echo": (False,),
 }
-MIN_TOKENS_REFUSAL = ("min_tokens > 0 is not supported: it needs the engine to mask EOS and stop token ids out of "
-                      "the target's distribution for the first min_tokens tokens, which it does not do yet")
 
 
 class StreamOptions(BaseModel):
@@ -149,8 +147,6 @@ class _SamplingBody(BaseModel):
         if self.min_tokens is not None:
             if self.min_tokens < 0:
                 raise InvalidRequestError(f"min_tokens must be >= 0, got {self.min_tokens}", param="min_tokens")
-            if self.min_tokens > 0:
-                raise InvalidRequestError(MIN_TOKENS_REFUSAL, param="min_tokens")
         if self.top_k is not None and self.top_k < -1:
             raise InvalidRequestError(f"top_k must be >= -1 (-1 or 0: no filter), got {self.top_k}", param="top_k")
         if self.keep_special_tokens and self.stop:
@@ -185,6 +181,7 @@ class _SamplingBody(BaseModel):
             stop=stop,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=bool(self.ignore_eos),
+            min_tokens=self.min_tokens or 0,  # the engine masks EOS and stop token ids until this many are out
             logprobs=self.logprobs_asked(),
             prompt_logprobs=self.prompt_logprobs_asked(),
         )
