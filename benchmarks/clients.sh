@@ -8,6 +8,7 @@
 #
 # CLIENTS_VENV: a virtual environment with `pip install lm-eval guidellm aiperf` (kept apart from the project's:
 # the three pin their own torch/transformers). PYTHON: the project's interpreter (default: python on PATH).
+# TOOLS: which of them to run (default "lm_eval guidellm aiperf"; e.g. TOOLS=lm_eval for lm-eval alone).
 # Every step is bounded (timeout) and the server is killed by its process group at exit.
 set -uo pipefail
 
@@ -15,6 +16,8 @@ CLIENTS_VENV=${CLIENTS_VENV:-/tmp/venv-clients}
 PYTHON=${PYTHON:-python}
 PORT=${PORT:-8765}
 REQUESTS=${REQUESTS:-8}
+TOOLS=${TOOLS:-lm_eval guidellm aiperf}
+wanted() { [[ " $TOOLS " == *" $1 "* ]]; }
 OUT=${OUT:-results/clients/$(date +%Y%m%d-%H%M%S)}
 URL="http://127.0.0.1:${PORT}"
 mkdir -p "$OUT/tasks"
@@ -100,26 +103,29 @@ run_tool() {  # name, timeout seconds, command...
   return $rc
 }
 
-if [ -x "$CLIENTS_VENV/bin/lm_eval" ]; then
+if ! wanted lm_eval; then
+  note "lm_eval: not asked for (TOOLS=$TOOLS)"
+elif [ -x "$CLIENTS_VENV/bin/lm_eval" ]; then
   # Default local-completions settings: one prompt per request, sent as a list (the case that used to be a 400).
   run_tool lm_eval_generate 900 env HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 "$CLIENTS_VENV/bin/lm_eval" \
     --model local-completions --include_path "$TASKS" --tasks ddtree_gen \
     --model_args "model=$MODEL,base_url=$URL/v1/completions,num_concurrent=2,max_retries=1,tokenizer_backend=huggingface,tokenizer=$TOKENIZER" \
     --output_path "$OUT/lm_eval_generate"
   grep -E "exact_match" "$OUT/lm_eval_generate.log" | tail -2 | tee -a "$SUMMARY"
-  # Multiple choice needs prompt log-probs (echo + logprobs): refused with a 400 naming logprobs in this version.
+  # Multiple choice needs prompt log-probs (echo + logprobs: the target's own, from the prefill's logits).
   run_tool lm_eval_multiple_choice 600 env HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 "$CLIENTS_VENV/bin/lm_eval" \
     --model local-completions --include_path "$TASKS" --tasks ddtree_mc \
     --model_args "model=$MODEL,base_url=$URL/v1/completions,num_concurrent=1,max_retries=1,tokenizer_backend=huggingface,tokenizer=$TOKENIZER" \
     --output_path "$OUT/lm_eval_mc"
-  grep -oE '"message": ?"[^"]*"|log-probs are not supported[^"]*' "$OUT/lm_eval_multiple_choice.log" | sort -u | head -2 \
-    | tee -a "$SUMMARY"
+  grep -E '\|acc|"message": ?"[^"]*"' "$OUT/lm_eval_multiple_choice.log" | sort -u | head -4 | tee -a "$SUMMARY"
 else
   note "lm_eval: not installed in $CLIENTS_VENV"
 fi
 
 # ------------------------------------------------------------------------------------------------- GuideLLM
-if [ -x "$CLIENTS_VENV/bin/guidellm" ]; then
+if ! wanted guidellm; then
+  note "guidellm: not asked for (TOOLS=$TOOLS)"
+elif [ -x "$CLIENTS_VENV/bin/guidellm" ]; then
   # GuideLLM 0.8's `run` takes kind=... component specs (the older `benchmark --target ...` form is gone).
   run_tool guidellm 900 env HF_HUB_OFFLINE=1 "$CLIENTS_VENV/bin/guidellm" run \
     --backend "kind=openai_http,target=$URL,model=$MODEL" --profile kind=synchronous \
@@ -132,7 +138,9 @@ else
 fi
 
 # --------------------------------------------------------------------------------------------------- AIPerf
-if [ -x "$CLIENTS_VENV/bin/aiperf" ]; then
+if ! wanted aiperf; then
+  note "aiperf: not asked for (TOOLS=$TOOLS)"
+elif [ -x "$CLIENTS_VENV/bin/aiperf" ]; then
   run_tool aiperf 900 env HF_HUB_OFFLINE=1 "$CLIENTS_VENV/bin/aiperf" profile --model "$MODEL" --url "$URL" \
     --endpoint-type completions --streaming --tokenizer "${AIPERF_TOKENIZER:-builtin}" --request-count "$REQUESTS" --concurrency 2 \
     --synthetic-input-tokens-mean 64 --output-tokens-mean 32 --artifact-dir "$OUT/aiperf" --ui-type none
