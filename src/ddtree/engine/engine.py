@@ -195,15 +195,24 @@ class Engine(Scheduler):
         self._enqueue(state)
         return rid
 
-    def stream(self, request: GenerationRequest) -> AsyncIterator[StreamChunk]:
+    def stream(self, request: GenerationRequest, *,
+               on_finished: Callable[[], None] | None = None) -> AsyncIterator[StreamChunk]:
         """Submit now (raising on bad input) and return an async iterator of chunks on the running event loop.
 
-        Closing the iterator early (client disconnect, ``aclose()``) cancels the request and frees its slot."""
+        Closing the iterator early (client disconnect, ``aclose()``) cancels the request and frees its slot.
+        ``on_finished`` runs on the loop when the engine's final chunk (finished, cancelled or failed) arrives, in
+        the same hand-over as that chunk, so nothing on the loop runs between the two (the server's admission
+        releases its slot there)."""
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue[StreamChunk] = asyncio.Queue()
 
-        def deliver(chunk: StreamChunk) -> None:
-            loop.call_soon_threadsafe(chunks.put_nowait, chunk)
+        def on_loop(chunk: StreamChunk) -> None:
+            chunks.put_nowait(chunk)
+            if chunk.finished and on_finished is not None:
+                on_finished()
+
+        def deliver(chunk: StreamChunk) -> None:  # engine thread: one hand-over per chunk
+            loop.call_soon_threadsafe(on_loop, chunk)
 
         rid = self.submit(request, deliver)
 

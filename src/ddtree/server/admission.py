@@ -56,34 +56,9 @@ class Ticket:
         back: a request cancelled by its client holds its slot until the engine has let go of it, so the server
         never hands the engine more than ``max_running`` requests."""
         assert self.admitted and not self.submitted
-        chunks: asyncio.Queue[StreamChunk] = asyncio.Queue()
-        loop = self._loop
-
-        def on_loop(chunk: StreamChunk) -> None:
-            chunks.put_nowait(chunk)
-            if chunk.finished:
-                self._free_slot()
-
-        def deliver(chunk: StreamChunk) -> None:  # engine thread
-            # One hand-over per chunk: with two, the loop could answer the client (and a test's loop close)
-            # between the final chunk and the slot's release.
-            loop.call_soon_threadsafe(on_loop, chunk)
-
-        rid = engine.submit(request, deliver)
+        chunks = engine.stream(request, on_finished=self._free_slot)
         self.submitted = True
-
-        async def iterate() -> AsyncIterator[StreamChunk]:
-            finished = False
-            try:
-                while not finished:
-                    chunk = await chunks.get()
-                    finished = chunk.finished
-                    yield chunk
-            finally:
-                if not finished:
-                    engine.cancel(rid)
-
-        return iterate()
+        return chunks
 
     async def submit_when_room(self, engine: Engine, request: GenerationRequest) -> AsyncIterator[StreamChunk]:
         """:meth:`submit`, retried for up to a second while the engine's inbox still holds messages about
