@@ -91,7 +91,7 @@ def tree_layout(path: list[int], siblings: int, vocab: int, seed: int) -> tuple[
 @torch.inference_mode()
 def compare(target, prompts: list[list[int]], tokens: int, block: int, siblings: int) -> dict:
     """Per prompt: AR logits (T = 1) against chain-shaped and tree-shaped verify logits at every position."""
-    from ddtree.spec import compact_cache
+    from ddtree.speculative import compact_cache
 
     dev = target.device
     max_len = max(len(p) for p in prompts) + tokens + block * (siblings + 1) + 2

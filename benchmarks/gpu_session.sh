@@ -35,7 +35,7 @@ if [ "$part" = kernels ]; then
     pip install -q --no-index --target /tmp/pydeps build/wheels/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/pydeps"
   fi
   timeout 170 python3 -m pytest -q -p no:cacheprovider tests/models/test_fused_ops.py tests/models/test_tree_attention.py \
-    tests/spec/test_vocab_topk.py tests/spec/test_tree_select.py tests/engine/test_engine_kernels.py \
+    tests/speculative/test_vocab_topk.py tests/speculative/test_tree_select.py tests/engine/test_engine_kernels.py \
     >"$OUT/kernel_tests.log" 2>&1
   echo "kernel tests on the GPU: rc=$? $(tail -1 "$OUT/kernel_tests.log") at ${SECONDS}s"
   { timeout 60 python3 benchmarks/tree_ops.py --device cuda --cuda-graph --dtype bfloat16 --rows 1 8 32 64 \

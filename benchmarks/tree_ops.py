@@ -10,7 +10,7 @@ For every (requests R, budget B) cell: random float logits [R, L, V] (L = 15, V 
 target choices, a few warm-up runs, then the median (and min/max) of timed runs; CUDA runs are timed with CUDA
 events around the whole build + walk, and build alone is timed the same way. ``--cuda-graph`` captures build + walk
 in one CUDA graph and times replays (how the engine runs a round). On CUDA build_trees takes its vocabulary pass
-from the fused Triton top-k + logsumexp kernel (``build_trees(..., fast_topk=True)``, ``ddtree.spec.vocab_topk``);
+from the fused Triton top-k + logsumexp kernel (``build_trees(..., fast_topk=True)``, ``ddtree.speculative.vocab_topk``);
 ``--no-triton`` times every cell a second time with ``fast_topk=False`` (the torch path) and prints both. ``--count-ops`` counts, per build and
 per walk, the aten ops that run (views excluded; on CUDA the GPU kernels launched, Triton ones included, from the
 profiler). Prints a markdown table and writes JSON with the environment. Runs on torch >= 2.4 (no newer APIs), CPU
@@ -33,7 +33,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ddtree import triton_runtime
-from ddtree.spec import build_trees, vocab_topk, walk_trees
+from ddtree.speculative import build_trees, vocab_topk, walk_trees
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -1,5 +1,5 @@
 """Time the vocabulary pass of tree building on a GPU: the Triton top-k + logsumexp kernel (each first-stage
-strategy of ``ddtree.spec.vocab_topk``) against the torch path ``depth_candidates`` falls back to (topk, two
+strategy of ``ddtree.speculative.vocab_topk``) against the torch path ``depth_candidates`` falls back to (topk, two
 re-ranking sorts, logsumexp). Median ms of CUDA graph replays; bf16 logits, V = 151936 (Qwen) by default.
 
     python benchmarks/vocab_topk.py            # every strategy with its defaults, the standard shapes
@@ -17,7 +17,7 @@ import math
 import torch
 
 from ddtree.engine.cuda_graphs import warm_up
-from ddtree.spec import vocab_topk
+from ddtree.speculative import vocab_topk
 
 SHAPES = ((15, 8), (15, 16), (15, 64), (15, 512), (960, 8), (960, 16), (960, 64))
 

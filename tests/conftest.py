@@ -189,7 +189,7 @@ class OracleDrafter(torch.nn.Module):
     @torch.inference_mode()
     def draft_logits(self, target, root_tokens, ctx_len, cache, slots, block_size, *, block_len=None, window=None,
                      kv_len=None, tree_kernel=False):
-        from ddtree import spec
+        from ddtree import speculative
 
         r = root_tokens.shape[0]
         tok = root_tokens.clone()
@@ -198,7 +198,7 @@ class OracleDrafter(torch.nn.Module):
         for d in range(block_size - 1):
             pos = (ctx_len + d)[:, None]
             vis = torch.ones((r, 1, 1), dtype=torch.bool)
-            mask = spec.build_attention_mask(ctx_len + d, pos, vis, int((ctx_len + d).max()) + 1)
+            mask = speculative.build_attention_mask(ctx_len + d, pos, vis, int((ctx_len + d).max()) + 1)
             # the rollout's own earlier tokens (positions ctx_len .. ctx_len + d - 1) are visible via prefix_len
             logits = target(tok[:, None], pos, self.target_cache, slots, pos, mask).logits[:, 0]
             noisy = logits + self.noise * torch.randn(logits.shape, generator=gen)

@@ -1,6 +1,6 @@
 """ddtree: lossless tree speculative decoding with DFlash block-diffusion drafters, and the lab that tunes it.
 
-Parts (each a subpackage): ``spec`` (trees, verification, KV compaction as batched tensor ops), ``models``
+Parts (each a subpackage): ``speculative`` (trees, verification, KV compaction as batched tensor ops), ``models``
 (targets and DFlash drafters loaded from real checkpoints), ``engine`` (continuous batching of AR, DFlash-chain
 and DDTree requests), ``server`` (OpenAI-compatible HTTP), ``lab`` (bench, coding gate, sweeps, reports, replay)
 and ``train`` (the embedded demo pair's training code).

@@ -1,7 +1,7 @@
 """The one place that imports Triton and decides whether a Triton kernel can run on a given tensor.
 
 Why: ddtree's kernels (:mod:`ddtree.models.fused_ops`, :mod:`ddtree.models.tree_attention`,
-:mod:`ddtree.spec.vocab_topk`) are optional speed-ups with torch fallbacks. Whether to *use* them is the caller's
+:mod:`ddtree.speculative.vocab_topk`) are optional speed-ups with torch fallbacks. Whether to *use* them is the caller's
 explicit choice (``fuse_projections(..., kernels=)``, a target forward given ``attn_mask=None``,
 ``build_trees(..., fast_topk=)``); this module only answers whether they *can* run, the same way for all three,
 so no kernel module reads settings of its own.

@@ -23,7 +23,7 @@ from ddtree.models import (
     load_tokenizer,
     tree_attention,
 )
-from ddtree.spec import compaction, tree_select, vocab_topk, walk
+from ddtree.speculative import compaction, tree_select, vocab_topk, walk
 
 pytestmark = [
     pytest.mark.slow,

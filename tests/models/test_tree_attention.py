@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 
 from model_helpers import random_target, rel_err  # noqa: E402
 
-from ddtree import spec, triton_runtime  # noqa: E402
+from ddtree import speculative, triton_runtime  # noqa: E402
 from ddtree.errors import ConfigError  # noqa: E402
 from ddtree.models import tree_attention as ta  # noqa: E402
 from ddtree.models.layers import masked_attention  # noqa: E402
@@ -42,7 +42,7 @@ def kernel_on(triton_kernels_on_cpu):
 def dense_reference(q, k_cache, v_cache, slots, start, new_vis, kv_len):
     """masked_attention over the gathered slots under build_attention_mask (the target's dense path)."""
     t = q.shape[2]
-    mask = spec.build_attention_mask(start, spec.tree_write_positions(start, t), new_vis, kv_len)
+    mask = speculative.build_attention_mask(start, speculative.tree_write_positions(start, t), new_vis, kv_len)
     k_all = k_cache[slots, :, :kv_len].to(q.dtype)
     v_all = v_cache[slots, :, :kv_len].to(q.dtype)
     return masked_attention(q, k_all, v_all, mask[:, None])
@@ -92,7 +92,7 @@ def random_parent_visibility(rows: int, n: int, gen: torch.Generator) -> torch.T
 def draft_tree_visibility(rows: int, n: int, gen: torch.Generator) -> torch.Tensor:
     """Visibility of real DDTree trees built from random drafter logits (some nodes may stay invalid)."""
     logits = 3 * torch.randn(rows, 3, 6, generator=gen)
-    trees = spec.build_trees(logits, torch.randint(0, n, (rows,), generator=gen), max_budget=n - 1)
+    trees = speculative.build_trees(logits, torch.randint(0, n, (rows,), generator=gen), max_budget=n - 1)
     return trees.visibility
 
 
@@ -117,7 +117,7 @@ def make_case(*, rows=3, heads=4, kv_heads=2, t=5, d=64, kv_len=40, max_len=48, 
     elif vis == "parents":
         new_vis = random_parent_visibility(rows, t, gen)
     elif vis == "causal":
-        new_vis = spec.causal_visibility(t, torch.randint(1, t + 1, (rows,), generator=gen))
+        new_vis = speculative.causal_visibility(t, torch.randint(1, t + 1, (rows,), generator=gen))
     else:  # any boolean pattern, not even a tree: the rule must hold for it too
         new_vis = torch.rand(rows, t, t, generator=gen) < 0.5
     to = dict(device=DEVICE)
@@ -404,12 +404,12 @@ def _verify_pair(model, cache, prompt_len: int, start: torch.Tensor, new_vis: to
     slots = torch.arange(rows)
     prompt = torch.randint(0, model.config.vocab_size, (rows, prompt_len), generator=gen)
     pos = torch.arange(prompt_len).expand(rows, -1)
-    model(prompt, pos, cache, slots, pos, spec.build_attention_mask(torch.zeros(rows, dtype=torch.long), pos,
-                                                                     spec.causal_visibility(prompt_len, start),
+    model(prompt, pos, cache, slots, pos, speculative.build_attention_mask(torch.zeros(rows, dtype=torch.long), pos,
+                                                                     speculative.causal_visibility(prompt_len, start),
                                                                      kv_len))
     ids = torch.randint(0, model.config.vocab_size, (rows, n), generator=gen)
     depths = new_vis.sum(-1) - 1
-    return slots, ids, spec.tree_positions(start, depths), spec.tree_write_positions(start, n)
+    return slots, ids, speculative.tree_positions(start, depths), speculative.tree_write_positions(start, n)
 
 
 def count_kernel_calls(monkeypatch) -> list[int]:
@@ -432,7 +432,7 @@ def test_target_forward_with_tree_equals_dense_mask(monkeypatch):
     kernel_cache.k.copy_(dense_cache.k)
     kernel_cache.v.copy_(dense_cache.v)
 
-    mask = spec.build_attention_mask(start, write_pos, new_vis, kv_len)
+    mask = speculative.build_attention_mask(start, write_pos, new_vis, kv_len)
     calls = count_kernel_calls(monkeypatch)
     dense = model(ids, positions, dense_cache, slots, write_pos, mask, tree=TreeVisibility(start, new_vis, kv_len),
                   hidden_layers=(0, 1))
@@ -482,7 +482,7 @@ def test_target_forward_with_tree_builds_the_mask_when_the_kernel_cannot_run(mon
     new_vis = random_parent_visibility(1, n, torch.Generator().manual_seed(4))
     cache = model.allocate_cache(1, 16)
     slots, ids, positions, write_pos = _verify_pair(model, cache, 5, start, new_vis, kv_len)
-    mask = spec.build_attention_mask(start, write_pos, new_vis, kv_len)
+    mask = speculative.build_attention_mask(start, write_pos, new_vis, kv_len)
     dense = model(ids, positions, cache, slots, write_pos, mask)
     calls = count_kernel_calls(monkeypatch)
     with triton_runtime.cpu_interpreter(False):

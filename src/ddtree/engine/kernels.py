@@ -24,10 +24,10 @@ class KernelSet:
     fused_ops: bool  # RMSNorm, residual + RMSNorm, q/k norm + RoPE, SiLU x up in fused layers (models.fused_ops)
     tree_attention: bool  # the verify's and prefill's attention through models.tree_attention (no dense mask)
     draft_attention: bool  # the drafter's block attention through the same kernel
-    vocab_topk: bool  # tree building's vocabulary pass: top-k + logsumexp (spec.vocab_topk)
-    tree_select: bool  # tree building's node selection (spec.tree_select)
-    walk: bool  # the verification walk (spec.walk)
-    compaction: bool  # the accepted K/V compaction (spec.compaction)
+    vocab_topk: bool  # tree building's vocabulary pass: top-k + logsumexp (speculative.vocab_topk)
+    tree_select: bool  # tree building's node selection (speculative.tree_select)
+    walk: bool  # the verification walk (speculative.walk)
+    compaction: bool  # the accepted K/V compaction (speculative.compaction)
 
     @classmethod
     def torch(cls) -> KernelSet:

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ddtree import spec
+from ddtree import speculative
 from ddtree.engine.api import MAX_STOP_IDS
-from ddtree.spec.attention import TreeVisibility
+from ddtree.speculative.attention import TreeVisibility
 
 NO_WINDOW = 1 << 30  # RowInputs.window of a row that sees its whole context
 
@@ -169,7 +169,7 @@ class RoundInputs:
 class TreeStage:
     """The tree stage's output: the trees and where their nodes sit."""
 
-    trees: spec.Trees
+    trees: speculative.Trees
     positions: Tensor  # [R, N] RoPE positions (start + depth)
     write_pos: Tensor  # [R, N] cache indices the verify writes (start + i)
     visibility: TreeVisibility  # prefix + ancestors, what the tree-attention kernel reads

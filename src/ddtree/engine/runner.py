@@ -3,12 +3,12 @@
 One round for R requests (rows) that may each use a different method, budget, top-k, block size and window::
 
     draft   drafter.draft_logits         [R] roots            -> [R, L, V]   (L = batch max block size - 1)
-    tree    spec.build_trees             [R, L, V]            -> Trees, N = batch max budget + 1 nodes
-            spec.tree_positions / build_attention_mask        -> positions [R, N], mask [R, N, kv_len]
+    tree    speculative.build_trees             [R, L, V]            -> Trees, N = batch max budget + 1 nodes
+            speculative.tree_positions / build_attention_mask        -> positions [R, N], mask [R, N, kv_len]
     verify  target.forward (tree tokens, ancestor visibility) -> logits [R, N, V], features [R, N, F]
-            argmax or spec.sample_choices                     -> choices [R, N]
-    commit  spec.walk_trees                                   -> path [R, L + 1], num_accepted [R]
-            spec.compact_cache (target K and V)                  accepted nodes -> start .. start + n - 1
+            argmax or speculative.sample_choices                     -> choices [R, N]
+    commit  speculative.walk_trees                                   -> path [R, L + 1], num_accepted [R]
+            speculative.compact_cache (target K and V)                  accepted nodes -> start .. start + n - 1
             drafter.append_context (features of accepted nodes)  drafter context grows by n
     host    to_host(result)                                   [R, 2 + L]: the one place results cross to the host
 
@@ -27,13 +27,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ddtree import spec
+from ddtree import speculative
 from ddtree.engine.kernels import KernelSet
 from ddtree.engine.logprobs import pack_round_logprobs
 from ddtree.engine.min_tokens import mask_min_tokens
 from ddtree.engine.round import RoundInputs, RoundWork, TreeStage, VerifyStage
 from ddtree.models import DFlashDrafter, KVCache, TargetModel
-from ddtree.spec.attention import TreeVisibility
+from ddtree.speculative.attention import TreeVisibility
 
 __all__ = ["HostCopy", "ModelRunner", "PrefillInputs", "RoundInputs", "StageTimer", "root_only_trees", "to_host"]
 
@@ -78,11 +78,11 @@ class StageTimer:
         return out
 
 
-def root_only_trees(root_tokens: Tensor) -> spec.Trees:
+def root_only_trees(root_tokens: Tensor) -> speculative.Trees:
     """The tree of an AR round: the root alone (N = 1)."""
     r = root_tokens.shape[0]
     dev = root_tokens.device
-    return spec.Trees(
+    return speculative.Trees(
         tokens=root_tokens.view(r, 1),
         parents=torch.full((r, 1), -1, dtype=torch.long, device=dev),
         depths=torch.zeros((r, 1), dtype=torch.long, device=dev),
@@ -136,11 +136,11 @@ class ModelRunner:
         asked: the output projection then runs over every token) ``[R, T, V]``, the logits at every column."""
         r, t = inp.ids.shape
         positions = inp.start[:, None] + torch.arange(t, device=self.device)
-        visibility = spec.causal_visibility(t, inp.valid_len)
+        visibility = speculative.causal_visibility(t, inp.valid_len)
         # The tree kernel takes a causal chunk as a tree whose every node sees the ones before it (and skips the
         # keys after a query tile's last token); the dense path gets its mask.
         tree = TreeVisibility(inp.start, visibility, inp.kv_len)
-        mask = None if self.kernels.tree_attention else spec.build_attention_mask(inp.start, positions, visibility, inp.kv_len)
+        mask = None if self.kernels.tree_attention else speculative.build_attention_mask(inp.start, positions, visibility, inp.kv_len)
         out = self.target(
             inp.ids,
             positions,
@@ -193,7 +193,7 @@ class ModelRunner:
     def stage_tree(self, inp: RoundInputs, work: RoundWork) -> None:
         shape = inp.shape
         if work.draft_logits is not None:
-            trees = spec.build_trees(
+            trees = speculative.build_trees(
                 work.draft_logits,
                 inp.budget,
                 inp.topk,
@@ -206,15 +206,15 @@ class ModelRunner:
         else:
             trees = root_only_trees(inp.root_token)
         n = trees.tokens.shape[1]
-        write_pos = spec.tree_write_positions(inp.start, n)
+        write_pos = speculative.tree_write_positions(inp.start, n)
         # With KernelSet.tree_attention the verify attends through the Triton tree kernel, which reads (start,
         # visibility) directly; the dense path needs the [R, N, kv_len] mask.
         work.tree = TreeStage(
             trees=trees,
-            positions=spec.tree_positions(inp.start, trees.depths),
+            positions=speculative.tree_positions(inp.start, trees.depths),
             write_pos=write_pos,
             visibility=TreeVisibility(inp.start, trees.visibility, shape.kv_len),
-            mask=None if self.kernels.tree_attention else spec.build_attention_mask(inp.start, write_pos, trees.visibility,
+            mask=None if self.kernels.tree_attention else speculative.build_attention_mask(inp.start, write_pos, trees.visibility,
                                                                          shape.kv_len),
         )
 
@@ -238,16 +238,16 @@ class ModelRunner:
         if inp.shape.greedy:
             choices = logits.argmax(dim=-1)
         else:
-            choices = spec.sample_choices(logits, inp.temperature, inp.top_p, inp.top_k, inp.seed, depth_steps,
+            choices = speculative.sample_choices(logits, inp.temperature, inp.top_p, inp.top_k, inp.seed, depth_steps,
                                           any_filter=inp.shape.filtered)
         work.verify = VerifyStage(hidden=out.hidden, choices=choices,
                                   logits=out.logits if inp.shape.logprobs else None)
 
     def stage_commit(self, inp: RoundInputs, work: RoundWork) -> None:
         max_depth = inp.shape.block_size - 1 if work.draft_logits is not None else 0
-        walk = spec.walk_trees(work.tree.trees, work.verify.choices, max_depth, kernel=self.kernels.walk)
+        walk = speculative.walk_trees(work.tree.trees, work.verify.choices, max_depth, kernel=self.kernels.walk)
         for cache in (self.target_cache.k, self.target_cache.v):
-            spec.compact_cache(cache, inp.slot, inp.start, walk.path, contiguous=inp.shape.contiguous,
+            speculative.compact_cache(cache, inp.slot, inp.start, walk.path, contiguous=inp.shape.contiguous,
                                kernel=self.kernels.compaction)
         hidden = work.verify.hidden  # [R, N, F]
         if hidden is not None:
@@ -291,7 +291,7 @@ class ModelRunner:
             logits = mask_min_tokens(logits[:, None, :], min_tokens[0], min_tokens[1], step)[:, 0]
         if greedy:
             return logits.argmax(dim=-1)
-        return spec.sample_choices(logits[:, None, :], temperature, top_p, top_k, seed, step,
+        return speculative.sample_choices(logits[:, None, :], temperature, top_p, top_k, seed, step,
                                    any_filter=filtered)[:, 0]
 
 

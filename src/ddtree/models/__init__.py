@@ -11,7 +11,7 @@ from ddtree.models.layers import fuse_projections
 from ddtree.models.loading import load_drafter, load_target, resolve_checkpoint, save_drafter, save_target
 from ddtree.models.target import TargetModel, TargetOutput
 from ddtree.models.tokenizer import load_tokenizer
-from ddtree.spec.attention import TreeVisibility
+from ddtree.speculative.attention import TreeVisibility
 
 __all__ = [
     "DFlashDrafter",

@@ -38,7 +38,7 @@ from ddtree.models.gemm_backend import blas_for_rows
 from ddtree.models.kv_cache import KVCache
 from ddtree.models.layers import DecoderLayer, RMSNorm, Rotary, masked_attention
 from ddtree.models.tree_attention import TreeVisibility
-from ddtree.spec.attention import build_attention_mask
+from ddtree.speculative.attention import build_attention_mask
 from ddtree.triton_runtime import can_run
 
 

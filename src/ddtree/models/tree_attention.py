@@ -12,7 +12,7 @@ T        new tokens per row (tree nodes, a chain block, a prompt chunk); new tok
 new_vis  [R, T, T] bool: new token t sees new token t' (a tree's ancestor visibility, or causal for chunks).
 G        query heads per KV head (grouped-query attention); query head h reads KV head ``h // G``.
 
-Visibility rule (identical to :func:`ddtree.spec.build_attention_mask` with ``prefix_len = start`` and
+Visibility rule (identical to :func:`ddtree.speculative.build_attention_mask` with ``prefix_len = start`` and
 ``write_pos = start + arange(T)``): key p is visible to query t of row r iff ``p < start[r]`` (the committed
 prefix), or ``p = start[r] + t'`` with ``new_vis[r, t, t']`` or ``t' == t`` (every query sees its own slot, so
 padding queries never have an empty softmax). Keys at or past ``start[r] + T`` are never visible.
@@ -51,8 +51,8 @@ from torch import Tensor
 
 from ddtree.errors import ConfigError
 
-# The visibility contract lives with the core (ddtree.spec.attention); re-exported here for callers of the kernel.
-from ddtree.spec.attention import PackedVisibility, TreeVisibility, pack_visibility  # noqa: F401
+# The visibility contract lives with the core (ddtree.speculative.attention); re-exported here for callers of the kernel.
+from ddtree.speculative.attention import PackedVisibility, TreeVisibility, pack_visibility  # noqa: F401
 from ddtree.triton_runtime import INTERPRETED, tl, triton
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)

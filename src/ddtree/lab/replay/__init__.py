@@ -2,7 +2,7 @@
 
 :func:`record_trace` runs the target's greedy continuation and records the drafter's per-depth marginals at every
 position a round could start from; :func:`predict` rebuilds the trees the engine would build there with
-``ddtree.spec`` and walks them along the continuation. See :mod:`ddtree.lab.replay.trace` for the format.
+``ddtree.speculative`` and walks them along the continuation. See :mod:`ddtree.lab.replay.trace` for the format.
 """
 
 from ddtree.lab.replay.predict import Prediction, Setting, predict, settings_grid

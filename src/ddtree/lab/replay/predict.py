@@ -2,8 +2,8 @@
 
 For every anchor the recorded top-M log-probs are spread back over the vocabulary (the unrecorded tokens share the
 remaining probability mass evenly, each no likelier than the M-th token, so they can never enter a tree of budget
-<= M and the log-normaliser is unchanged), the engine's own :func:`ddtree.spec.build_trees` builds the tree, and
-:func:`ddtree.spec.walk_trees` walks it with the target's choices, which under greedy decoding are simply the
+<= M and the log-normaliser is unchanged), the engine's own :func:`ddtree.speculative.build_trees` builds the tree, and
+:func:`ddtree.speculative.walk_trees` walks it with the target's choices, which under greedy decoding are simply the
 recorded continuation's next tokens (``choice(node at depth d) = t_{j + d + 1}``; nodes off the true path are never
 accepted, so their choices do not matter). Then each sequence is replayed round by round, exactly as the engine
 commits: start after the prefill's token t_1, commit ``num_accepted`` tokens per round, stop at ``max_tokens``.
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ddtree import spec
+from ddtree import speculative
 from ddtree.errors import ConfigError
 from ddtree.lab.replay.trace import Trace
 
@@ -131,9 +131,9 @@ def accepted_per_anchor(trace: Trace, settings: Sequence[Setting]) -> dict[Setti
                 budget, topk = depth, 1
             else:
                 budget, topk = s.budget, s.topk
-            trees = spec.build_trees(dense, budget, topk, max_budget=budget, root_tokens=roots)
+            trees = speculative.build_trees(dense, budget, topk, max_budget=budget, root_tokens=roots)
             choices = torch.gather(nxt[rows], 1, trees.depths)  # [C, N]: t_{j + depth + 1}
-            walk = spec.walk_trees(trees, choices, depth)
+            walk = speculative.walk_trees(trees, choices, depth)
             out[s][rows] = walk.num_accepted
     return out
 

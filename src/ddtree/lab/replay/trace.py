@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from ddtree import spec
+from ddtree import speculative
 from ddtree.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -180,10 +180,10 @@ def _drafter_marginals(
     dcache = drafter.allocate_cache(1, n + 1)
     x = torch.tensor([ids], device=device)
     positions = torch.arange(n, device=device)[None]
-    mask = spec.build_attention_mask(
+    mask = speculative.build_attention_mask(
         torch.zeros(1, dtype=torch.long, device=device),
         positions,
-        spec.causal_visibility(n, torch.tensor([n], device=device)),
+        speculative.causal_visibility(n, torch.tensor([n], device=device)),
         n,
     )
     out = target(x, positions, tcache, slot0, positions, mask, logits_at=x.new_zeros((1, 0)),

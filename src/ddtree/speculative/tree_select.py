@@ -1,6 +1,6 @@
-"""DDTree's node selection (steps 2-3 of :mod:`ddtree.spec.tree`) as one Triton program per request.
+"""DDTree's node selection (steps 2-3 of :mod:`ddtree.speculative.tree`) as one Triton program per request.
 
-Why: the torch loop of :func:`ddtree.spec.tree.build_trees` launches a sort, a gather and a slice per depth and a
+Why: the torch loop of :func:`ddtree.speculative.tree.build_trees` launches a sort, a gather and a slice per depth and a
 final sort over all depths, about 120 small kernels for L = 15; on an H200 under a CUDA graph, build + walk at one
 request cost 0.32 ms at B = 8 and 0.80 ms at B = 512, mostly that loop. Here one launch does the whole selection,
 and its work follows the tree that comes out rather than L * B.
@@ -8,7 +8,7 @@ and its work follows the tree that comes out rather than L * B.
 Algorithm (one program per request r, with b = min(budget[r], max_budget) and the draft depths up to its limit)
 ------------------------------------------------------------------------------------------------------------
 The program keeps ``best``: the b best prefixes of depths 1..d found so far, in the order of
-:mod:`ddtree.spec.tree` (score desc, depth asc, rank path lexicographic), as sorted int64 keys in registers.
+:mod:`ddtree.speculative.tree` (score desc, depth asc, rank path lexicographic), as sorted int64 keys in registers.
 Let ``g`` be the score of its b-th entry (-inf while it holds fewer). For depth d + 1:
 
 * A depth-(d+1) prefix can only reach the final tree if its score is **strictly** above ``g``: ``best`` already
@@ -35,7 +35,7 @@ depth 2, where the threshold is still the b-th depth-1 token), fewer deeper as t
 
 Keys
 ----
-``ordered_bits(score) << 32 | tie``, the encoding of :mod:`ddtree.spec.vocab_topk` (``ordered_keys``), with
+``ordered_bits(score) << 32 | tie``, the encoding of :mod:`ddtree.speculative.vocab_topk` (``ordered_keys``), with
 ``tie = (DMAX - depth) << 2*IB | (IMAX - a) << IB | (IMAX - c)`` below 2^31, IB = log2(b_pad): (a, c) = (parent
 rank i, token rank j) for a depth's fresh candidates, (k, IMAX) once ranked (comparisons between two keys of one
 depth always see the same form). Distinct prefixes get distinct keys, so no sort needs to be stable.
@@ -156,7 +156,7 @@ def select_nodes(
 
 
 if triton is not None:
-    from ddtree.spec.vocab_topk import ordered_keys
+    from ddtree.speculative.vocab_topk import ordered_keys
 
     _NONE = tl.constexpr(-(2**63))  # an empty slot of `best`: below every real key
 

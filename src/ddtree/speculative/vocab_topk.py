@@ -10,7 +10,7 @@ Order and ties
 Every element becomes one distinct int64 key, ``ordered_bits(value) << 32 | (2**31 - 1 - token_id)``, where
 ``ordered_bits`` maps a float32 to an int32 with the same order. A larger key is a larger value, or an equal value
 and a smaller token id, so selecting the k largest keys and sorting them descending gives the canonical candidate
-order of :mod:`ddtree.spec.tree` (log-prob desc, token id asc) with no re-ranking sort; when more than k tokens tie
+order of :mod:`ddtree.speculative.tree` (log-prob desc, token id asc) with no re-ranking sort; when more than k tokens tie
 at the k-th value the lowest ids enter. -0.0 is read as +0.0 (the two compare equal). Logits must not hold NaN or
 +inf (a drafter never emits them); -inf entries and all -inf rows are fine (their logsumexp is -inf).
 
@@ -100,7 +100,7 @@ MAX_VOCAB = 2**30  # token ids and chunk offsets stay far from int32 overflow
 
 
 def kernel_takes(rows: int, k: int) -> bool:
-    """Whether :func:`ddtree.spec.tree.depth_candidates` should use this kernel for ``rows`` rows of top ``k``
+    """Whether :func:`ddtree.speculative.tree.depth_candidates` should use this kernel for ``rows`` rows of top ``k``
     (host ints: graph capturable). The H200 measurements behind the limits are at :data:`FAST_MAX_K`."""
     return k <= FAST_MAX_K and (k <= RUNNING_MAX_K or rows * k <= FAST_MAX_WORK)
 
@@ -267,7 +267,7 @@ if triton is not None:
     def ordered_keys(x, ids):
         """int64 keys, larger = (value larger, or equal and id smaller); x float32 (no NaN), ids int32 < 2**31.
 
-        Public: :mod:`ddtree.spec.tree_select` builds its prefix keys with it (the same order, one encoding)."""
+        Public: :mod:`ddtree.speculative.tree_select` builds its prefix keys with it (the same order, one encoding)."""
         x = tl.where(x == 0.0, 0.0, x)  # -0.0 == +0.0: give both the same key bits
         bits = x.to(tl.int32, bitcast=True)
         ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: flip magnitude bits, order as signed int

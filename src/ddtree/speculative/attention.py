@@ -7,7 +7,7 @@ write_pos  [R, T] cache index where each new token's K/V is written (tree node i
 position   [R, T] RoPE position of each new token (tree node i: ``start + depth_i``; never the flat index).
 prefix_len [R] committed cache positions 0 .. prefix_len - 1, visible to every new token.
 
-For the example tree of :mod:`ddtree.spec.tree` with start = 7 and prefix_len = 7, node 4 (prefix "b c") is
+For the example tree of :mod:`ddtree.speculative.tree` with start = 7 and prefix_len = 7, node 4 (prefix "b c") is
 written at cache index 11, has RoPE position 9, and sees keys 0..6 (the prefix), 7 (root) and 10 (node 3, "b").
 
 ``build_attention_mask`` returns a boolean ``[R, T, kv_len]`` mask (True = may attend), the form SDPA takes;

@@ -6,7 +6,7 @@ import pytest
 import torch
 from spec_oracles import DEVICE, KERNEL, compact_reference
 
-from ddtree.spec import build_trees, compact_cache, walk_trees
+from ddtree.speculative import build_trees, compact_cache, walk_trees
 
 
 @pytest.mark.parametrize("kernel", KERNEL, indirect=True)

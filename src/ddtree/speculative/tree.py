@@ -40,7 +40,7 @@ Algorithm (all requests at once, a static loop over the L depths)
 3. Scores accumulate in float32 in depth order: ``score(child) = score(parent) + log q_d(token)``.
 
 With ``fast_topk`` and a tensor a Triton kernel can run on (CUDA; budgets up to ``tree_select.MAX_BUDGET``), steps
-2-3 are one launch of :func:`ddtree.spec.tree_select.select_nodes` instead of a sort per depth: per request it
+2-3 are one launch of :func:`ddtree.speculative.tree_select.select_nodes` instead of a sort per depth: per request it
 merges each depth's candidates into a running best-B list, keeping only those that beat its B-th entry, so its
 work follows the tree rather than L * B. It selects the same nodes, scores and order as this loop, which stays the
 default and the reference.
@@ -67,7 +67,7 @@ import torch
 from torch import Tensor
 
 from ddtree.errors import ConfigError
-from ddtree.spec import tree_select, vocab_topk
+from ddtree.speculative import tree_select, vocab_topk
 
 
 class Trees(NamedTuple):
@@ -157,8 +157,8 @@ def depth_candidates(draft_logits: Tensor, width: int, fast_topk: bool = False) 
 
     draft_logits: [R, L, V] logits or log-probs. Returns (log_probs [R, L, width] float32, tokens [R, L, width]).
     The only work proportional to V. With ``fast_topk``, a width and row count the kernel is faster for
-    (:func:`ddtree.spec.vocab_topk.kernel_takes`: up to ``FAST_MAX_K``, wide lists only for few rows) and a tensor
-    it can read (:func:`ddtree.spec.vocab_topk.available`: CUDA), one Triton pass over each row gives the top
+    (:func:`ddtree.speculative.vocab_topk.kernel_takes`: up to ``FAST_MAX_K``, wide lists only for few rows) and a tensor
+    it can read (:func:`ddtree.speculative.vocab_topk.available`: CUDA), one Triton pass over each row gives the top
     ``width`` already in canonical order and the float32 logsumexp; otherwise (the default and the reference,
     wider candidate lists, CPU) ``torch.topk``, two re-ranking sorts and ``torch.logsumexp``. Both give the same
     tokens in the same order; log-probs agree to float32 rounding of the normaliser.
@@ -229,7 +229,7 @@ def build_trees(
     root_tokens: [R] long token of node 0 (the last committed token).
     fast_topk: take each depth's candidates from the fused Triton top-k + logsumexp kernel where it can run
         (see :func:`depth_candidates`) and select the nodes with the Triton kernel of
-        :mod:`ddtree.spec.tree_select` (step 2-3 above). The same candidates and nodes either way; scores differ
+        :mod:`ddtree.speculative.tree_select` (step 2-3 above). The same candidates and nodes either way; scores differ
         only by the float32 rounding of the normaliser.
     fast_select: the node selection's own choice (the engine passes ``KernelSet.vocab_topk`` and
         ``KernelSet.tree_select``); None = as ``fast_topk``.

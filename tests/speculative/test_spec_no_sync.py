@@ -18,8 +18,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import ddtree.spec as spec
-from ddtree.spec import attention, compaction, sampling, tree, walk
+import ddtree.speculative as spec
+from ddtree.speculative import attention, compaction, sampling, tree, walk
 
 
 def _round(logits, target_logits, budget, topk, depth_limit, root, cache, slots, start, seed, step):

@@ -19,7 +19,7 @@ from spec_oracles import best_prefixes, log_probs, random_tree_batch, tree_prefi
 
 from ddtree import triton_runtime
 from ddtree.errors import ConfigError
-from ddtree.spec import Trees, build_trees, tree, tree_select
+from ddtree.speculative import Trees, build_trees, tree, tree_select
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

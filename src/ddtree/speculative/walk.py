@@ -2,7 +2,7 @@
 
 Terms
 -----
-choice     the target's token at a node: argmax (greedy) or a sample (see :mod:`ddtree.spec.sampling`) of its
+choice     the target's token at a node: argmax (greedy) or a sample (see :mod:`ddtree.speculative.sampling`) of its
            next-token distribution given the node's prefix.
 accepted   the root, and every node whose token equals its parent's choice while the parent is accepted.
 bonus      the choice at the deepest accepted node: the one token the target adds beyond the tree.
@@ -12,7 +12,7 @@ Siblings carry distinct tokens (``build_trees`` guarantees it), so the accepted 
 
 Instead of stepping down the tree (L dependent gathers), every node is judged at once: node i is accepted iff it
 is valid and every node on its ancestor path (``visibility`` row i, root excluded) matches its parent's choice.
-For the example tree of :mod:`ddtree.spec.tree` (root, a, ac, b, bc) and choices root->a, a->d: node 1 (a)
+For the example tree of :mod:`ddtree.speculative.tree` (root, a, ac, b, bc) and choices root->a, a->d: node 1 (a)
 matches, node 2 (ac) fails (a chose d), so path = [0, 1], num_accepted = 2, new_tokens = [a, d], bonus = d.
 """
 
@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from ddtree.errors import ConfigError
-from ddtree.spec.tree import Trees
+from ddtree.speculative.tree import Trees
 from ddtree.triton_runtime import can_run, tl, triton
 
 
@@ -50,7 +50,7 @@ def accepted_nodes(trees: Trees, choices: Tensor) -> Tensor:
 def walk_trees(trees: Trees, choices: Tensor, max_depth: int, *, kernel: bool = False) -> WalkResult:
     """Walk every tree along the target's choices.
 
-    trees: from :func:`ddtree.spec.build_trees` (any tree with distinct sibling tokens and depths <= max_depth).
+    trees: from :func:`ddtree.speculative.build_trees` (any tree with distinct sibling tokens and depths <= max_depth).
     choices: [R, N] long, the target's choice at every node (padding nodes' entries are ignored).
     max_depth: L, static; sizes ``path`` and ``new_tokens`` as [R, L + 1].
     kernel: walk with one Triton program per request where it can run (the caller's choice, the engine's

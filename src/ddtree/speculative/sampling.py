@@ -2,7 +2,7 @@
 
 Why this is lossless
 --------------------
-The walk (:mod:`ddtree.spec.walk`) commits, at each accepted node, the token the target drew there: the child's
+The walk (:mod:`ddtree.speculative.walk`) commits, at each accepted node, the token the target drew there: the child's
 token when it matches, otherwise the draw itself as the bonus. Every draw is an independent sample of the target's
 (tempered, filtered) distribution for that node's prefix, so the committed sequence is distributed exactly as if
 the target had sampled it token by token; the draft only decides how many draws one forward pass can use.

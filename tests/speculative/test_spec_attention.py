@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ddtree.spec import (
+from ddtree.speculative import (
     additive_mask,
     build_attention_mask,
     build_trees,

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from spec_oracles import best_prefixes, depth_ranking, log_probs, random_tree_batch, tree_prefixes
 
 from ddtree.errors import ConfigError
-from ddtree.spec import Trees, build_chain, build_trees
-from ddtree.spec.tree import candidate_count, candidate_pairs
+from ddtree.speculative import Trees, build_chain, build_trees
+from ddtree.speculative.tree import candidate_count, candidate_pairs
 
 
 def _boundary_tied(lp: np.ndarray, width: int) -> bool:

@@ -16,7 +16,7 @@ from spec_oracles import best_prefixes, random_tree_batch, tree_prefixes
 
 from ddtree import triton_runtime
 from ddtree.errors import ConfigError
-from ddtree.spec import Trees, build_trees, vocab_topk
+from ddtree.speculative import Trees, build_trees, vocab_topk
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHIPPED_LIMITS = {"FAST_MAX_K": vocab_topk.FAST_MAX_K, "FAST_MAX_WORK": vocab_topk.FAST_MAX_WORK}  # before fixtures

@@ -7,8 +7,8 @@ import torch
 from spec_oracles import DEVICE, KERNEL, walk_reference
 
 from ddtree.errors import ConfigError
-from ddtree.spec import Trees, build_chain, build_trees, walk_trees
-from ddtree.spec.tree import ancestor_visibility
+from ddtree.speculative import Trees, build_chain, build_trees, walk_trees
+from ddtree.speculative.tree import ancestor_visibility
 
 
 def _check_walk(trees: Trees, choices: torch.Tensor, max_depth: int, kernel: bool = False) -> None:

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from ddtree.errors import ConfigError
-from ddtree.spec import build_trees, counter_uniform, sample_choices, walk_trees
-from ddtree.spec.sampling import BLOCK
+from ddtree.speculative import build_trees, counter_uniform, sample_choices, walk_trees
+from ddtree.speculative.sampling import BLOCK
 
 VOCAB, DEPTHS, BUDGET, TOKENS = 3, 2, 4, 3
 BASE = VOCAB + 1  # prefix codes: bijective base-(V+1) numbers, digit = token + 1
