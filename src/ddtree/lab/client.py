@@ -86,6 +86,14 @@ class Completion:
     correct_drafts: int | None = None
     proposed_drafts: int | None = None
     spec_source: str | None = None  # where the per-request stats came from: ddtree, meta_info or sglext
+    # Log-probs, when the body asked for them (``logprobs`` on completions, ``logprobs`` + ``top_logprobs`` on
+    # chat): one entry per emitted token, as the server returned them. ``token_ids`` only where the engine gives
+    # ids (vLLM's ``return_tokens_as_token_ids`` spells tokens ``token_id:N``); ``top_logprobs`` the N most
+    # probable ``(token, log-prob, id or None)`` per position (completions also list the chosen token).
+    tokens: list[str] | None = None
+    token_ids: list[int] | None = None
+    token_logprobs: list[float | None] | None = None
+    top_logprobs: list[list[tuple[str, float, int | None]] | None] | None = None
     status_code: int | None = None
     error: str | None = None
 
@@ -223,8 +231,11 @@ class OpenAIClient:
 
     async def body(self, *, prompt: str | list[int] | None = None, messages: list[dict] | None = None,
                    max_tokens: int, stream: bool, ignore_eos: bool = False, temperature: float = 0.0,
-                   extra: dict | None = None) -> dict:
-        """A request body for the target's endpoint; ``extra`` and then ``target.extra_body`` are merged last."""
+                   logprobs: int | None = None, extra: dict | None = None) -> dict:
+        """A request body for the target's endpoint; ``extra`` and then ``target.extra_body`` are merged last.
+
+        ``logprobs``: None asks for none; N >= 0 asks for every emitted token's log-prob and the N most probable
+        tokens at each position (completions ``logprobs: N``; chat ``logprobs: true, top_logprobs: N``)."""
         body: dict[str, Any] = {"model": await self.model(), "max_tokens": max_tokens, "temperature": temperature,
                                 "stream": stream}
         if self.target.endpoint == "chat":
@@ -238,6 +249,14 @@ class OpenAIClient:
             body["prompt"] = prompt
         if ignore_eos:
             body["ignore_eos"] = True
+        if logprobs is not None:
+            if isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0:
+                raise ConfigError(f"logprobs must be None or an integer >= 0, got {logprobs!r}")
+            if self.target.endpoint == "chat":
+                body["logprobs"] = True
+                body["top_logprobs"] = logprobs
+            else:
+                body["logprobs"] = logprobs
         if stream:
             body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
         body.update(extra or {})
@@ -310,6 +329,8 @@ class OpenAIClient:
                 text += choice.get("text") or ""
             if choice.get("finish_reason"):
                 out.finish_reason = choice["finish_reason"]
+            if choice.get("logprobs"):
+                _absorb_logprobs(choice["logprobs"], out, chat=self.target.endpoint == "chat")
         out.text += text
         if reasoning:
             out.reasoning = (out.reasoning or "") + reasoning
@@ -334,6 +355,42 @@ class OpenAIClient:
         out.chunk_times.append(now)
         out.chunk_texts.append(text + reasoning)
         out.chunk_usage.append(usage.get("completion_tokens") if usage is not None else None)
+
+
+def _token_id(token: str) -> int | None:
+    """vLLM's ``token_id:N`` spelling (``return_tokens_as_token_ids``) -> N; None for an ordinary token string."""
+    if token.startswith("token_id:") and token[len("token_id:"):].isdigit():
+        return int(token[len("token_id:"):])
+    return None
+
+
+def _absorb_logprobs(obj: dict, out: Completion, *, chat: bool) -> None:
+    """Append one choice's (or one chunk's) log-prob entries to ``out``, in either endpoint's shape."""
+    if chat:
+        items = obj.get("content") or []
+        tokens = [str(item["token"]) for item in items]
+        chosen = [item.get("logprob") for item in items]
+        tops: list[list[tuple[str, float, int | None]] | None] = [
+            [(str(t["token"]), float(t["logprob"]), _token_id(str(t["token"])))
+             for t in item.get("top_logprobs") or []] for item in items]
+    else:
+        tokens = [str(t) for t in obj.get("tokens") or []]
+        chosen = list(obj.get("token_logprobs") or [None] * len(tokens))
+        raw_tops = list(obj.get("top_logprobs") or [None] * len(tokens))
+        tops = [None if top is None else
+                sorted(((str(t), float(lp), _token_id(str(t))) for t, lp in top.items()), key=lambda e: -e[1])
+                for top in raw_tops]
+        if not (len(chosen) == len(raw_tops) == len(tokens)):
+            raise ValueError(f"logprobs lists of unequal length: {len(tokens)} tokens, {len(chosen)} log-probs, "
+                             f"{len(raw_tops)} top entries")
+    ids = [_token_id(t) for t in tokens]
+    out.tokens = (out.tokens or []) + tokens
+    out.token_logprobs = (out.token_logprobs or []) + [None if lp is None else float(lp) for lp in chosen]
+    out.top_logprobs = (out.top_logprobs or []) + tops
+    if all(i is not None for i in ids) and (out.token_ids is not None or len(out.tokens) == len(tokens)):
+        out.token_ids = (out.token_ids or []) + [i for i in ids if i is not None]
+    else:
+        out.token_ids = None
 
 
 def _http_error(status: int, body: str) -> str:

@@ -12,15 +12,21 @@ Each task ends in exactly one bucket: ``passed``; ``errors`` (the request failed
 with ``"error: "``); ``truncated`` (failed and the model hit ``max_tokens``, ``finish_reason == "length"``: a
 harness limit rather than a wrong answer); ``wrong`` (everything else that failed, timeouts included).
 
-Result JSON (schema ``ddtree.eval.humaneval/1``)::
+Result JSON (schema ``ddtree.eval.humaneval/2``; ``/1`` is the same without ``trace``, ``logprobs`` and the
+classification in ``lossless``, and is still read)::
 
     {"schema", "pass_at_1", "passed", "total", "truncated", "wrong", "errors",
-     "tasks": [{"task_id", "passed", "reason", "status", "finish_reason", "completion", "reasoning", "code"}],
-     "lossless": {"baseline", "identical", "compared", "differing_tasks": [...]} | null,
-     "endpoint", "model", "engine", "max_tokens", "isolation": {...}, "env": {...}}
+     "tasks": [{"task_id", "passed", "reason", "status", "finish_reason", "completion", "reasoning", "code",
+                "trace": {"tokens", "token_ids", "logprobs", "top_logprobs"} | null}],
+     "lossless": {"baseline", "identical", "near_tie", "real", "verdict", "compared", "differing_tasks",
+                  "divergences", "near_tie_margin"} | null,
+     "endpoint", "model", "engine", "max_tokens", "logprobs", "isolation": {...}, "env": {...}}
 
 ``completion`` is the raw text the server returned (reasoning field separate), so a baseline comparison is a
-byte-for-byte comparison of what the model produced: the lossless gate for greedy speculative decoding.
+byte-for-byte comparison of what the model produced: the lossless gate for greedy speculative decoding. With
+``logprobs`` N (the sweep's gate asks for :data:`~ddtree.lab.humaneval.divergence.TOP_LOGPROBS` in every run),
+each task's ``trace`` holds the emitted tokens as the server returned them and the top N log-probs at each, so a
+differing output is classified at its first differing token (:mod:`ddtree.lab.humaneval.lossless`).
 """
 
 from __future__ import annotations
@@ -40,14 +46,14 @@ from ddtree.errors import ConfigError
 from ddtree.lab.client import BenchTarget, OpenAIClient
 from ddtree.lab.engines import REQUEST_EXTRAS
 from ddtree.lab.files import atomic_write_json
+from ddtree.lab.humaneval.divergence import DEFAULT_NEAR_TIE_MARGIN, TokenTrace, TopEntry, check_margin
 from ddtree.lab.humaneval.extract import build_program, extract_code
+from ddtree.lab.humaneval.lossless import EVAL_SCHEMA, compare_with_baseline
 from ddtree.lab.sandbox import ProgramResult, SandboxLimits, run_programs
 
 # A completion's function body ends at the first line that starts at column 0 with one of these (Chen et al.
 # 2021, "Evaluating Large Language Models Trained on Code"); indented code, comments and blank lines go on.
 COMPLETION_STOP: tuple[str, ...] = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
-
-EVAL_SCHEMA = "ddtree.eval.humaneval/1"
 
 # The default gate: five short problems (short prompts, solutions of a few lines) that a small model can answer
 # within a few hundred tokens, covering float pairs, Optional/strings, a builtin, list maxima and recursion.
@@ -68,6 +74,7 @@ class Answer:
     reasoning: str | None = None
     finish_reason: str | None = None
     error: str | None = None
+    trace: TokenTrace | None = None  # the emitted tokens and their log-probs, when they were requested
 
 
 def load_problems() -> dict[str, dict]:
@@ -145,6 +152,7 @@ def score_answers(answers: Sequence[Answer], problems: Mapping[str, dict], *, co
             "task_id": answer.task_id, "passed": bucket == "passed", "reason": reason, "status": status,
             "finish_reason": answer.finish_reason, "completion": answer.text, "reasoning": answer.reasoning,
             "code": ex.code if ex is not None else None,
+            "trace": answer.trace.to_json() if answer.trace is not None else None,
         })
     total = len(answers)
     return {"schema": EVAL_SCHEMA, "pass_at_1": counts["passed"] / total if total else 0.0,
@@ -152,37 +160,12 @@ def score_answers(answers: Sequence[Answer], problems: Mapping[str, dict], *, co
             "errors": counts["errors"], "tasks": tasks, "lossless": None, "isolation": isolation}
 
 
-def compare_with_baseline(result: Mapping[str, Any], baseline: Path) -> dict[str, Any]:
-    """How many tasks produced byte-identical output (text and reasoning) to a baseline run's result JSON.
-
-    A task that errored in either run is counted as differing: identity cannot be shown for it."""
-    try:
-        data = json.loads(Path(baseline).read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read baseline {baseline}: {exc}") from exc
-    if data.get("schema") != EVAL_SCHEMA:
-        raise ConfigError(f"{baseline} is not a humaneval result (schema {data.get('schema')!r}, want {EVAL_SCHEMA})")
-    base = {t["task_id"]: t for t in data.get("tasks", [])}
-    compared, identical, differing = 0, 0, []
-    for task in result["tasks"]:
-        other = base.get(task["task_id"])
-        if other is None:
-            continue
-        compared += 1
-        same = (not task["reason"].startswith("error: ") and not other["reason"].startswith("error: ")
-                and task["completion"] == other["completion"] and task.get("reasoning") == other.get("reasoning"))
-        if same:
-            identical += 1
-        else:
-            differing.append(task["task_id"])
-    return {"baseline": str(baseline), "identical": identical, "compared": compared, "differing_tasks": differing}
-
-
 async def fetch_answers(target: BenchTarget, problems: Mapping[str, dict], task_ids: Sequence[str], *,
-                        max_tokens: int, concurrency: int,
+                        max_tokens: int, concurrency: int, logprobs: int | None = None,
                         transport: httpx.AsyncBaseTransport | None = None) -> tuple[list[Answer], str, str]:
-    """Ask the server for every task (greedy, non-streamed); ``(answers, engine, model)``. ``transport``: an httpx
-    transport to send through instead of the network (tests)."""
+    """Ask the server for every task (greedy, non-streamed); ``(answers, engine, model)``. ``logprobs``: None, or
+    the N of top log-probs to request per token (each answer then carries its :class:`TokenTrace`).
+    ``transport``: an httpx transport to send through instead of the network (tests)."""
     async with OpenAIClient(target, transport=transport) as client:
         engine = target.engine if target.engine != "auto" else await client.detect_engine()
         model = await client.model()
@@ -193,34 +176,52 @@ async def fetch_answers(target: BenchTarget, problems: Mapping[str, dict], task_
             async with semaphore:
                 if target.endpoint == "chat":
                     body = await client.body(messages=chat_messages(problem), max_tokens=max_tokens, stream=False,
-                                             extra=REQUEST_EXTRAS.get(engine))
+                                             logprobs=logprobs, extra=REQUEST_EXTRAS.get(engine))
                 else:
                     body = await client.body(prompt=problem["prompt"], max_tokens=max_tokens, stream=False,
-                                             extra=REQUEST_EXTRAS.get(engine))
+                                             logprobs=logprobs, extra=REQUEST_EXTRAS.get(engine))
                     body.setdefault("stop", list(COMPLETION_STOP))  # a stop given in extra_body wins
                 c = await client.complete(body)
             return Answer(task_id=task_id, text=c.text, reasoning=c.reasoning, finish_reason=c.finish_reason,
-                          error=c.error)
+                          error=c.error, trace=trace_of(c) if logprobs is not None and c.error is None else None)
 
         answers = await asyncio.gather(*(one(t) for t in task_ids))
     return list(answers), engine, model
 
 
+def trace_of(c: Any) -> TokenTrace | None:
+    """A :class:`~ddtree.lab.client.Completion`'s log-prob lists as a :class:`TokenTrace` (None: the server sent
+    none, e.g. an engine that ignores ``logprobs``)."""
+    if c.tokens is None:
+        return None
+    top = None if c.top_logprobs is None else tuple(
+        None if entries is None else tuple(TopEntry(t, lp, i) for t, lp, i in entries) for entries in c.top_logprobs)
+    return TokenTrace(tokens=tuple(c.tokens), token_ids=None if c.token_ids is None else tuple(c.token_ids),
+                      logprobs=None if c.token_logprobs is None else tuple(c.token_logprobs), top=top)
+
+
 def run_humaneval(target: BenchTarget, *, tasks: Sequence[str] | None, limit: int | None, max_tokens: int,
                   out: Path | None, extra_body: dict | None = None, baseline: Path | None = None,
-                  concurrency: int = 4, limits: SandboxLimits = SandboxLimits()) -> dict:
+                  concurrency: int = 4, limits: SandboxLimits = SandboxLimits(), logprobs: int | None = None,
+                  near_tie_margin: float = DEFAULT_NEAR_TIE_MARGIN) -> dict:
     """Run the coding gate against ``target`` and score it (blocking; from async code use
     :func:`run_humaneval_async`). ``extra_body`` is merged over ``target.extra_body``; ``baseline`` is a
-    previous result JSON to compare outputs with; the result is written to ``out`` when given."""
+    previous result JSON to compare outputs with; the result is written to ``out`` when given. ``logprobs``: the
+    top log-probs to record per token (None: none; the baseline needs them to classify differences, see
+    :mod:`ddtree.lab.humaneval.lossless`), ``near_tie_margin`` the classification's margin in nats."""
     return asyncio.run(run_humaneval_async(target, tasks=tasks, limit=limit, max_tokens=max_tokens, out=out,
                                            extra_body=extra_body, baseline=baseline, concurrency=concurrency,
-                                           limits=limits))
+                                           limits=limits, logprobs=logprobs, near_tie_margin=near_tie_margin))
 
 
 async def run_humaneval_async(target: BenchTarget, *, tasks: Sequence[str] | None, limit: int | None,
                               max_tokens: int, out: Path | None, extra_body: dict | None = None,
                               baseline: Path | None = None, concurrency: int = 4,
-                              limits: SandboxLimits = SandboxLimits()) -> dict:
+                              limits: SandboxLimits = SandboxLimits(), logprobs: int | None = None,
+                              near_tie_margin: float = DEFAULT_NEAR_TIE_MARGIN) -> dict:
+    check_margin(near_tie_margin)
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
+        raise ConfigError(f"logprobs must be None or an integer >= 0, got {logprobs!r}")
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise ConfigError(f"max_tokens must be a positive integer, got {max_tokens!r}")
     if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
@@ -229,12 +230,12 @@ async def run_humaneval_async(target: BenchTarget, *, tasks: Sequence[str] | Non
     problems = load_problems()
     task_ids = select_tasks(problems, tasks, limit)
     answers, engine, model = await fetch_answers(target, problems, task_ids, max_tokens=max_tokens,
-                                                 concurrency=concurrency)
+                                                 concurrency=concurrency, logprobs=logprobs)
     result = await asyncio.to_thread(score_answers, answers, problems,
                                      completion_mode=target.endpoint == "completions", limits=limits)
     result.update(endpoint=target.endpoint, model=model, engine=engine, max_tokens=max_tokens,
-                  extra_body=target.extra_body, env=_env(target.url))
-    return _finish(result, baseline, out)
+                  extra_body=target.extra_body, logprobs=logprobs, env=_env(target.url))
+    return _finish(result, baseline, out, near_tie_margin)
 
 
 def read_answers_jsonl(path: Path) -> list[Answer]:
@@ -262,7 +263,8 @@ def read_answers_jsonl(path: Path) -> list[Answer]:
 
 def score_responses_file(path: Path, *, tasks: Sequence[str] | None = None, limit: int | None = None,
                          endpoint: str = "completions", out: Path | None = None, baseline: Path | None = None,
-                         limits: SandboxLimits = SandboxLimits()) -> dict:
+                         limits: SandboxLimits = SandboxLimits(),
+                         near_tie_margin: float = DEFAULT_NEAR_TIE_MARGIN) -> dict:
     """Score existing answers offline (``ddtree eval humaneval --responses FILE.jsonl``)."""
     problems = load_problems()
     answers = read_answers_jsonl(path)
@@ -273,14 +275,14 @@ def score_responses_file(path: Path, *, tasks: Sequence[str] | None = None, limi
         keep = set(select_tasks(problems, tasks, limit))
         answers = [a for a in answers if a.task_id in keep]
     result = score_answers(answers, problems, completion_mode=endpoint == "completions", limits=limits)
-    result.update(endpoint=endpoint, model=None, engine=None, max_tokens=None, extra_body=None,
+    result.update(endpoint=endpoint, model=None, engine=None, max_tokens=None, extra_body=None, logprobs=None,
                   env=_env(None), responses=str(path))
-    return _finish(result, baseline, out)
+    return _finish(result, baseline, out, near_tie_margin)
 
 
-def _finish(result: dict, baseline: Path | None, out: Path | None) -> dict:
+def _finish(result: dict, baseline: Path | None, out: Path | None, near_tie_margin: float) -> dict:
     if baseline is not None:
-        result["lossless"] = compare_with_baseline(result, baseline)
+        result["lossless"] = compare_with_baseline(result, baseline, near_tie_margin=near_tie_margin)
     if out is not None:
         atomic_write_json(Path(out), result)
     return result

@@ -1,0 +1,114 @@
+"""The lossless gate: a run's outputs against a baseline run's, task by task, each difference classified.
+
+A task is *identical* when its text and reasoning equal the baseline's byte for byte. Every other task is
+classified at its first differing token by :func:`ddtree.lab.humaneval.divergence.classify` against the baseline's
+top log-probs: a *near-tie* (the two tokens' baseline log-probs within the margin, what bf16 rounding can flip) or
+a *real* divergence (a wider gap, a token outside the baseline's top-N, missing data, a failed request). Verdict:
+``identical`` (every task), ``near_ties`` (differences, all near-ties: the gate passes with a note) or ``failed``
+(at least one real divergence). Real divergences are logged as warnings, one line each.
+
+``lossless`` object of a result (schema ``ddtree.eval.humaneval/2``)::
+
+    {"baseline", "compared", "identical", "near_tie", "real", "verdict", "near_tie_margin",
+     "differing_tasks": [task_id], "divergences": [{"task_id", "kind", "position", "baseline_token",
+     "other_token", "baseline_logprob", "other_logprob", "gap", "margin", "reason", "baseline_next", "other_next"}]}
+
+Schema ``/1`` results (no token traces, no classification) are still read as baselines: their differing tasks are
+then real divergences ("no token trace"), since nothing shows them to be ties.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ddtree.errors import ConfigError
+from ddtree.lab.humaneval.divergence import DEFAULT_NEAR_TIE_MARGIN, Divergence, TokenTrace, check_margin, classify
+
+EVAL_SCHEMA = "ddtree.eval.humaneval/2"
+READABLE_SCHEMAS = ("ddtree.eval.humaneval/1", EVAL_SCHEMA)  # /1: the same result without traces or classes
+
+log = logging.getLogger("ddtree.lab.humaneval")
+
+
+def _failed(task: Mapping[str, Any]) -> bool:
+    return str(task.get("reason", "")).startswith("error: ")
+
+
+def _trace(task: Mapping[str, Any]) -> TokenTrace | None:
+    data = task.get("trace")
+    return TokenTrace.from_json(data) if isinstance(data, Mapping) else None
+
+
+def divergence_of(task: Mapping[str, Any], base: Mapping[str, Any], margin: float) -> Divergence | None:
+    """None when ``task``'s output equals ``base``'s byte for byte, else the classified difference."""
+    same_text = task.get("completion") == base.get("completion") and task.get("reasoning") == base.get("reasoning")
+    if not _failed(task) and not _failed(base) and same_text:
+        return None
+    if _failed(task) or _failed(base):
+        which = "this run" if _failed(task) else "the baseline"
+        return Divergence("real", None, None, None, None, None, None, margin,
+                          f"the request failed in {which}: identity cannot be shown")
+    base_trace, trace = _trace(base), _trace(task)
+    if base_trace is None or trace is None:
+        which = "the baseline" if base_trace is None else "this run"
+        return Divergence("real", None, None, None, None, None, None, margin,
+                          f"{which} has no token trace (a schema /1 result, or the engine returned no log-probs): "
+                          "nothing shows the difference to be a tie")
+    return classify(base_trace, trace, margin=margin, texts_differ=True)
+
+
+def compare_with_baseline(result: Mapping[str, Any], baseline: Path, *,
+                          near_tie_margin: float = DEFAULT_NEAR_TIE_MARGIN) -> dict[str, Any]:
+    """The ``lossless`` object of ``result`` against a baseline run's result JSON (see the module docstring).
+
+    A task missing from the baseline is not compared; one that errored in either run is a real divergence."""
+    margin = check_margin(near_tie_margin)
+    try:
+        data = json.loads(Path(baseline).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read baseline {baseline}: {exc}") from exc
+    if not isinstance(data, dict) or data.get("schema") not in READABLE_SCHEMAS:
+        schema = data.get("schema") if isinstance(data, dict) else None
+        raise ConfigError(f"{baseline} is not a humaneval result (schema {schema!r}, want one of "
+                          f"{', '.join(READABLE_SCHEMAS)})")
+    base = {t["task_id"]: t for t in data.get("tasks", [])}
+    compared, identical, differing, divergences = 0, 0, [], []
+    for task in result["tasks"]:
+        other = base.get(task["task_id"])
+        if other is None:
+            continue
+        compared += 1
+        div = divergence_of(task, other, margin)
+        if div is None:
+            identical += 1
+            continue
+        differing.append(task["task_id"])
+        divergences.append({"task_id": task["task_id"], **div.to_json()})
+        if div.kind == "real":
+            log.warning("%s", div.warning(task["task_id"]))
+    real = sum(d["kind"] == "real" for d in divergences)
+    near = len(divergences) - real
+    verdict = "failed" if real else ("near_ties" if near else "identical")
+    return {"baseline": str(baseline), "identical": identical, "compared": compared, "near_tie": near, "real": real,
+            "verdict": verdict, "near_tie_margin": margin, "differing_tasks": differing, "divergences": divergences}
+
+
+def warning_lines(lossless: Mapping[str, Any] | None) -> list[str]:
+    """One line per classified difference of a ``lossless`` object, real divergences first."""
+    if not lossless:
+        return []
+    lines = []
+    for d in sorted(lossless.get("divergences") or [], key=lambda d: d.get("kind") != "real"):
+        fields = {k: d.get(k) for k in ("kind", "position", "baseline_token", "other_token", "baseline_logprob",
+                                        "other_logprob", "gap", "margin", "reason")}
+        div = Divergence(**fields, baseline_next=tuple(d.get("baseline_next") or ()),
+                         other_next=tuple(d.get("other_next") or ()))
+        lines.append(div.warning(str(d.get("task_id"))))
+    return lines
+
+
+__all__ = ["EVAL_SCHEMA", "READABLE_SCHEMAS", "compare_with_baseline", "divergence_of", "warning_lines"]
