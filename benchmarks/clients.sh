@@ -126,12 +126,14 @@ fi
 if ! wanted guidellm; then
   note "guidellm: not asked for (TOOLS=$TOOLS)"
 elif [ -x "$CLIENTS_VENV/bin/guidellm" ]; then
-  # GuideLLM 0.8's `run` takes kind=... component specs (the older `benchmark --target ...` form is gone).
+  # GuideLLM 0.8's `run` takes kind=... component specs (the older `benchmark --target ...` form is gone). Its
+  # synthetic data needs a tokenizer: without --tokenizer it loads the served model id from the hub (offline: fails).
   run_tool guidellm 900 env HF_HUB_OFFLINE=1 "$CLIENTS_VENV/bin/guidellm" run \
     --backend "kind=openai_http,target=$URL,model=$MODEL" --profile kind=synchronous \
     --constraint "kind=max_requests,count=$REQUESTS" \
+    --tokenizer "kind=huggingface_auto,model=$TOKENIZER" \
     --data "kind=synthetic_text,prompt_tokens=64,output_tokens=32" \
-    --output "kind=json,path=$OUT/guidellm.json"
+    --output "kind=json,path=$OUT/guidellm.json" --output kind=console --disable-console-interactive
   tail -25 "$OUT/guidellm.log" | tee -a "$SUMMARY"
 else
   note "guidellm: not installed in $CLIENTS_VENV"
