@@ -30,16 +30,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu import held_out_token_stream, prompts_for  # noqa: E402
-
-from ddtree.models import TreeVisibility  # noqa: E402
+from ddtree.lab.bench.workload import held_out_token_stream, prompts_for  # gpu.py's prompts
+from ddtree.engine import EngineConfig
+from ddtree.engine.kernels import KernelSet
+from ddtree.speculative.attention import TreeVisibility
 
 
 def _forward(target, cache, ids: list[int], start: int, slot: int) -> torch.Tensor:
@@ -58,7 +57,8 @@ def _tree_forward(target, cache, tokens: list[int], depths: list[int], vis: torc
     pos = start + torch.tensor([depths], device=dev)
     write = start + torch.arange(n, device=dev)[None]
     tree = TreeVisibility(torch.tensor([start], device=dev), vis[None], start + n)
-    out = target(x, pos, cache, torch.tensor([slot], device=dev), write, None, tree=tree)
+    kernels = KernelSet.resolve(EngineConfig(gpu_kernels=dev.type == "cuda"), target, None)  # the engine's choice
+    out = target(x, pos, cache, torch.tensor([slot], device=dev), write, tree, kernels=kernels)
     return out.logits[0].float()
 
 
@@ -191,7 +191,7 @@ def main() -> None:
             target, drafter = build_standin(target, drafter, standin_shape(args.shape))
             del drafter
         if device.type == "cuda":
-            fuse_projections(target, kernels=True)  # the layers the engine runs
+            fuse_projections(target)  # the layers the engine runs
         use = prompts if dtype != torch.float32 else prompts[: args.fp32_prompts]
         res = compare(target, use, args.tokens, args.block, args.siblings)
         res["prompts"] = len(use)

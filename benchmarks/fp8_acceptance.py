@@ -14,19 +14,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu import held_out_token_stream, prompts_for  # noqa: E402  (the GPU benchmark's prompts)
-
-from ddtree.assets import demo_drafter_path, demo_target_path  # noqa: E402
-from ddtree.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, TreeSettings  # noqa: E402
-from ddtree.models import load_drafter, load_target, load_tokenizer  # noqa: E402
-from ddtree.models.standin import build_standin, standin_shape  # noqa: E402
+from ddtree.assets import demo_drafter_path, demo_target_path
+from ddtree.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, TreeSettings
+from ddtree.lab.bench.workload import held_out_token_stream, prompts_for  # gpu.py's prompts
+from ddtree.models import load_drafter, load_target, load_tokenizer
+from ddtree.models.standin import build_standin, standin_shape
 
 METHODS = (("dflash", 1), ("ddtree", 8), ("ddtree", 16), ("ddtree", 64))
 

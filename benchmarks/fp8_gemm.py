@@ -15,14 +15,11 @@ and per output channel (CUTLASS); the eager per-row activation quantisation (abs
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tree_attention import time_ms  # noqa: E402  (the same graph timing as the tile sweep)
+from ddtree.lab.bench.kernel_timing import time_ms  # the same graph timing as the tile sweep
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}  # (N, K)
 E4M3 = torch.float8_e4m3fn

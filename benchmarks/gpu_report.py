@@ -18,8 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu import render_markdown  # noqa: E402  (the per-run report's table, reused as is)
+from ddtree.lab.bench.matrix import render_markdown  # the per-run report's table, reused as is
 
 
 def merge_reports(reports: list[tuple[str, dict]]) -> dict:

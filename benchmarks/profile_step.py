@@ -16,7 +16,10 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from ddtree.models import TreeVisibility, fuse_projections
+from ddtree.engine import EngineConfig
+from ddtree.engine.kernels import KernelSet
+from ddtree.lab.bench.kernel_timing import load_standin_pair
+from ddtree.speculative.attention import TreeVisibility
 
 
 def kernel_table(prof, steps: int, cuda: bool, top: int = 18) -> list[str]:
@@ -39,24 +42,6 @@ def kernel_table(prof, steps: int, cuda: bool, top: int = 18) -> list[str]:
     return lines
 
 
-def load_standin_pair(dev: torch.device):
-    """(target, drafter) with fused projections: on CUDA the Qwen3-8B stand-in built from the demo pair (bf16),
-    on a CPU the demo pair itself (fp32, a dry run of a script)."""
-    from ddtree.assets import demo_drafter_path, demo_target_path
-    from ddtree.models import load_drafter, load_target
-    from ddtree.models.standin import build_standin, standin_shape
-
-    cuda = dev.type == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
-    target = load_target(demo_target_path(), dtype=dtype, device=dev)
-    drafter = load_drafter(demo_drafter_path(), dtype=dtype, device=dev)
-    if cuda:
-        target, drafter = build_standin(target, drafter, standin_shape("qwen3-8b"))
-    fuse_projections(target, kernels=cuda)
-    fuse_projections(drafter, kernels=cuda)
-    return target, drafter
-
-
 @torch.inference_mode()
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -68,6 +53,7 @@ def main() -> None:
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
     target, drafter = load_standin_pair(dev)
+    kernels = KernelSet.resolve(EngineConfig(gpu_kernels=cuda), target, drafter)  # what an engine would run
     ctx = args.context
     cache = target.allocate_cache(1, ctx + 160)
     dcache = drafter.allocate_cache(1, ctx + 160)
@@ -75,9 +61,9 @@ def main() -> None:
     ids = torch.randint(0, target.config.vocab_size, (1, ctx), device=dev)
     pos = torch.arange(ctx, device=dev)[None]
     vis = torch.ones(ctx, ctx, dtype=torch.bool, device=dev).tril()[None]
-    out = target(ids, pos, cache, slots, pos, None, tree=TreeVisibility(slots, vis, ctx),
+    out = target(ids, pos, cache, slots, pos, TreeVisibility(slots, vis, ctx), kernels=kernels,
                  logits_at=torch.tensor([[ctx - 1]], device=dev), hidden_layers=tuple(drafter.config.target_layer_ids))
-    drafter.append_context(out.hidden, pos, dcache, slots, pos)
+    drafter.append_context(out.hidden, pos, dcache, slots, pos, kernels=kernels)
 
     new_ids = torch.randint(0, target.config.vocab_size, (1, 129), device=dev)
 
@@ -85,20 +71,20 @@ def main() -> None:
         x = new_ids[:, :t]
         p = ctx + torch.arange(t, device=dev)[None]
         v = torch.ones(t, t, dtype=torch.bool, device=dev).tril()[None]
-        return lambda: target(x, p, cache, slots, p, None, tree=TreeVisibility(torch.tensor([ctx], device=dev), v,
-                                                                                  ctx + t))
+        return lambda: target(x, p, cache, slots, p, TreeVisibility(torch.tensor([ctx], device=dev), v, ctx + t),
+                              kernels=kernels)
 
     def draft():
         start = torch.tensor([ctx], device=dev)
         return drafter.draft_logits(target, ids[:, 0], start, dcache, slots, 16, block_len=torch.tensor([16], device=dev),
                                     window=torch.tensor([1 << 30], device=dev), kv_len=ctx,
-                                    tree_kernel=cuda and drafter.supports_tree_attention())
+                                    kernels=kernels)
 
     path_hidden = out.hidden[:, -16:].contiguous()  # a round's accepted path: 16 tokens of target features
     path_pos = ctx + torch.arange(16, device=dev)[None]
 
     def append():
-        drafter.append_context(path_hidden, path_pos, dcache, slots, path_pos)
+        drafter.append_context(path_hidden, path_pos, dcache, slots, path_pos, kernels=kernels)
 
     sections = []
     for name, fn in (("AR step (T = 1)", verify(1)), ("verify, 17 nodes", verify(17)), ("verify, 129 nodes", verify(129)),

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from ddtree.engine.cuda_graphs import warm_up
+from ddtree.lab.bench.kernel_timing import time_ms
 from ddtree.models import tree_attention as ta
 
 
@@ -50,29 +50,6 @@ def copies_beyond_l2(kv_len: int, rows: int, kv_heads: int = 8, d: int = 128) ->
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     per_call = 2 * rows * kv_heads * kv_len * d * 2  # K and V, bf16
     return max(1, min(64, math.ceil(3 * l2 / per_call)))
-
-
-def time_ms(fns, reps: int = 20) -> float:
-    """Device time of one call, from a CUDA graph of ``reps`` calls, call i running ``fns[i % len(fns)]`` (one
-    per K/V copy of :func:`case`). Graph-timed because eager timing would measure Python launch overhead (~0.1 ms
-    a call), not the kernels."""
-    fns = fns if isinstance(fns, list) else [fns]
-    reps = max(reps, len(fns))
-    for fn in fns:
-        warm_up(fn)  # compile and warm up outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(reps):
-            fns[i % len(fns)]()
-    graph.replay()
-    torch.cuda.synchronize()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(3):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return begin.elapsed_time(end) / (3 * reps)
 
 
 def load_baseline(path: str):

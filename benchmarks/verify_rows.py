@@ -16,17 +16,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from profile_step import load_standin_pair  # noqa: E402  (the stand-in as the kernel profile builds it)
-from tree_attention import time_ms  # noqa: E402  (graph timing, as the tile sweep does it)
-
-from ddtree.models import TreeVisibility, gemm_backend  # noqa: E402
+from ddtree.lab.bench.kernel_timing import (  # the kernel scripts' stand-in and graph timing
+    load_standin_pair,
+    time_ms,
+)
+from ddtree.engine import EngineConfig
+from ddtree.engine.kernels import KernelSet
+from ddtree.speculative.attention import TreeVisibility
 
 DEFAULT_ROWS = "1,16,17,32,33,48,63,64,65,96,127,128,129,256,257"
 
@@ -44,12 +44,14 @@ def _timer(fn, cuda: bool, reps: int) -> float:
 
 
 @torch.inference_mode()
-def measure(contexts: list[int], rows: list[int], device: str = "cuda", reps: int = 10) -> dict:
+def measure(contexts: list[int], rows: list[int], device: str = "cuda", reps: int = 10, *,
+            blas_rule: bool = True) -> dict:
     """{context: {T: ms}} for a causal chain of T new tokens after a committed context (a tree's visibility costs
     the same in the kernel: it reads per-query bits either way)."""
     dev = torch.device(device)
     cuda = dev.type == "cuda"
     target, drafter = load_standin_pair(dev)
+    kernels = KernelSet.resolve(EngineConfig(gpu_kernels=cuda, blas_rule=blas_rule), target, drafter)
     hidden_layers = tuple(drafter.config.target_layer_ids)  # a verify also hands the drafter its features
     cache = target.allocate_cache(1, max(contexts) + max(rows) + 16)
     slots = torch.zeros(1, dtype=torch.long, device=dev)
@@ -58,7 +60,7 @@ def measure(contexts: list[int], rows: list[int], device: str = "cuda", reps: in
         ids = torch.randint(0, target.config.vocab_size, (1, ctx), device=dev)
         pos = torch.arange(ctx, device=dev)[None]
         vis = torch.ones(ctx, ctx, dtype=torch.bool, device=dev).tril()[None]
-        target(ids, pos, cache, slots, pos, None, tree=TreeVisibility(slots, vis, ctx))  # fills the context's K/V
+        target(ids, pos, cache, slots, pos, TreeVisibility(slots, vis, ctx), kernels=kernels)  # the context's K/V
         start = torch.tensor([ctx], device=dev)
         results[ctx] = {}
         for t in rows:
@@ -67,7 +69,7 @@ def measure(contexts: list[int], rows: list[int], device: str = "cuda", reps: in
             tree = TreeVisibility(start, torch.ones(t, t, dtype=torch.bool, device=dev).tril()[None], ctx + t)
 
             def forward(x=x, p=p, tree=tree):  # every node's logits (logits_at None), as a verify needs
-                target(x, p, cache, slots, p, None, tree=tree, hidden_layers=hidden_layers)
+                target(x, p, cache, slots, p, tree, kernels=kernels, hidden_layers=hidden_layers)
 
             results[ctx][t] = _timer(forward, cuda, reps)
             print(f"context {ctx}, {t} rows: {results[ctx][t]:.3f} ms", flush=True)
@@ -93,14 +95,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--blas", choices=("rule", "cublas", "cublaslt"), default="rule",
                     help="the library for every matmul, or the engine's choice by row count (ddtree.models."
-                         "gemm_backend)")
+                         "gemm_backend, KernelSet.blas_rule)")
     args = ap.parse_args(argv)
     if args.blas != "rule":  # cuBLAS and cuBLASLt pick different kernels for the skinny shapes of decoding
-        gemm_backend.enabled = False
         torch.backends.cuda.preferred_blas_library(args.blas)
     contexts = [int(c) for c in args.contexts.split(",")]
     rows = [int(t) for t in args.rows.split(",")]
-    results = measure(contexts, rows, args.device, args.reps)
+    results = measure(contexts, rows, args.device, args.reps, blas_rule=args.blas == "rule")
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (dry run, demo pair)"
     with open(args.out, "w") as fh:
         ms = {str(c): {str(t): v for t, v in r.items()} for c, r in results.items()}

@@ -1,21 +1,19 @@
 """benchmarks/gpu.py's dry run on the CPU (the demo pair as is): the cells it writes, and the per-request timeline
-that says where a cell's wall time went."""
+that says where a cell's wall time went. The script is a preset over ddtree.lab.bench (matrix, inprocess), whose
+pieces these tests reach there."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-import torch
 from benchmark_scripts import load_script
 
-from ddtree.models import gemm_backend
+from ddtree.lab.bench import matrix
+from ddtree.lab.bench.inprocess import mean_in_flight
 
 
 def test_dry_run_records_a_closed_loop_timeline(tmp_path, monkeypatch):
-    for name in ("synchronize", "reset_peak_memory_stats", "max_memory_allocated", "get_device_name"):
-        monkeypatch.setattr(torch.cuda, name, getattr(torch.cuda, name))  # the dry run stubs them; restored after
-    monkeypatch.setattr(gemm_backend, "enabled", gemm_backend.enabled)
     out = tmp_path / "run"
     load_script("gpu").main(["--device", "cpu", "--shape", "none", "--no-hf", "--concurrency", "2", "--contexts", "16",
                              "--budgets", "4", "--new-tokens", "6", "--waves", "2", "--out", str(out)])
@@ -41,7 +39,7 @@ def test_compile_log_splits_compilations_by_window():
     """The listener's records land in the window they happened in, with disk-cache hits counted apart."""
     from types import SimpleNamespace
 
-    log = load_script("gpu").CompileLog()
+    log = matrix.CompileLog()
     times = SimpleNamespace(ir_initialization=1000, lowering_stages=[("ttir", 2000), ("ptx", 500_000)],
                             store_results=1000)
     log(src=None, metadata={"name": "_rms_norm_kernel"}, metadata_group={}, times=times, cache_hit=False)
@@ -56,7 +54,6 @@ def test_compile_log_splits_compilations_by_window():
 
 def test_mean_in_flight_by_hand():
     """Two requests over 4 s: one for the whole cell, one from 1 s to 3 s -> (4 + 2) / 4 = 1.5 in flight."""
-    mean_in_flight = load_script("gpu").mean_in_flight
     assert mean_in_flight([[0.0, 0.1, 4.0], [1.0, 1.2, 3.0]], 4.0) == 1.5
     # A closed loop that never drains: always two in flight.
     assert mean_in_flight([[0.0, 0.1, 2.0], [0.0, 0.1, 1.0], [1.0, 1.1, 2.0]], 2.0) == 2.0
@@ -65,12 +62,9 @@ def test_mean_in_flight_by_hand():
 def test_a_timed_run_that_met_a_capture_is_timed_again(tmp_path, monkeypatch):
     """The first cell's timed run 'captures' two graphs: it runs once more; the row is the second run's, the
     warm-up's counts stay the warm-up's, and the first run is kept under ``retimed``."""
-    for name in ("synchronize", "reset_peak_memory_stats", "max_memory_allocated", "get_device_name"):
-        monkeypatch.setattr(torch.cuda, name, getattr(torch.cuda, name))
-    monkeypatch.setattr(gemm_backend, "enabled", gemm_backend.enabled)
     gpu = load_script("gpu")
     calls, captured = [], [0]
-    real_run_cell = gpu.run_cell
+    real_run_cell = matrix.run_cell
 
     def run_cell(engine, *args, **kwargs):
         out = real_run_cell(engine, *args, **kwargs)
@@ -79,8 +73,9 @@ def test_a_timed_run_that_met_a_capture_is_timed_again(tmp_path, monkeypatch):
             captured[0] += 2
         return out
 
-    monkeypatch.setattr(gpu, "run_cell", run_cell)
-    monkeypatch.setattr(gpu, "graph_captures", lambda engine: captured[0])
+    monkeypatch.setattr(gpu, "run_cell", run_cell)  # the graph-vs-eager probe
+    monkeypatch.setattr(matrix, "run_cell", run_cell)  # the cells' warm-ups and timed runs
+    monkeypatch.setattr(matrix, "graph_captures", lambda engine: captured[0])
     out = tmp_path / "run"
     gpu.main(["--device", "cpu", "--shape", "none", "--no-hf", "--concurrency", "2", "--contexts", "16",
               "--budgets", "4", "--new-tokens", "4", "--waves", "1", "--out", str(out)])
@@ -93,7 +88,7 @@ def test_a_timed_run_that_met_a_capture_is_timed_again(tmp_path, monkeypatch):
 
 def test_compile_log_listens_to_triton_and_stops():
     knobs = pytest.importorskip("triton.knobs")
-    log = load_script("gpu").CompileLog()
+    log = matrix.CompileLog()
     before = knobs.compilation.listener
     try:
         assert log.install() is True and knobs.compilation.listener is log

@@ -172,14 +172,28 @@ class RequestStats:
     stage_s: dict[str, float] = field(default_factory=dict)  # draft, tree, verify, commit, prefill
     finish_reason: FinishReason | None = None
     tree: dict[str, Any] = field(default_factory=dict)  # the resolved TreeSettings
+    # time.perf_counter() when submit accepted the request; ttft_s and latency_s count from it. This process's
+    # clock: it places one engine's requests on one time line (a benchmark's closed loop), so to_dict leaves it out
+    submitted_at: float | None = None
 
     @property
     def accept_length(self) -> float:
         """SGLang's ``spec_accept_length``: completion tokens per verify round (bonus included)."""
         return self.completion_tokens / self.verify_rounds if self.verify_rounds else 0.0
 
+    @property
+    def first_token_at(self) -> float | None:
+        """perf_counter() when the first token was emitted (``submitted_at + ttft_s``)."""
+        return None if self.submitted_at is None or self.ttft_s is None else self.submitted_at + self.ttft_s
+
+    @property
+    def finished_at(self) -> float | None:
+        """perf_counter() when the request finished (``submitted_at + latency_s``)."""
+        return None if self.submitted_at is None or self.latency_s is None else self.submitted_at + self.latency_s
+
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
+        del out["submitted_at"]
         out["accept_length"] = self.accept_length
         return out
 

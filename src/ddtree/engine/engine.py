@@ -192,6 +192,7 @@ class Engine(Scheduler):
                 f"{len(state.banned_ids)}", param="min_tokens")
         state.stats.prompt_tokens = len(ids)
         state.stats.tree = tree.to_dict()
+        state.stats.submitted_at = state.arrival  # the clock ttft_s and latency_s count from
         self._enqueue(state)
         return rid
 

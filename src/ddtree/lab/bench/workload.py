@@ -192,3 +192,30 @@ def build_prompts(tokenizer: Any, length: int, count: int, *, phase: str, seed: 
             f"context {length} is too short for {count} distinct prompts with unique prefixes; use a longer context"
         )
     return prompts
+
+
+# ---- held-out token prompts (benchmarks/gpu.py's matrix and the scripts that share its prompts) -------------------
+def held_out_token_stream(tokenizer: Any, min_tokens: int) -> list[int]:
+    """Held-out stdlib source (never trained on), tokenized file by file and concatenated to at least
+    ``min_tokens`` tokens (the small held-out split wraps around; prompts still differ by offset)."""
+    from ddtree.train.corpus import load_corpus
+
+    ids: list[int] = []
+    for f in load_corpus().held_out:
+        ids.extend(tokenizer.encode(f.text, add_special_tokens=False))
+        if len(ids) >= min_tokens:
+            break
+    while len(ids) < min_tokens:
+        ids = ids + ids
+    return ids
+
+
+def prompts_for(stream: list[int], context: int, count: int, salt: int) -> list[list[int]]:
+    """``count`` prompts of exactly ``context`` token ids, each from its own offset of the held-out ``stream``
+    (offsets ``(salt * 7919 + i * step) mod (len - context)``, so another ``salt`` gives other windows)."""
+    step = max(1, (len(stream) - context) // max(count, 1))
+    out = []
+    for i in range(count):
+        off = (salt * 7919 + i * step) % max(1, len(stream) - context)
+        out.append(stream[off : off + context])
+    return out
