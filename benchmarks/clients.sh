@@ -143,8 +143,12 @@ fi
 if ! wanted aiperf; then
   note "aiperf: not asked for (TOOLS=$TOOLS)"
 elif [ -x "$CLIENTS_VENV/bin/aiperf" ]; then
-  run_tool aiperf 900 env HF_HUB_OFFLINE=1 "$CLIENTS_VENV/bin/aiperf" profile --model "$MODEL" --url "$URL" \
-    --endpoint-type completions --streaming --tokenizer "${AIPERF_TOKENIZER:-builtin}" --request-count "$REQUESTS" --concurrency 2 \
+  # --tokenizer: the demo tokenizer's absolute path (AutoTokenizer reads the directory; no hub call). Not with
+  # HF_HUB_OFFLINE=1: aiperf 0.13's offline branch sends every name, a local path too, through
+  # snapshot_download(local_files_only=True) as a hub repo id (HFValidationError). `builtin` (tiktoken o200k)
+  # would download its vocabulary.
+  run_tool aiperf 900 "$CLIENTS_VENV/bin/aiperf" profile --model "$MODEL" --url "$URL" \
+    --endpoint-type completions --streaming --tokenizer "${AIPERF_TOKENIZER:-$TOKENIZER}" --request-count "$REQUESTS" --concurrency 2 \
     --synthetic-input-tokens-mean 64 --output-tokens-mean 32 --artifact-dir "$OUT/aiperf" --ui-type none
   tail -40 "$OUT/aiperf.log" | tee -a "$SUMMARY"
 else

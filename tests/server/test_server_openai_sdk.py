@@ -239,10 +239,16 @@ def test_per_request_stats_in_sglang_and_vllm_shapes(sdk):
                     "draft_acceptance_rate": pytest.approx(meta["spec_accept_rate"]),
                     "mean_acceptance_length": pytest.approx(1 + accepted / ours["verify_rounds"]),
                     "acceptance_histogram": expected}
-    # streamed: on the final usage chunk, where vLLM puts it
+    # streamed: on the final usage chunk alone, where vLLM puts it (AIPerf keeps a request's stats only when
+    # exactly one of its chunks carries them); without include_usage, on the last chunk of the choice
     chunks = list(sdk.completions.create(model="target", prompt=PROMPT, stream=True,
                                          stream_options={"include_usage": True}, **GREEDY))
     assert chunks[-1].choices == [] and extra(chunks[-1])["metrics"]["speculative_decoding"] == spec
+    assert [i for i, c in enumerate(chunks) if "metrics" in extra(c)] == [len(chunks) - 1]
+    chunks = list(sdk.completions.create(model="target", prompt=PROMPT, stream=True, **GREEDY))
+    carrying = [c for c in chunks if "metrics" in extra(c)]
+    assert len(carrying) == 1 and carrying[0].choices[0].finish_reason is not None
+    assert extra(carrying[0])["metrics"]["speculative_decoding"] == spec
 
 
 def scrape(server) -> dict[tuple[str, tuple], float]:

@@ -480,6 +480,8 @@ class ResponseBuilder:
             body = self._head("text_completion")
         if stats is not None:
             self._stats_on(body, choice, result_id, stats)
+            if include_usage:  # vLLM's object rides the usage chunk alone: AIPerf drops a request's stats
+                body.pop("metrics", None)  # when two of its chunks carry them (it reads that as n > 1)
         body["choices"] = [choice]
         if running_usage is not None:
             body["usage"] = running_usage
