@@ -62,8 +62,11 @@ def engine_options(*, exclude: Iterable[str] = (), defaults: Mapping[str, Any] |
     """Decorate a typer command that takes ``engine_config: EngineConfig`` (keyword) with one option per field.
 
     exclude: fields the command sets itself (they keep EngineConfig's default in ``engine_config``).
-    defaults: per-field defaults of this command. names: per-field flag spellings (``{"draft_fp8": "--draft-fp8"}``
-    keeps a single flag where a command had one)."""
+    defaults: per-field defaults of this command; ``None`` for a field that has a value in EngineConfig means "not
+    given" (the command derives it, e.g. ``max_batch`` from the highest concurrency), and reaches ``engine_config``
+    as None, so the command must replace it before validating. names: per-field flag spellings (``{"draft_fp8": "--draft-fp8"}``
+    keeps a single flag where a command had one; ``{"warmup": "--engine-warmup"}`` where the command has a flag of the
+    field's name)."""
     import typer
 
     skip, overrides, spellings = set(exclude), dict(defaults or {}), dict(names or {})
@@ -72,6 +75,10 @@ def engine_options(*, exclude: Iterable[str] = (), defaults: Mapping[str, Any] |
         raise ConfigError(f"engine_options: not EngineConfig option fields: {sorted(unknown)}")
     hints = typing.get_type_hints(EngineConfig)
     chosen = [f for f in engine_fields() if f.name not in skip]
+    # the keyword each option arrives as: the field's name, or the identifier of its spelling (--engine-warmup ->
+    # engine_warmup), so a command whose own flag has a field's name can still offer the field
+    param_names = {f.name: spellings[f.name].split("/")[0].lstrip("-").replace("-", "_") if f.name in spellings
+                   else f.name for f in chosen}
 
     def decorate(fn: Callable) -> Callable:
         sig = inspect.signature(fn)
@@ -80,23 +87,29 @@ def engine_options(*, exclude: Iterable[str] = (), defaults: Mapping[str, Any] |
         params = [p for p in sig.parameters.values() if p.name != "engine_config"]
         taken = {p.name for p in params}
         for f in chosen:
-            if f.name in taken:
-                raise TypeError(f"{fn.__name__} declares {f.name} itself; exclude it from engine_options")
+            if param_names[f.name] in taken:
+                raise TypeError(f"{fn.__name__} declares {param_names[f.name]} itself; exclude {f.name} from "
+                                "engine_options or spell its flag otherwise (names=)")
             default = overrides.get(f.name, f.default)
             flag = "--" + f.name.replace("_", "-")
             annotation = hints[f.name]
+            if default is None and type(None) not in typing.get_args(annotation):
+                annotation = annotation | None  # a command's "not given: derived from its other flags"
             if annotation is bool or annotation == bool | None:
                 decls = [spellings.get(f.name, f"{flag}/--no-{flag[2:]}")]
             else:
                 decls = [spellings.get(f.name, flag)]
             option = typer.Option(default, *decls, help=HELP[f.name])
-            params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option,
+            params.append(inspect.Parameter(param_names[f.name], inspect.Parameter.KEYWORD_ONLY, default=option,
                                             annotation=annotation))
 
         @functools.wraps(fn)
         def command(**kwargs: Any) -> Any:
-            values = {f.name: kwargs.pop(f.name) for f in chosen}
-            return fn(**kwargs, engine_config=EngineConfig(**values))
+            values = {f.name: kwargs.pop(param_names[f.name]) for f in chosen}
+            config = EngineConfig(**values)
+            _check(config, {f.name: spellings.get(f.name, "--" + f.name.replace("_", "-")).split("/")[0]
+                            for f in chosen})
+            return fn(**kwargs, engine_config=config)
 
         command.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
         return command
@@ -104,9 +117,44 @@ def engine_options(*, exclude: Iterable[str] = (), defaults: Mapping[str, Any] |
     return decorate
 
 
-def int_list(text: str, *, name: str = "value") -> tuple[int, ...]:
-    """``"4, 8,16"`` -> ``(4, 8, 16)``; empty items are skipped; anything else is a ConfigError naming ``name``."""
+def _check(config: EngineConfig, flags: Mapping[str, str]) -> None:
+    """EngineConfig's own validation at the command line, its error naming the flag (``Invalid value for
+    '--dtype': dtype must be ...``). Fields a command left as None ("derived") are checked at their default."""
+    import typer
+
+    derived = {f.name: f.default for f in engine_fields() if getattr(config, f.name) is None
+               and f.default is not None and f.default is not dataclasses.MISSING}
     try:
-        return tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise ConfigError(f"{name} must be comma-separated integers, got {text!r}") from None
+        dataclasses.replace(config, **derived).validated()
+    except ConfigError as exc:
+        field = str(exc).split(" ", 1)[0]  # EngineConfig.validated's messages open with the field's name
+        raise typer.BadParameter(str(exc), param_hint=f"'{flags[field]}'" if field in flags else None) from None
+
+
+@typing.overload
+def int_list(text: str, *, name: str = ..., optional: typing.Literal[False] = ...) -> tuple[int, ...]: ...
+@typing.overload
+def int_list(text: str, *, name: str = ..., optional: bool) -> tuple[int | None, ...]: ...
+
+
+def int_list(text: str, *, name: str = "value", optional: bool = False) -> tuple[int | None, ...]:
+    """``"4, 8,16"`` -> ``(4, 8, 16)``; empty items are skipped. With ``optional``, ``none`` (or ``null``, ``all``)
+    is an item too -> ``None`` ("no cap / trained size / whole context", ``"4,none"`` -> ``(4, None)``). Anything
+    else is a ConfigError naming ``name`` and the item."""
+    values: list[int | None] = []
+    for raw in text.split(","):
+        item = raw.strip().lower()
+        if not item:
+            continue
+        if item in ("none", "null", "all"):
+            if not optional:
+                raise ConfigError(f"{name} does not accept {raw.strip()!r}; give integers like 4,8")
+            values.append(None)
+            continue
+        try:
+            values.append(int(item))
+        except ValueError:
+            raise ConfigError(f"{name} must be comma-separated integers{' or none' if optional else ''}: "
+                              f"{raw.strip()!r} is not an integer{' or none' if optional else ''} (got {text!r})"
+                              ) from None
+    return tuple(values)

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import typer
 
-from ddtree.engine.options import int_list
+from ddtree.engine.config import EngineConfig
+from ddtree.engine.options import engine_options, int_list
 
 train_app = typer.Typer(
     name="train",
@@ -153,33 +154,33 @@ def drafter_command(
 
 
 @train_app.command("quality")
+# The engine's flags (--target, --draft, --device, --dtype, --max-batch, --cuda-graphs, ...) come from EngineConfig;
+# max_len and max_budget follow from the prompts and the budgets measured.
+@engine_options(exclude=("max_len", "max_budget"))
 def quality_command(
     out: Path = typer.Option(..., help="JSON report path (a markdown table is printed)."),
-    target: Path | None = typer.Option(None, help="Target directory (default: the embedded demo target)."),
-    draft: Path | None = typer.Option(None, help="Drafter directory (default: the embedded demo drafter)."),
     prompts: int = typer.Option(16, help="Held-out prompts."),
     prompt_len: int = typer.Option(1024, help="Tokens per prompt."),
     new_tokens: int = typer.Option(256, help="Greedy tokens generated per prompt (EOS ignored)."),
     budgets: str = typer.Option("8,16,32,64,128,256", help="Comma-separated DDTree budgets."),
-    device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N."),
-    dtype: str = typer.Option("auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16."),
-    max_batch: int = typer.Option(16, help="Requests decoded together."),
     held_out_fraction: float = typer.Option(0.04, help=_HELD_OUT_HELP),
     corpus_root: Path | None = typer.Option(None, help="Corpus folder (default: this interpreter's stdlib)."),
+    *,
+    engine_config: EngineConfig,
 ) -> None:
     """Measure AR / DFlash chain / DDTree acceptance with the engine on held-out prompts."""
+    from dataclasses import replace
+
     from ddtree.assets import demo_target_path
     from ddtree.engine import Engine
-    from ddtree.engine.config import EngineConfig
     from ddtree.train.quality import held_out_prompts, markdown_table, measure_acceptance, write_report
     from ddtree.train.runtime import environment
 
     budget_list = int_list(budgets, name="--budgets")
+    config = replace(engine_config, max_len=prompt_len + new_tokens + 16,
+                     max_budget=max(budget_list + (16,))).validated()
     corpus = _corpus(None, held_out_fraction, corpus_root)
-    rows = held_out_prompts(corpus, target or demo_target_path(), prompt_len, prompts)
-    config = EngineConfig(target=str(target) if target else None, draft=str(draft) if draft else None,
-                          device=device, dtype=dtype, max_batch=max_batch,
-                          max_len=prompt_len + new_tokens + 16, max_budget=max(budget_list + (16,)))
+    rows = held_out_prompts(corpus, config.target or demo_target_path(), prompt_len, prompts)
     engine = Engine.from_config(config)
     engine.start()
     try:

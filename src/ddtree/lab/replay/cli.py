@@ -7,6 +7,8 @@ from pathlib import Path
 
 import typer
 
+from ddtree.engine.config import EngineConfig
+from ddtree.engine.options import engine_options
 from ddtree.errors import ConfigError
 
 replay_app = typer.Typer(
@@ -46,6 +48,9 @@ def _list(text: str, *, what: str, optional: bool) -> tuple[int | None, ...]:
 
 
 @replay_app.command("record")
+# The engine's flags (--target, --draft, --device, --dtype, --max-len, ...) come from EngineConfig; the batch and the
+# budget and block limits follow from the prompts, --top-m and --block-size.
+@engine_options(exclude=("max_batch", "max_budget", "max_block_size"))
 def record(
     out: Path = typer.Option(Path("trace.safetensors"), help="Trace file to write."),
     prompts: Path | None = typer.Option(None, help="JSON-lines prompts ({\"prompt\": ...}); default: the 5 HumanEval gate prompts."),
@@ -53,13 +58,13 @@ def record(
     block_size: int | None = typer.Option(None, help="Draft block size (default: the drafter's trained size)."),
     draft_window: int | None = typer.Option(None, help="Drafter context window (default: all)."),
     top_m: int = typer.Option(64, help="Tokens kept per depth: the largest budget the trace can predict."),
-    target: str | None = typer.Option(None, help="Target model directory or hub id (default: the demo target)."),
-    draft: str | None = typer.Option(None, help="DFlash drafter directory or hub id (default: the demo drafter)."),
-    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
-    dtype: str = typer.Option("auto", help="auto, float32, bfloat16 or float16."),
+    *,
+    engine_config: EngineConfig,
 ) -> None:
     """Run the target greedily and record the drafter's marginals at every position."""
-    from ddtree.engine import Engine, EngineConfig
+    from dataclasses import replace
+
+    from ddtree.engine import Engine
     from ddtree.lab.replay.trace import record_trace
 
     if prompts is not None:
@@ -69,8 +74,9 @@ def record(
 
         problems = load_problems()
         texts = [problems[t]["prompt"] for t in GATE_TASKS]
-    engine = Engine.from_config(EngineConfig(target=target, draft=draft, device=device, dtype=dtype, max_batch=min(8, len(texts)),
-                                 max_len=4096, max_budget=max(64, top_m), max_block_size=block_size).validated())
+    config = replace(engine_config, max_batch=min(8, len(texts)), max_budget=max(64, top_m),
+                     max_block_size=block_size).validated()
+    engine = Engine.from_config(config)
     engine.start()
     try:
         trace = record_trace(engine, texts, max_tokens, block_size, draft_window, top_m=top_m, out=out)

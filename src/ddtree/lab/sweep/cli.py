@@ -14,6 +14,8 @@ from typing import Any
 
 import typer
 
+from ddtree.engine.config import EngineConfig
+from ddtree.engine.options import engine_options
 from ddtree.errors import ConfigError
 from ddtree.lab.sweep.grid import LaunchSpec, SweepConfig, parse_dim, parse_list
 from ddtree.lab.sweep.layout import RunLayout, read_json
@@ -132,6 +134,10 @@ def register(app: typer.Typer) -> None:
     register_replay(app)
 
 
+# The in-process engine's flags (--target, --draft, --device, --dtype, --max-batch, --max-len, --cuda-graphs, ...)
+# come from EngineConfig (ddtree.engine.options); --seed stays the workload's, and max_batch / max_len default to fit
+# the grid (sized_engine_config).
+@engine_options(exclude=("seed",), defaults={"max_batch": None, "max_len": None})
 def sweep(
     preset: str | None = typer.Option(None, help=f"Named sweep: {', '.join(PRESETS)} (seed = the users' campaign)."),
     config: Path | None = typer.Option(None, "--config", help="Sweep file (.toml; .yaml with PyYAML) with grid, dims, bench, gate and launch sections."),
@@ -174,20 +180,17 @@ def sweep(
     extra_body: str | None = typer.Option(None, help="JSON object merged into every request body."),
     api_key: str | None = typer.Option(None, help="Bearer token for the server."),
     request_timeout: float = typer.Option(600.0, help="Seconds per request before it counts as failed."),
-    target: str | None = typer.Option(None, help="In-process: target model directory or hub id (default: the demo target)."),
-    draft: str | None = typer.Option(None, help="In-process: DFlash drafter directory or hub id (default: the demo drafter)."),
-    device: str = typer.Option("auto", help="In-process: auto, cpu, cuda or cuda:N."),
-    dtype: str = typer.Option("auto", help="In-process: auto, float32, bfloat16 or float16."),
-    max_batch: int | None = typer.Option(None, help="In-process: KV slots (default: the highest concurrency)."),
-    max_len: int | None = typer.Option(None, help="In-process: tokens per request (default: fits the grid)."),
     out: Path = typer.Option(Path("results"), help="Directory that holds run directories."),
     run: str | None = typer.Option(None, help="Run directory name under --out (default: <preset>-<date>-<time>)."),
     resume: bool = typer.Option(False, help="Continue a run: skip finished cells, re-run failed ones."),
     no_report: bool = typer.Option(False, "--no-report", help="Do not write the report at the end."),
+    *,
+    engine_config: EngineConfig,
 ) -> None:
     """Measure tree settings (plus AR and DFlash baselines) on a context x concurrency matrix, then report."""
     from ddtree.lab.sweep.runner import SweepTarget, run_sweep, sized_engine_config
 
+    target, draft = engine_config.target, engine_config.draft
     profile = None
     if model is not None and engine in PROFILE_ENGINES and url is None and launch is None:
         profile = EngineProfile.build(engine, model, draft, extra_args=engine_args, options=engine_opt)
@@ -240,15 +243,15 @@ def sweep(
     mode = "launch" if launched else "url" if url else "inprocess"
     if cfg.profile is not None and engine == "auto":
         engine = cfg.profile.engine
-    engine_config = None
+    sized = None
     if mode == "inprocess":
-        from ddtree.engine.config import EngineConfig
-
-        base = EngineConfig(target=target, draft=draft, device=device, dtype=dtype)
-        engine_config = sized_engine_config(cfg, base, max_batch=max_batch, max_len=max_len)
+        # max_batch / max_len not given: None here, sized to the grid by sized_engine_config
+        base = dataclasses.replace(engine_config, target=target, max_batch=EngineConfig.max_batch,
+                                   max_len=EngineConfig.max_len)
+        sized = sized_engine_config(cfg, base, max_batch=engine_config.max_batch, max_len=engine_config.max_len)
     sweep_target = SweepTarget(
         mode=mode, url=url, engine=engine, model=model, endpoint=endpoint, tokenizer=tokenizer,  # type: ignore[arg-type]
-        extra_body=body, api_key=api_key, timeout_s=request_timeout, engine_config=engine_config,
+        extra_body=body, api_key=api_key, timeout_s=request_timeout, engine_config=sized,
     )
     outcome = run_sweep(cfg, sweep_target, run_dir, resume=resume, report=not no_report, slo=slo_limits)
     typer.echo(

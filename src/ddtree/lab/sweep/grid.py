@@ -416,24 +416,13 @@ class SweepConfig:
 
 # --------------------------------------------------------------------------------------------------- parsing
 def parse_list(text: str, *, what: str, optional: bool = False) -> tuple[int | None, ...]:
-    """``"4,8,none"`` -> ``(4, 8, None)``; ``none`` only where ``optional``."""
-    values: list[int | None] = []
-    for raw in text.split(","):
-        item = raw.strip().lower()
-        if not item:
-            continue
-        if item in ("none", "null", "all"):
-            if not optional:
-                raise ConfigError(f"--{what} does not accept {raw.strip()!r}; give integers like 4,8")
-            values.append(None)
-            continue
-        try:
-            values.append(int(item))
-        except ValueError:
-            raise ConfigError(f"--{what}: {raw.strip()!r} is not an integer{' or none' if optional else ''}") from None
+    """``"4,8,none"`` -> ``(4, 8, None)``; ``none`` only where ``optional`` (:func:`ddtree.engine.options.int_list`)."""
+    from ddtree.engine.options import int_list
+
+    values = int_list(text, name=f"--{what}", optional=optional)
     if not values:
         raise ConfigError(f"--{what} needs at least one value")
-    return tuple(values)
+    return values
 
 
 def parse_dim(text: str) -> tuple[str, tuple[str, ...]]:
