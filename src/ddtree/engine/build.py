@@ -19,6 +19,7 @@ from ddtree.engine.api import TreeSettings
 from ddtree.engine.config import EngineConfig
 from ddtree.engine.kernels import KernelSet
 from ddtree.engine.runner import ModelRunner
+from ddtree.engine.warmup import GraphDims, Warmup, WarmupPlan, build_steps, plan_bytes, plan_warmup
 from ddtree.errors import ConfigError
 from ddtree.models import fuse_projections
 
@@ -46,6 +47,7 @@ class EngineParts:
     prefill_graphs: object | None  # cuda_graphs.PrefillGraphs
     overlap: bool  # EngineConfig.overlap_rounds resolved for the device
     eos_ids: frozenset[int]
+    warmup: Warmup  # EngineConfig.warmup's plan over these graph sets, run by Engine.start (empty without graphs)
 
     @property
     def device(self) -> torch.device:
@@ -96,25 +98,48 @@ def build(target, drafter, tokenizer, config: EngineConfig, *, model_name: str) 
         _quantize_drafter(target, drafter, tokenizer, kernels=kernels.fused_ops)
     headroom = max(config.prefill_chunk, config.max_budget + 1, max_block) + 1
     max_batch = config.max_batch
+    graphed = bool(config.cuda_graphs and device.type == "cuda")
+    prefill_width = min(PREFILL_GRAPH_MAX_WIDTH, config.prefill_chunk) if config.prefill_graphs else None
+    block = (config.default_tree.block_size or trained_block_size) if drafter is not None else 1
+
+    def plan_for(slots: int) -> WarmupPlan:
+        if not graphed:
+            return WarmupPlan(level=config.warmup)
+        return plan_warmup(replace(config, max_batch=slots, max_block_size=max_block),
+                           cache_len=config.max_len + headroom, drafts=drafter is not None, block_size=block,
+                           prefill_max_width=prefill_width)
+
+    dims = GraphDims.of(target, drafter)
     if config.kv_memory_fraction is not None:
-        max_batch = _slots_from_memory(target, drafter, config, headroom, device)
+        # Graph memory comes out of the KV share: size once without it, estimate the plan at that batch, resize.
+        first = _slots_from_memory(target, drafter, config, headroom, device)
+        max_batch = _slots_from_memory(target, drafter, config, headroom, device,
+                                       reserved=plan_bytes(plan_for(first), dims))
     config = replace(config, max_batch=max_batch, max_block_size=max_block)
     cache_len = config.max_len + headroom
+    plan = plan_for(max_batch)
     runner = ModelRunner(target, drafter, slots=max_batch, cache_len=cache_len, kernels=kernels)
     graphs = prefill_graphs = None
     if config.cuda_graphs and device.type == "cuda":
         from ddtree.engine.cuda_graphs import PrefillGraphs, RoundGraphs
 
-        graphs = RoundGraphs(runner, max_rows=max_batch, cache_len=cache_len)
+        # Room for the whole plan and as many lazy shapes again as before the plan (its LRU never drops planned ones
+        # while misses stay below that).
+        graphs = RoundGraphs(runner, max_rows=max_batch, cache_len=cache_len, max_graphs=96 + len(plan.rounds))
         if config.prefill_graphs:
-            prefill_graphs = PrefillGraphs(runner, max_rows=max_batch,
-                                           max_width=min(PREFILL_GRAPH_MAX_WIDTH, config.prefill_chunk))
+            prefill_graphs = PrefillGraphs(runner, max_rows=max_batch, max_width=prefill_width,
+                                           max_graphs=max(32, len(plan.prefills) + 8))
+    warmup = Warmup(plan=plan, steps=build_steps(plan, graphs=graphs, prefill_graphs=prefill_graphs, runner=runner,
+                                                 dims=dims, prefill_chunk=config.prefill_chunk),
+                    graphs=graphs, prefill_graphs=prefill_graphs, dims=dims, device=device,
+                    estimated_bytes=plan_bytes(plan, dims))
     overlap = config.overlap_rounds if config.overlap_rounds is not None else device.type == "cuda"
     log.info("engine: %s on %s/%s, %d slots x %d tokens, KV %.1f MiB", model_name, device, config.dtype, max_batch,
              cache_len, runner.kv_bytes / 2**20)
     return EngineParts(target=target, drafter=drafter, tokenizer=tokenizer, config=config, model_name=model_name,
                        trained_block_size=trained_block_size, cache_len=cache_len, runner=runner, kernels=kernels,
-                       graphs=graphs, prefill_graphs=prefill_graphs, overlap=overlap, eos_ids=_eos_ids(target, tokenizer))
+                       graphs=graphs, prefill_graphs=prefill_graphs, overlap=overlap, eos_ids=_eos_ids(target, tokenizer),
+                       warmup=warmup)
 
 
 def default_tree(parts: EngineParts) -> TreeSettings:
@@ -151,19 +176,22 @@ def _model_paths(config: EngineConfig) -> tuple[str, str | None, str]:
     return target, draft, name
 
 
-def _slots_from_memory(target, drafter, config: EngineConfig, headroom: int, device: torch.device) -> int:
-    """KV slots that fit in ``kv_memory_fraction`` of the device's free memory (at least 1)."""
+def _slots_from_memory(target, drafter, config: EngineConfig, headroom: int, device: torch.device, *,
+                       reserved: int = 0) -> int:
+    """KV slots that fit in ``kv_memory_fraction`` of the device's free memory, less ``reserved`` bytes (the
+    warm-up plan's estimated graph memory, :func:`ddtree.engine.warmup.plan_bytes`); at least 1."""
     per_token = _kv_bytes_per_token(target) + (_kv_bytes_per_token(drafter) if drafter is not None else 0)
     per_slot = per_token * (config.max_len + headroom)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
     else:
         free = _host_available_bytes()
-    slots = int(free * float(config.kv_memory_fraction) // per_slot)
+    slots = int((free * float(config.kv_memory_fraction) - reserved) // per_slot)
     if slots < 1:
+        graphs = f" after {reserved / 2**30:.2f} GiB for the warm-up's graphs (lower --warmup)" if reserved else ""
         raise ConfigError(
             f"kv_memory_fraction {config.kv_memory_fraction} of {free / 2**30:.1f} GiB free holds no KV slot of "
-            f"{per_slot / 2**20:.1f} MiB; raise the fraction or lower max_len"
+            f"{per_slot / 2**20:.1f} MiB{graphs}; raise the fraction or lower max_len"
         )
     return slots
 

@@ -38,6 +38,10 @@ class EngineConfig:
     # default (one per core). 1 on a machine whose cores other processes keep busy: a round's ops are small, and an
     # OpenMP thread that waits at every op's barrier for a taken core costs more than it computes (docs/benchmarks.md).
     cpu_threads: int | None = None
+    # What Engine.start() captures before the engine reports ready (ddtree.engine.warmup): "none" (every shape on
+    # first use), "fast" (AR and the default tree, greedy, every batch and length bucket, prefill shapes), "full"
+    # (also every DDTree budget bucket, the chain, sampled rounds), or DDTree budgets "4,15,31" added to fast.
+    warmup: str = "fast"
     default_tree: TreeSettings = field(default_factory=TreeSettings)
     seed: int = 0
 
@@ -57,4 +61,27 @@ class EngineConfig:
         if self.cpu_threads is not None and (isinstance(self.cpu_threads, bool) or not isinstance(self.cpu_threads, int)
                                              or self.cpu_threads < 1):
             raise ConfigError(f"cpu_threads must be an integer >= 1 or None (torch's default), got {self.cpu_threads!r}")
+        _, budgets = parse_warmup(self.warmup)
+        if any(b > self.max_budget for b in budgets):
+            raise ConfigError(f"warmup budgets {list(budgets)} exceed max_budget {self.max_budget}")
         return self
+
+
+WARMUP_LEVELS = ("none", "fast", "full")
+
+
+def parse_warmup(text: str) -> tuple[str, tuple[int, ...]]:
+    """``EngineConfig.warmup`` -> (level, extra DDTree budgets): "none" / "fast" / "full", or comma-separated
+    budgets (level "fast" plus those budgets' graphs)."""
+    if not isinstance(text, str):
+        raise ConfigError(f"warmup must be none, fast, full or comma-separated budgets, got {text!r}")
+    if text in WARMUP_LEVELS:
+        return text, ()
+    try:
+        budgets = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        budgets = ()
+    if not budgets or any(b < 1 for b in budgets):
+        raise ConfigError(f"warmup must be none, fast, full or comma-separated DDTree budgets >= 1 (e.g. 4,15,31), "
+                          f"got {text!r}")
+    return "fast", budgets

@@ -15,7 +15,9 @@ pinned buffer is never rewritten while its previous copy is still queued.
 
 Padding rows (a bucket larger than the batch) point at the KV caches' scratch slot with budget 0, so their writes
 never touch a live request. Capture happens lazily the first time a key is seen (warm-up runs on a side stream
-first, as PyTorch requires) and is bounded by ``max_graphs`` (least recently used graphs are dropped).
+first, as PyTorch requires) and is bounded by ``max_graphs`` (least recently used graphs are dropped). The
+engine's start-up warm-up (:mod:`ddtree.engine.warmup`) captures a planned set through :meth:`RoundGraphs.capture`
+and :meth:`PrefillGraphs.capture` before it reports ready; ``max_graphs`` is then sized to hold the plan.
 """
 
 from __future__ import annotations
@@ -58,14 +60,20 @@ def bucket_length(length: int, cap: int) -> int:
 
 
 def graph_key(shape: RoundShape, *, max_rows: int, cache_len: int) -> RoundShape:
-    """The bucket a round falls in, as a shape of its own (every size rounded up, never down): the graph key."""
+    """The bucket a round falls in, as a shape of its own (every size rounded up, never down): the graph key.
+
+    The drafter's length is the verify's bucket too (``draft_kv_len`` is a static bound on every row's start, so a
+    larger one is exact): one length dimension instead of two, which halves the keys a warm-up must capture
+    (``ddtree.engine.warmup``); the drafter reads past its own bucket only for roots within a tree's nodes of a
+    bucket boundary."""
     nodes = bucket_nodes(shape.max_budget)
+    length = bucket_length(max(shape.kv_len - shape.max_budget + nodes, shape.draft_kv_len), cache_len)
     return RoundShape(
         rows=bucket_rows(shape.rows, max_rows),
         max_budget=nodes,
         block_size=shape.block_size,
-        kv_len=bucket_length(shape.kv_len - shape.max_budget + nodes, cache_len),
-        draft_kv_len=bucket_length(shape.draft_kv_len, cache_len),
+        kv_len=length,
+        draft_kv_len=length,
         greedy=shape.greedy,
         filtered=shape.filtered,
         contiguous=shape.contiguous,
@@ -140,6 +148,12 @@ class RoundGraphs:
                     graph.replay()
         return cap.work.result[:rows], PackedRows(packed.longs[:, :rows], packed.floats[:, :rows])
 
+    def capture(self, key: RoundShape) -> None:
+        """Capture the graphs of ``key`` (a graph key) now unless they exist: the warm-up's entry point."""
+        if key not in self.graphs:
+            with torch.inference_mode():
+                self._capture(key)
+
     def _capture(self, key: RoundShape) -> _Captured:
         runner = self.runner
         dev = runner.device
@@ -175,6 +189,11 @@ class PrefillKey:
     width: int  # chunk width bucket (power of two >= 16)
 
 
+def prefill_key(rows: int, width: int, max_rows: int) -> PrefillKey:
+    """The key of a prefill chunk of ``rows`` rows, the widest ``width`` tokens."""
+    return PrefillKey(rows=bucket_rows(rows, max_rows), width=max(16, 1 << (width - 1).bit_length()))
+
+
 @dataclass
 class _CapturedPrefill:
     packed: Tensor  # [rows * width + 2 * rows] long device: the ids row by row, then the slots, then valid lengths
@@ -207,7 +226,13 @@ class PrefillGraphs:
         self.captures = 0
 
     def key_for(self, rows: int, width: int) -> PrefillKey:
-        return PrefillKey(rows=bucket_rows(rows, self.max_rows), width=max(16, 1 << (width - 1).bit_length()))
+        return prefill_key(rows, width, self.max_rows)
+
+    def capture(self, key: PrefillKey) -> None:
+        """Capture ``key`` now unless it exists (the warm-up's entry point; counts against ``max_graphs``)."""
+        if key not in self.graphs:
+            with torch.inference_mode():
+                self._capture(key)
 
     def can_run(self, rows: int, width: int, starts: list[int]) -> bool:
         return self.runner.device.type == "cuda" and self.fits(rows, width, starts)

@@ -43,6 +43,7 @@ from ddtree.engine.config import EngineConfig
 from ddtree.engine.detok import IncrementalDetokenizer
 from ddtree.engine.request_state import RequestState
 from ddtree.engine.scheduler import Scheduler
+from ddtree.engine.warmup import Warmup, free_device_bytes
 from ddtree.errors import ConfigError, EngineError, InvalidRequestError, QueueFullError
 
 
@@ -107,10 +108,16 @@ class Engine(Scheduler):
         self._defaults = self._validate_tree(tree)
         return self._defaults
 
+    @property
+    def warmup(self) -> Warmup:
+        return self.parts.warmup
+
     def start(self) -> None:
-        """Start the engine thread and run a warm-up request; returns once the engine is ready."""
+        """Capture the warm-up plan (``EngineConfig.warmup``), start the engine thread and run a warm-up request;
+        returns once the engine is ready."""
         if self._thread is not None:
             return
+        self.parts.warmup.run(free_bytes=free_device_bytes(self.device))
         self._thread = threading.Thread(target=self._loop, name="ddtree-engine", daemon=True)
         self._thread.start()
         # The warm-up request is kept out of the metrics counters (RequestState.counted).
@@ -123,6 +130,7 @@ class Engine(Scheduler):
         """Refuse new work, let in-flight requests finish (cancel what is left after ``drain_timeout``), stop."""
         self._accepting = False
         self._ready = False
+        self.parts.warmup.close()
         deadline = time.monotonic() + drain_timeout
         while self._thread is not None and (self._active or self._waiting) and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -362,6 +370,7 @@ class Engine(Scheduler):
                 "bytes": self.runner.kv_bytes,
             },
             "drafter": self.drafter is not None,
+            "warmup": self.parts.warmup.info(),
         }
 
     # ---- validation helpers ------------------------------------------------------------------------------------

@@ -47,6 +47,8 @@ HELP: dict[str, str] = {
                  "may move; needs a GPU of compute capability >= 8.9).",
     "overlap_rounds": "Queue round n + 1 before reading round n while the batch is unchanged (default: on for CUDA).",
     "cpu_threads": "Torch intra-op threads on a CPU device (process-wide; default: torch's, one per core; 1 on a busy machine).",
+    "warmup": "What start-up captures before /health says ready: none, fast (AR + the default tree), full (every "
+              "budget bucket, chain, sampled), or DDTree budgets such as 4,15,31 added to fast.",
     "seed": "Engine seed.",
 }
 _NOT_OPTIONS = ("default_tree",)

@@ -1,0 +1,481 @@
+"""Start-up warm-up: which CUDA graphs (and so which Triton kernel variants) an engine captures before it is ready.
+
+Why: graphs are captured on first use of a shape bucket and a capture may compile Triton variants (0.4-1.2 s each
+on a fresh machine), so without this the first users of a fresh server wait seconds per new shape while ``/health``
+already says ready (issue 22). vLLM and SGLang capture a declared set of batch sizes at start-up; here the set is
+the :class:`WarmupPlan`, a pure function of the engine's configuration (:func:`plan_warmup`), and
+:class:`Warmup` executes it at :meth:`ddtree.engine.engine.Engine.start`, before the engine reports ready.
+
+Terms:
+
+- *round key*: a round's :class:`~ddtree.engine.round.RoundShape` bucketed by
+  :func:`~ddtree.engine.cuda_graphs.graph_key`: rows bucket x tree shape (block size, node bucket, contiguous) x
+  the cache-length bucket x the sampling flags (greedy, filtered; log-prob and min_tokens rounds are never planned).
+- *tree shape*: ``(block_size, node bucket, contiguous)``. AR is ``(1, 0, True)``, the DFlash chain at block B is
+  ``(B, bucket_nodes(B - 1), True)``, DDTree at budget b is ``(B, bucket_nodes(b), False)``.
+- *prefill key*: ``(rows bucket, width bucket)`` of a graphed first prefill chunk (:class:`PrefillKey`).
+
+Levels (``EngineConfig.warmup``; docs/architecture.md "Start-up warm-up" counts them for the stand-in):
+
+- ``none``: nothing planned; every shape captures lazily (the behaviour before the plan).
+- ``fast`` (the default): AR and the default tree, greedy, at every rows bucket and every length bucket; every
+  prefill key; the eager continuation chunks of one longest prompt (their Triton variants).
+- ``full``: ``fast`` plus the DFlash chain and DDTree at every node bucket up to ``max_budget`` (default block
+  size), each greedy, sampled and sampled with a top-p / top-k filter.
+- ``"4,15,31"`` (a comma-separated list of DDTree budgets): ``fast`` plus DDTree at those budgets' buckets, greedy.
+
+Worked example: ``max_batch=4, max_len=100, max_budget=8, prefill_chunk=16``, drafter of block 16, default tree
+DDTree b8. cache_len = 100 + 17 = 117: rows buckets {1, 2, 4}; length buckets of AR (nodes 0): {64, 117}; of b8
+(nodes 8): {64, 117} (9 + 0 .. 117 -> 64 or the cap). ``fast`` = 3 rows x (2 + 2) = 12 round keys.
+
+Shapes outside the plan still capture lazily; :class:`Warmup` counts them (and any Triton compilation after the
+warm-up) as misses, reported by :meth:`Warmup.info` (``Engine.info()["warmup"]``, ``/server_info``).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ddtree.engine.api import TreeSettings
+from ddtree.engine.config import EngineConfig, parse_warmup
+from ddtree.engine.cuda_graphs import PrefillKey, bucket_length, bucket_nodes, bucket_rows, prefill_key
+from ddtree.engine.round import RoundShape
+
+log = logging.getLogger("ddtree.engine")
+
+PREFILL_MAX_TOKENS = 8192  # cuda_graphs.PrefillGraphs' default max_tokens: rows x width of a graphed chunk
+
+TreeShape = tuple[int, int, bool]  # (block_size, node bucket, contiguous)
+SAMPLING_GREEDY: tuple[tuple[bool, bool], ...] = ((True, False),)  # (greedy, filtered)
+SAMPLING_ALL: tuple[tuple[bool, bool], ...] = ((True, False), (False, False), (False, True))
+
+
+@dataclass(frozen=True)
+class WarmupPlan:
+    """What a warm-up captures: round keys, prefill keys, and the starts of eager continuation chunks to run once
+    (width ``prefill_chunk``; they compile the prefill's Triton variants at those cache lengths)."""
+
+    level: str
+    rounds: tuple[RoundShape, ...] = ()
+    prefills: tuple[PrefillKey, ...] = ()
+    eager_prefill_starts: tuple[int, ...] = ()
+
+    @property
+    def graphs(self) -> int:
+        """Graph sets the plan captures (a round key is up to four stage graphs; a prefill key one)."""
+        return len(self.rounds) + len(self.prefills)
+
+
+def row_buckets(max_batch: int) -> list[int]:
+    """Every rows bucket a round of 1 .. max_batch requests falls in."""
+    return sorted({bucket_rows(n, max_batch) for n in range(1, max_batch + 1)})
+
+
+def length_buckets(nodes: int, cache_len: int) -> list[int]:
+    """Every cache-length bucket of a round with ``nodes`` tree nodes past the root: the verify reads
+    ``reach + nodes + 1`` positions for a furthest root at ``reach`` in 0 .. cache_len (graph_key caps at the cache)."""
+    return sorted({bucket_length(reach + nodes + 1, cache_len) for reach in range(cache_len + 1)})
+
+
+def tree_shapes(level: str, budgets: tuple[int, ...], *, drafts: bool, block_size: int, default: TreeSettings,
+                max_budget: int) -> list[TreeShape]:
+    """The (block size, node bucket, contiguous) triples a level covers; AR always, nothing else without a drafter.
+
+    ``block_size`` is the default tree's resolved block size: every drafting shape is planned at it only (requests
+    that ask for another block size capture lazily)."""
+    shapes: set[TreeShape] = {(1, 0, True)}
+    if not drafts or level == "none":
+        return sorted(shapes) if level != "none" else []
+    chain: TreeShape = (block_size, bucket_nodes(block_size - 1), True)
+    if default.method == "dflash":
+        shapes.add(chain)
+    elif default.method == "ddtree":
+        shapes.add((block_size, bucket_nodes(default.budget), False))
+    if level == "full":
+        shapes.add(chain)
+        shapes.update((block_size, bucket_nodes(b), False) for b in range(1, max_budget + 1))
+    shapes.update((block_size, bucket_nodes(b), False) for b in budgets)
+    return sorted(shapes)
+
+
+def prefill_keys(*, max_batch: int, prefill_chunk: int, max_width: int, max_len: int,
+                 max_tokens: int = PREFILL_MAX_TOKENS) -> list[PrefillKey]:
+    """Every key of a first prefill chunk the scheduler can graph: r rows (1 .. max_batch) of widths up to w, where
+    one row takes w tokens and the others at least one each of the step's ``prefill_chunk`` (w + r - 1 <=
+    prefill_chunk), a prompt is shorter than max_len, and the key stays within ``max_width`` and ``max_tokens``
+    (:meth:`~ddtree.engine.cuda_graphs.PrefillGraphs.fits`)."""
+    keys: set[PrefillKey] = set()
+    for r in range(1, min(max_batch, prefill_chunk) + 1):
+        for w in range(1, min(prefill_chunk - r + 1, max_len - 1) + 1):
+            key = prefill_key(r, w, max_batch)
+            if key.width <= max_width and key.rows * key.width <= max_tokens:
+                keys.add(key)
+    return sorted(keys, key=lambda k: (k.rows, k.width))
+
+
+def plan_warmup(config: EngineConfig, *, cache_len: int, drafts: bool, block_size: int,
+                prefill_max_width: int | None) -> WarmupPlan:
+    """The warm-up plan of a built engine's ``config`` (``max_batch`` resolved). Pure: no device, no models.
+
+    cache_len: KV positions per slot (build: max_len + headroom). drafts: the engine has a drafter. block_size: the
+    default tree's resolved block size. prefill_max_width: widest graphed prefill chunk (None: prefill graphs off)."""
+    level, budgets = parse_warmup(config.warmup)
+    if level == "none":
+        return WarmupPlan(level=config.warmup)
+    sampling = SAMPLING_ALL if level == "full" else SAMPLING_GREEDY
+    rounds: list[RoundShape] = []
+    for block, nodes, contiguous in tree_shapes(level, budgets, drafts=drafts, block_size=block_size,
+                                                default=config.default_tree, max_budget=config.max_budget):
+        for rows in row_buckets(config.max_batch):
+            for length in length_buckets(nodes, cache_len):
+                for greedy, filtered in sampling:
+                    rounds.append(RoundShape(rows=rows, max_budget=nodes, block_size=block, kv_len=length,
+                                             draft_kv_len=length, greedy=greedy, filtered=filtered,
+                                             contiguous=contiguous))
+    prefills = [] if prefill_max_width is None else prefill_keys(
+        max_batch=config.max_batch, prefill_chunk=config.prefill_chunk, max_width=prefill_max_width,
+        max_len=config.max_len)
+    chunk = config.prefill_chunk
+    starts = tuple(range(chunk, config.max_len - 1, chunk))
+    return WarmupPlan(level=config.warmup, rounds=tuple(rounds), prefills=tuple(prefills),
+                      eager_prefill_starts=starts)
+
+
+# ---- memory ------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GraphDims:
+    """The sizes a graph's memory follows: vocabulary, target hidden / MLP width, the drafter's feature width."""
+
+    vocab: int
+    hidden: int
+    intermediate: int
+    features: int  # target features the drafter reads per node (0 without a drafter)
+    elem: int  # bytes per element of the model dtype
+
+    @classmethod
+    def of(cls, target, drafter) -> GraphDims:
+        c = target.config
+        elem = next(target.parameters()).element_size()
+        features = int(drafter.config.feature_size) if drafter is not None else 0
+        return cls(vocab=int(c.vocab_size), hidden=int(c.hidden_size), intermediate=int(c.intermediate_size),
+                   features=features, elem=elem)
+
+
+def round_bytes(key: RoundShape, dims: GraphDims) -> tuple[int, int]:
+    """Estimated (persistent, transient) bytes of one captured round key.
+
+    Persistent: the stage outputs a key keeps between replays (draft logits ``[R, L, V]``, target features
+    ``[R, N, F]``, trees and visibility ``[R, N, N / 8]``). Transient: the verify's peak (fp32 logits ``[R, N, V]``
+    and the MLP's ``[R, N, 2I]``), freed into the pool every key shares, so only the largest counts."""
+    r, n, lb = key.rows, key.max_budget + 1, key.block_size - 1
+    persistent = r * lb * dims.vocab * dims.elem + r * n * (dims.features * dims.elem + n // 8 + 64) + (1 << 16)
+    transient = r * n * (4 * dims.vocab + dims.elem * (3 * dims.intermediate + 6 * dims.hidden))
+    if lb:
+        transient = max(transient, r * lb * 4 * dims.vocab)
+    return persistent, transient
+
+
+def prefill_bytes(key: PrefillKey, dims: GraphDims) -> tuple[int, int]:
+    """Estimated (persistent, transient) bytes of one prefill key: its ``[rows, V]`` logits; a chunk's activations."""
+    tokens = key.rows * key.width
+    return key.rows * dims.vocab * 4, tokens * dims.elem * (3 * dims.intermediate + 6 * dims.hidden + dims.features)
+
+
+def plan_bytes(plan: WarmupPlan, dims: GraphDims) -> int:
+    """Estimated graph memory of a whole plan: every key's persistent outputs plus the largest transient per pool."""
+    total = 0
+    for sizes in ([round_bytes(k, dims) for k in plan.rounds], [prefill_bytes(k, dims) for k in plan.prefills]):
+        if sizes:
+            total += sum(p for p, _ in sizes) + max(t for _, t in sizes)
+    return total
+
+
+def fit_plan(plan: WarmupPlan, dims: GraphDims, available: int) -> tuple[WarmupPlan, int]:
+    """``plan`` without its largest round keys until its estimate fits ``available`` bytes -> (plan, keys dropped).
+
+    Why the largest: they hold the most memory per key and are met least (full batches at long contexts)."""
+    if plan_bytes(plan, dims) <= available:
+        return plan, 0
+    rounds = sorted(plan.rounds, key=lambda k: sum(round_bytes(k, dims)))
+    prefills = sorted(plan.prefills, key=lambda k: sum(prefill_bytes(k, dims)))
+    dropped = 0
+    while rounds or prefills:
+        fitted = replace(plan, rounds=tuple(rounds), prefills=tuple(prefills))
+        if plan_bytes(fitted, dims) <= available:
+            return fitted, dropped
+        last_round = sum(round_bytes(rounds[-1], dims)) if rounds else -1
+        last_prefill = sum(prefill_bytes(prefills[-1], dims)) if prefills else -1
+        (rounds if last_round >= last_prefill else prefills).pop()
+        dropped += 1
+    return replace(plan, rounds=(), prefills=()), dropped
+
+
+# ---- Triton compilations -----------------------------------------------------------------------------------------
+class CompileCounter:
+    """Counts Triton compilations through ``triton.knobs.compilation.listener`` (as ``benchmarks/gpu.py``'s
+    ``CompileLog`` does), forwarding each event to the listener installed before it, so both keep working.
+
+    The hook is process-wide: with two engines in one process each counts every compilation."""
+
+    def __init__(self) -> None:
+        self.compiled = 0  # compilations the disk cache did not serve
+        self.disk_hits = 0
+        self.seconds = 0.0
+        self._previous: Callable[..., Any] | None = None
+        self._installed = False
+
+    def install(self) -> bool:
+        """Listen from now on; False where Triton (3.4+, with ``knobs``) is missing: then nothing is counted."""
+        try:
+            from triton import knobs
+        except ImportError:
+            return False
+        if not self._installed:
+            self._previous = knobs.compilation.listener
+            knobs.compilation.listener = self
+            self._installed = True
+        return True
+
+    def uninstall(self) -> None:
+        """Give the hook back to the previous listener (only if nobody replaced this one meanwhile)."""
+        if not self._installed:
+            return
+        from triton import knobs
+
+        if knobs.compilation.listener is self:
+            knobs.compilation.listener = self._previous
+        self._installed = False
+
+    @property
+    def total(self) -> int:
+        return self.compiled + self.disk_hits
+
+    def __call__(self, *, src, metadata, metadata_group, times, cache_hit) -> None:
+        if cache_hit:
+            self.disk_hits += 1
+        else:
+            self.compiled += 1
+        self.seconds += (times.ir_initialization + sum(d for _, d in times.lowering_stages) + times.store_results) / 1e6
+        if self._previous is not None:
+            self._previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
+
+
+# ---- execution ---------------------------------------------------------------------------------------------------
+@dataclass
+class WarmupStep:
+    """One unit of warm-up work: a graph capture (``graph=True``, counted in the progress) or an eager run."""
+
+    label: str
+    run: Callable[[], None]
+    graph: bool = True
+    bytes: int = 0  # estimated graph memory it adds
+
+
+@dataclass
+class Warmup:
+    """Runs a plan once and reports it. States: ``pending`` -> ``running`` -> ``done`` (also on a CPU, where the
+    plan is empty). A step that fails (out of memory, a capture refused) is dropped with a warning, never fatal:
+    the shape then captures lazily, as without a plan."""
+
+    plan: WarmupPlan
+    steps: list[WarmupStep] = field(default_factory=list)
+    graphs: Any = None  # cuda_graphs.RoundGraphs
+    prefill_graphs: Any = None  # cuda_graphs.PrefillGraphs
+    dims: GraphDims | None = None
+    device: Any = None  # torch.device
+    state: str = "pending"
+    done: int = 0
+    dropped: int = 0  # keys left out for memory (before the run) or whose capture failed
+    seconds: float = 0.0
+    estimated_bytes: int = 0
+    graph_bytes: int | None = None  # measured: device memory the run took (CUDA only)
+    compiles: CompileCounter = field(default_factory=CompileCounter)
+    compiles_during: tuple[int, int] = (0, 0)  # (compiled, disk hits) during the run
+    listening: bool = False
+    _captures_after: tuple[int, int] = (0, 0)  # graph captures when the run ended (later ones are misses)
+    _compiles_after: int = 0  # compilations counted when the run ended
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def total(self) -> int:
+        return sum(1 for s in self.steps if s.graph)
+
+    def message(self) -> str:
+        """What ``/health`` says while the engine is not ready."""
+        if self.state == "done":
+            return "warm"
+        if self.state == "pending":
+            return f"loading; warm-up of {self.total} graphs next"
+        return f"warming up: {self.done}/{self.total} graphs"
+
+    def run(self, *, free_bytes: Callable[[], int] | None = None, reserve_bytes: int = 1 << 30) -> None:
+        """Execute every step in order (smallest graphs first), with progress; idempotent.
+
+        free_bytes: the device's free memory now (CUDA); with it the plan is cut to what fits first (largest
+        keys dropped, with a warning) and the memory the run took is measured."""
+        if self.state != "pending":
+            return
+        self.state = "running"
+        self.listening = self.compiles.install()
+        before = (self.compiles.compiled, self.compiles.disk_hits)
+        free0 = free_bytes() if free_bytes is not None else None
+        if free0 is not None and self.dims is not None:
+            plan, dropped = fit_plan(self.plan, self.dims, max(0, free0 - reserve_bytes))
+            if dropped:
+                log.warning("warm-up: %d of %d planned graphs do not fit in the %.1f GiB free (estimate); the "
+                            "largest are left to capture lazily", dropped, self.plan.graphs, free0 / 2**30)
+                keep = set(plan.rounds) | set(plan.prefills)
+                self.steps = [s for s in self.steps if not isinstance(s, KeyStep) or s.key in keep]
+                self.dropped += dropped
+        t0 = time.perf_counter()
+        with _progress(self.total) as advance:
+            for step in self.steps:
+                try:
+                    step.run()
+                except Exception as exc:  # one shape failing must not take the server down
+                    log.warning("warm-up step %s failed (%s: %s); it will capture lazily", step.label,
+                                type(exc).__name__, exc)
+                    self.dropped += step.graph
+                if step.graph:
+                    with self._lock:
+                        self.done += 1
+                    advance(step.label)
+        self.seconds = time.perf_counter() - t0
+        if free0 is not None and free_bytes is not None:
+            self.graph_bytes = max(0, free0 - free_bytes())
+        self.compiles_during = (self.compiles.compiled - before[0], self.compiles.disk_hits - before[1])
+        self._captures_after = self._captures()
+        self._compiles_after = self.compiles.total
+        self.state = "done"
+        log.info("warm-up (%s): %d graphs in %.1f s, %d Triton compilations (%d from the disk cache), %d dropped",
+                 self.plan.level, self.done - self.dropped, self.seconds, sum(self.compiles_during),
+                 self.compiles_during[1], self.dropped)
+
+    def _captures(self) -> tuple[int, int]:
+        return (self.graphs.captures if self.graphs is not None else 0,
+                self.prefill_graphs.captures if self.prefill_graphs is not None else 0)
+
+    def info(self) -> dict[str, Any]:
+        """``Engine.info()["warmup"]``: the plan, the run, and the misses since (lazy captures, compilations)."""
+        out: dict[str, Any] = {
+            "level": self.plan.level, "state": self.state, "graphs_planned": self.total, "graphs_done": self.done,
+            "round_keys": len(self.plan.rounds), "prefill_keys": len(self.plan.prefills),
+            "eager_prefill_chunks": len(self.plan.eager_prefill_starts), "dropped": self.dropped,
+            "seconds": round(self.seconds, 3), "estimated_graph_bytes": self.estimated_bytes,
+            "graph_bytes": self.graph_bytes, "compile_listener": self.listening,
+            "triton_compiled": self.compiles_during[0], "triton_disk_hits": self.compiles_during[1],
+        }
+        if self.state == "done":
+            rounds, prefills = self._captures()
+            out["misses"] = {"round_graphs": rounds - self._captures_after[0],
+                             "prefill_graphs": prefills - self._captures_after[1],
+                             "triton_compiles": self.compiles.total - self._compiles_after}
+        return out
+
+    def close(self) -> None:
+        self.compiles.uninstall()
+
+
+def _progress(total: int):
+    """A context giving ``advance(label)``: a rich progress bar on a terminal, log lines (about every 10%) otherwise."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def bar():
+        if total and sys.stderr.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            with Progress(TextColumn("warm-up"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                          TextColumn("{task.description}"), transient=True) as progress:
+                task = progress.add_task("", total=total)
+                yield lambda label: progress.update(task, advance=1, description=label)
+            return
+        every = max(1, total // 10)
+        count = [0]
+
+        def advance(label: str) -> None:
+            count[0] += 1
+            if count[0] % every == 0 or count[0] == total:
+                log.info("warm-up: %d/%d graphs (%s)", count[0], total, label)
+
+        yield advance
+
+    return bar()
+
+
+@dataclass
+class KeyStep(WarmupStep):
+    """A step that captures one planned key (what :func:`fit_plan` may drop)."""
+
+    key: Any = None
+
+
+def build_steps(plan: WarmupPlan, *, graphs, prefill_graphs, runner, dims: GraphDims | None,
+                prefill_chunk: int) -> list[WarmupStep]:
+    """The plan as executable steps over a built engine's graph sets and runner, smallest first (so that when
+    memory runs out, what is left uncaptured is the largest), then the eager continuation chunks."""
+    steps: list[KeyStep] = []
+    if graphs is not None:
+        for key in plan.rounds:
+            steps.append(KeyStep(label=_round_label(key), run=lambda k=key: graphs.capture(k), key=key,
+                                  bytes=sum(round_bytes(key, dims)) if dims else 0))
+    if prefill_graphs is not None:
+        for key in plan.prefills:
+            steps.append(KeyStep(label=f"prefill {key.rows}x{key.width}", run=lambda k=key: prefill_graphs.capture(k),
+                                  key=key, bytes=sum(prefill_bytes(key, dims)) if dims else 0))
+    steps.sort(key=lambda s: s.bytes)
+    out: list[WarmupStep] = list(steps)
+    for start in plan.eager_prefill_starts if graphs is not None else ():
+        out.append(WarmupStep(label=f"eager prefill at {start}",
+                              run=lambda s=start: _eager_chunk(runner, s, prefill_chunk), graph=False))
+    return out
+
+
+def _round_label(key: RoundShape) -> str:
+    kind = "AR" if key.block_size == 1 else ("chain" if key.contiguous else "tree")
+    return (f"{kind} rows {key.rows} nodes {key.max_budget} len {key.kv_len}"
+            f"{'' if key.greedy else ' sampled' + (' filtered' if key.filtered else '')}")
+
+
+def _eager_chunk(runner, start: int, chunk: int) -> None:
+    """One eager continuation chunk (width = the rest of the cache or the chunk) into the scratch slot at ``start``:
+    compiles the prefill's Triton variants at that cache length. The scratch slot holds garbage by design."""
+    import torch
+
+    from ddtree.engine.runner import PrefillInputs
+
+    width = min(chunk, runner.target_cache.max_len - start)
+    if width <= 0:
+        return
+    dev = runner.device
+    scratch = runner.target_cache.scratch_slot
+    one = lambda v: torch.tensor([v], dtype=torch.long, device=dev)  # noqa: E731
+    runner.prefill(PrefillInputs(ids=torch.zeros((1, width), dtype=torch.long, device=dev), slots=one(scratch),
+                                 start=one(start), valid_len=one(width), last_index=one(width - 1),
+                                 kv_len=start + width))
+
+
+def disabled(level: str = "none") -> Warmup:
+    """A warm-up with nothing to do (an engine without graphs: the CPU, ``cuda_graphs=False``)."""
+    return Warmup(plan=WarmupPlan(level=level))
+
+
+def plan_summary(plans: Sequence[WarmupPlan]) -> list[dict[str, int | str]]:
+    """Sizes of plans, for the docs' table: level, round keys, prefill keys, eager chunks."""
+    return [{"level": p.level, "round_keys": len(p.rounds), "prefill_keys": len(p.prefills),
+             "eager_prefill_chunks": len(p.eager_prefill_starts)} for p in plans]
+
+
+def free_device_bytes(device) -> Callable[[], int] | None:
+    """The device's free memory as a callable (CUDA), None elsewhere: what :meth:`Warmup.run` fits the plan to."""
+    if getattr(device, "type", None) != "cuda":
+        return None
+    import torch
+
+    return lambda: int(torch.cuda.mem_get_info(device)[0])

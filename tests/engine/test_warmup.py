@@ -1,0 +1,226 @@
+"""The start-up warm-up plan (ddtree.engine.warmup): its size against hand counts, its coverage of every round the
+real scheduler builds (a property test over random request mixes), the memory fit, and the state machine on a CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ddtree.engine import EngineConfig, GenerationRequest, SamplingParams, TreeSettings
+from ddtree.engine.config import parse_warmup
+from ddtree.engine.cuda_graphs import PrefillKey, graph_key, prefill_key
+from ddtree.engine.round import RoundShape
+from ddtree.engine.warmup import (
+    GraphDims,
+    Warmup,
+    WarmupPlan,
+    WarmupStep,
+    fit_plan,
+    plan_bytes,
+    plan_warmup,
+    round_bytes,
+)
+from ddtree.errors import ConfigError
+
+
+def _plan(cfg: EngineConfig, *, block: int = 16, drafts: bool = True) -> WarmupPlan:
+    headroom = max(cfg.prefill_chunk, cfg.max_budget + 1, block) + 1  # build.build's headroom
+    return plan_warmup(cfg, cache_len=cfg.max_len + headroom, drafts=drafts, block_size=block,
+                       prefill_max_width=min(1024, cfg.prefill_chunk))
+
+
+def test_plan_of_the_module_docstring_example():
+    # cache_len 117: rows {1, 2, 4}; lengths {64, 117} for AR and for b8 -> 3 x (2 + 2) round keys
+    cfg = EngineConfig(max_batch=4, max_len=100, max_budget=8, prefill_chunk=16,
+                       default_tree=TreeSettings(budget=8))
+    plan = _plan(cfg)
+    assert len(plan.rounds) == 12
+    assert {(k.rows, k.max_budget, k.kv_len) for k in plan.rounds} == {
+        (r, n, length) for r in (1, 2, 4) for n in (0, 8) for length in (64, 117)}
+    assert plan.prefills == tuple(PrefillKey(rows=r, width=16) for r in (1, 2, 4))
+    assert plan.eager_prefill_starts == (16, 32, 48, 64, 80, 96)
+
+
+def test_plan_sizes_against_hand_counts():
+    # max_batch 6 -> rows {1, 2, 4, 6}; cache_len 2000 + 65 = 2065 -> lengths {64, ..., 2048, 2065}: 7 per shape
+    cfg = EngineConfig(max_batch=6, max_len=2000, max_budget=8, prefill_chunk=64, default_tree=TreeSettings(budget=8))
+    assert len(_plan(cfg).rounds) == 4 * 7 * 2  # fast: AR + the default b8
+    # full: AR, the chain (nodes 15), DDTree nodes {1, 2, 3, 4, 7, 8}: 8 shapes x 3 sampling variants
+    assert len(_plan(dataclasses.replace(cfg, warmup="full")).rounds) == 4 * 7 * 8 * 3
+    # declared budgets 3 and 5 add nodes 3 and 7
+    assert len(_plan(dataclasses.replace(cfg, warmup="3,5")).rounds) == 4 * 7 * 4
+    assert len(_plan(dataclasses.replace(cfg, warmup="none")).rounds) == 0
+    # prefill: one row takes up to 64 - (rows - 1) >= 59 tokens, so every rows bucket meets widths 16, 32 and 64
+    assert len(_plan(cfg).prefills) == 4 * 3
+    assert len(_plan(cfg).eager_prefill_starts) == 31  # 64, 128, ..., 1984
+    # without a drafter every level is AR only
+    assert len(_plan(dataclasses.replace(cfg, warmup="full"), drafts=False).rounds) == 4 * 7 * 3
+
+
+def test_warmup_values_are_validated_at_the_edge():
+    assert parse_warmup("fast") == ("fast", ())
+    assert parse_warmup("4, 15,31") == ("fast", (4, 15, 31))
+    for bad in ("quick", "", "0", "4,x"):
+        with pytest.raises(ConfigError, match="warmup must be"):
+            parse_warmup(bad)
+    with pytest.raises(ConfigError, match="exceed max_budget"):
+        EngineConfig(max_budget=16, warmup="4,32").validated()
+
+
+def test_fit_plan_drops_the_largest_keys_first():
+    dims = GraphDims(vocab=1000, hidden=64, intermediate=128, features=128, elem=2)
+    cfg = EngineConfig(max_batch=8, max_len=300, max_budget=16, prefill_chunk=32)
+    plan = _plan(cfg)
+    full = plan_bytes(plan, dims)
+    fitted, dropped = fit_plan(plan, dims, full // 2)
+    assert 0 < dropped < plan.graphs and plan_bytes(fitted, dims) <= full // 2
+    kept = max(sum(round_bytes(k, dims)) for k in fitted.rounds)
+    left_out = set(plan.rounds) - set(fitted.rounds)
+    assert left_out and min(sum(round_bytes(k, dims)) for k in left_out) >= kept
+    assert fit_plan(plan, dims, full) == (plan, 0)
+
+
+def test_state_machine_counts_steps_and_drops_a_failing_one(caplog):
+    seen = []
+
+    def boom() -> None:
+        raise RuntimeError("no room")
+
+    warmup = Warmup(plan=WarmupPlan(level="fast"), steps=[
+        WarmupStep("a", lambda: seen.append("a")), WarmupStep("b", boom), WarmupStep("c", lambda: seen.append("c")),
+        WarmupStep("eager", lambda: seen.append("eager"), graph=False)])
+    assert warmup.state == "pending" and warmup.message() == "loading; warm-up of 3 graphs next"
+    warmup.run()
+    assert seen == ["a", "c", "eager"]
+    assert warmup.state == "done" and warmup.done == 3 and warmup.dropped == 1
+    assert "warm-up step b failed" in caplog.text
+    info = warmup.info()
+    assert info["graphs_planned"] == 3 and info["misses"] == {"round_graphs": 0, "prefill_graphs": 0,
+                                                               "triton_compiles": 0}
+    warmup.run()  # idempotent
+    assert seen == ["a", "c", "eager"]
+
+
+def test_cpu_engine_runs_the_same_state_machine_with_an_empty_plan(tiny_engine_factory):
+    engine = tiny_engine_factory(max_batch=2, max_len=64, max_budget=16, warmup="full")
+    info = engine.info()["warmup"]
+    assert info["state"] == "done" and info["level"] == "full"
+    assert info["graphs_planned"] == 0 and info["misses"]["round_graphs"] == 0
+
+
+# ---- coverage: every round the scheduler builds falls in the plan -----------------------------------------------
+MAX_BATCH, MAX_LEN, MAX_BUDGET, CHUNK = 4, 96, 12, 24
+_ENGINES: dict[str, object] = {}
+
+
+def _engine(level: str, tiny_pair, tiny_tokenizer):
+    """One CPU engine per level (the tiny pair, block 8), its rounds' shapes and prefill chunks recorded."""
+    if level not in _ENGINES:
+        from ddtree.engine import Engine
+
+        target, drafter = tiny_pair
+        cfg = EngineConfig(max_batch=MAX_BATCH, max_len=MAX_LEN, max_budget=MAX_BUDGET, prefill_chunk=CHUNK,
+                           overlap_rounds=True, warmup=level, default_tree=TreeSettings(budget=6))
+        engine = Engine.from_models(target, drafter, tiny_tokenizer, cfg, model_name="tiny")
+        engine.shapes, engine.prefills = [], []
+        queue, prefill = engine._queue, engine.runner.prefill
+
+        def recording_queue(states, rows, shape, *, _q=queue, _e=engine):
+            _e.shapes.append(shape)
+            return _q(states, rows, shape)
+
+        def recording_prefill(inp, *, _p=prefill, _e=engine, **kw):
+            _e.prefills.append((inp.ids.shape[0], inp.ids.shape[1], bool(inp.start.any())))
+            return _p(inp, **kw)
+
+        engine._queue = recording_queue
+        engine.runner.prefill = recording_prefill
+        engine.start()
+        _ENGINES[level] = engine
+    return _ENGINES[level]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shutdown_engines():
+    yield
+    for engine in _ENGINES.values():
+        engine.shutdown(drain_timeout=0)
+    _ENGINES.clear()
+
+
+def _requests(draw, level: str) -> tuple[list[GenerationRequest], int]:
+    """A random request mix inside what ``level`` declares (see ddtree.engine.warmup's module docstring)."""
+    _, budgets = parse_warmup(level)
+    n = draw(st.integers(1, 7))
+    out = []
+    for _ in range(n):
+        if level == "full":
+            method = draw(st.sampled_from(["ar", "dflash", "ddtree"]))
+            budget = draw(st.integers(1, MAX_BUDGET))
+            temperature = draw(st.sampled_from([0.0, 0.8]))
+            top_p, top_k = draw(st.sampled_from([(1.0, 0), (0.9, 0), (1.0, 5)]))
+        else:
+            method = draw(st.sampled_from(["ar", "ddtree"]))
+            budget = draw(st.sampled_from([6, *budgets]))
+            temperature, top_p, top_k = 0.0, 1.0, 0
+        prompt = draw(st.integers(1, 70))
+        new = draw(st.integers(1, MAX_LEN - prompt))
+        out.append(GenerationRequest(
+            prompt_token_ids=[5 + (i * 7) % 200 for i in range(prompt)], tree=TreeSettings(method=method, budget=budget),
+            sampling=SamplingParams(max_tokens=min(new, 24), temperature=temperature, top_p=top_p, top_k=top_k,
+                                    seed=1, ignore_eos=True)))
+    return out, draw(st.integers(1, n))
+
+
+def _check_covered(engine, plan: WarmupPlan) -> None:
+    keys = set(plan.rounds)
+    for shape in engine.shapes:
+        key = graph_key(shape, max_rows=MAX_BATCH, cache_len=engine.cache_len)
+        assert key in keys, f"round {shape} -> key {key} is outside the {plan.level!r} plan"
+    prefills = set(plan.prefills)
+    for rows, width, continued in engine.prefills:
+        key = prefill_key(rows, width, MAX_BATCH)
+        if not continued and key.width <= CHUNK:
+            assert key in prefills, f"prefill chunk {rows}x{width} -> {key} is outside the plan"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level", ["fast", "full", "3,9"])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_request_mixes_stay_inside_the_plan(level, data, tiny_pair, tiny_tokenizer):
+    engine = _engine(level, tiny_pair, tiny_tokenizer)
+    plan = plan_warmup(engine.config, cache_len=engine.cache_len, drafts=True, block_size=8,
+                       prefill_max_width=min(1024, CHUNK))
+    engine.shapes.clear()
+    engine.prefills.clear()
+    requests, in_flight = _requests(data.draw, level)
+    outputs = engine.generate(requests, max_in_flight=in_flight)
+    assert all(o.error is None for o in outputs), [o.error for o in outputs]
+    _check_covered(engine, plan)
+
+
+@pytest.mark.slow
+def test_the_coverage_check_can_fail(tiny_pair, tiny_tokenizer):
+    """A request outside the declared space (log-probs; a budget the fast plan does not hold) gives a key outside
+    the plan, so the property above is not vacuous."""
+    engine = _engine("fast", tiny_pair, tiny_tokenizer)
+    plan = plan_warmup(engine.config, cache_len=engine.cache_len, drafts=True, block_size=8,
+                       prefill_max_width=min(1024, CHUNK))
+    for extra in ({"sampling": SamplingParams(max_tokens=4, logprobs=1)},
+                  {"tree": TreeSettings(budget=12), "sampling": SamplingParams(max_tokens=4)}):
+        engine.shapes.clear()
+        engine.generate([GenerationRequest(prompt_token_ids=[5, 6, 7], **extra)])
+        with pytest.raises(AssertionError, match="outside"):
+            _check_covered(engine, plan)
+
+
+def test_round_shape_type_is_the_plan_key():
+    # the plan's keys are RoundShapes with both lengths equal (graph_key keys the drafter by the verify's bucket)
+    key = graph_key(RoundShape(rows=3, max_budget=5, block_size=8, kv_len=70, draft_kv_len=64, greedy=True,
+                               filtered=False, contiguous=False), max_rows=4, cache_len=500)
+    assert (key.rows, key.max_budget, key.kv_len, key.draft_kv_len) == (4, 7, 128, 128)
