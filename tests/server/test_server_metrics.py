@@ -53,16 +53,34 @@ def test_counters_move_with_completed_requests(client, engine):
     assert delta("ddtree:spec_verify_calls_total") == rounds
     # The acceptance histogram counts rounds; its sum counts the tokens those rounds committed.
     assert delta("ddtree:spec_accept_length_per_round_count") == rounds
-    hist = [0] * 20
+    hist = [0] * 40
     for a in answers:
         for k, c in enumerate(a["ddtree"]["accept_hist"]):
             hist[k] += c
     assert delta("ddtree:spec_accept_length_per_round_sum") == sum(k * c for k, c in enumerate(hist))
     assert delta("ddtree:spec_accept_length_per_round_bucket", le="1.0") == hist[0] + hist[1]
     assert delta("ddtree:spec_accept_length_per_round_bucket", le="+Inf") == rounds
+    for k in range(1, 33):  # every bucket: the rounds that committed at most k tokens
+        assert delta("ddtree:spec_accept_length_per_round_bucket", le=f"{float(k)}") == sum(hist[:k + 1])
     assert delta("ddtree:time_to_first_token_seconds_count") == 2
     assert delta("ddtree:e2e_request_latency_seconds_count") == 2
     assert delta("ddtree:stage_seconds_total", stage="verify") > 0
+
+
+def buckets(samples, name: str) -> list[str]:
+    return sorted(dict(labels)["le"] for n, labels in samples if n == name + "_bucket")
+
+
+def test_histogram_buckets_are_the_same_in_every_scrape(client):
+    """A fresh server and one that has committed rounds of several lengths list the same buckets (Prometheus and
+    AIPerf read a histogram's schema once; buckets that appear later were ignored)."""
+    name = "ddtree:spec_accept_length_per_round"
+    fresh = scrape(client)
+    answer = client.post("/v1/completions", json={"prompt": "hello world", "max_tokens": 12, "temperature": 0,
+                                                  "ignore_eos": True, "ddtree": {"budget": 8}}).json()
+    assert max(k for k, c in enumerate(answer["ddtree"]["accept_hist"]) if c) >= 1
+    assert buckets(scrape(client), name) == buckets(fresh, name) == sorted([*(f"{float(k)}" for k in range(1, 33)),
+                                                                            "+Inf"])
 
 
 def test_gauges_describe_the_engine(client, engine):

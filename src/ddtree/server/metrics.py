@@ -69,6 +69,10 @@ from ddtree.server.spec_stats import accepted_per_position, spec_counts
 
 PREFIX = "ddtree:"
 REFUSALS: tuple[str, ...] = ("invalid", "not_found", "queue_full", "unavailable", "too_large", "unauthorized")
+# Tokens committed by one verify round: one bucket per count up to 32 (a DFlash block of 16 commits at most 16;
+# past 32 only +Inf counts). Fixed, so every scrape has the same buckets: Prometheus and AIPerf expect a schema
+# that does not change between scrapes (AIPerf ignored the buckets that appeared later).
+_ACCEPT_BUCKETS = tuple(range(1, 33))
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
                   10.0)
@@ -155,7 +159,7 @@ class _EngineCollector(Collector):
                     generated / verified if verified else 0.0)
         buckets: list[tuple[str, float]] = []
         cumulative = hist[0] if hist else 0
-        for k in range(1, max(len(hist), 2)):
+        for k in _ACCEPT_BUCKETS:
             cumulative += hist[k] if k < len(hist) else 0
             buckets.append((str(float(k)), cumulative))
         buckets.append(("+Inf", rounds))
