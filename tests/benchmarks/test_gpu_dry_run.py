@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from benchmark_scripts import load_script
+import torch
+from benchmark_scripts import load_script, script_path
 
 from ddtree.lab.bench import matrix
 from ddtree.lab.bench.inprocess import mean_in_flight
@@ -15,8 +16,11 @@ from ddtree.lab.bench.inprocess import mean_in_flight
 
 def test_dry_run_records_a_closed_loop_timeline(tmp_path, monkeypatch):
     out = tmp_path / "run"
+    cuda_calls = {name: getattr(torch.cuda, name) for name in ("synchronize", "max_memory_allocated")}
     load_script("gpu").main(["--device", "cpu", "--shape", "none", "--no-hf", "--concurrency", "2", "--contexts", "16",
                              "--budgets", "4", "--new-tokens", "6", "--waves", "2", "--out", str(out)])
+    # device-agnostic: the CPU path calls no CUDA function, so it stubs none
+    assert {name: getattr(torch.cuda, name) for name in cuda_calls} == cuda_calls
     report = json.loads((out / "gpu.json").read_text())
     assert [c["method"] for c in report["cells"]] == ["ar", "dflash", "ddtree-b4"]
     for cell in report["cells"]:
@@ -96,3 +100,16 @@ def test_compile_log_listens_to_triton_and_stops():
         assert knobs.compilation.listener is None
     finally:
         knobs.compilation.listener = before
+
+
+def test_help_runs_on_the_cpu_and_lists_the_documented_flags():
+    """docs/benchmarks.md's commands: --out --no-hf --concurrency --contexts --budgets --time-budget (and more)."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, str(script_path("gpu")), "--help"], capture_output=True, text=True,
+                         timeout=300, check=False)
+    assert res.returncode == 0, res.stderr
+    for flag in ("--out", "--no-hf", "--concurrency", "--contexts", "--budgets", "--time-budget", "--c1-prompts",
+                 "--shape", "--quick", "--device", "--warm-up", "--waves", "--draft-fp8", "--no-blas-rule"):
+        assert flag in res.stdout
