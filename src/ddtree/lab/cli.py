@@ -15,6 +15,8 @@ from typing import Any
 
 import typer
 
+from ddtree.engine.config import EngineConfig
+from ddtree.engine.options import engine_options
 from ddtree.errors import ConfigError
 
 eval_app = typer.Typer(help="Quality gates against a running server.", no_args_is_help=True)
@@ -70,8 +72,16 @@ def _target(url: str, engine: str, model: str | None, endpoint: str, extra_body:
 # -------------------------------------------------------------------------------------------------- bench
 
 
+# With --in-process the engine's flags (--target, --draft, --device, --max-batch, --cuda-graphs, ...) come from
+# EngineConfig (ddtree.engine.options); --seed and --warmup stay the prompts' seed and the cells' warm-up (the
+# engine's start-up warm-up is --engine-warmup), and max_batch / max_len default to fit the matrix.
+@engine_options(exclude=("seed",), defaults={"max_batch": None, "max_len": None},
+                names={"warmup": "--engine-warmup"})
 def bench(
-    url: str = typer.Option(..., help="OpenAI-compatible server root, e.g. http://127.0.0.1:8000."),
+    url: str | None = typer.Option(None, help="OpenAI-compatible server root, e.g. http://127.0.0.1:8000 "
+                                              "(or --in-process)."),
+    in_process: bool = typer.Option(False, "--in-process", help="Drive an engine in this process instead of a "
+                                    "server: no HTTP, times from the engine's results (the engine flags apply)."),
     engine: str = typer.Option("auto", help="ddtree | sglang | vllm | openai; auto-detected by default."),
     model: str | None = typer.Option(None, help="Model name to send (default: the first of /v1/models)."),
     endpoint: str = typer.Option("completions", help="completions (token-id prompts, exact) or chat."),
@@ -91,23 +101,51 @@ def bench(
     api_key: str | None = typer.Option(None, help="Bearer token, if the server wants one."),
     timeout: float = typer.Option(600.0, help="Per-request timeout in seconds."),
     progress: bool = typer.Option(True, help="Show a progress bar."),
+    *,
+    engine_config: EngineConfig,
 ) -> None:
-    """Benchmark a server on a context x concurrency matrix; one JSON file per cell and a summary table."""
+    """Benchmark a server (or, with --in-process, an engine) on a context x concurrency matrix; one JSON file per
+    cell and a summary table."""
     from rich.console import Console
 
     from ddtree.lab.bench import Workload, run_bench, summary_table
 
-    target = _target(url, engine, model, endpoint, extra_body, tokenizer, api_key, timeout)
+    if (url is None) == (not in_process):
+        raise ConfigError("give either --url (a running server) or --in-process (an engine in this process)")
     workload = Workload(contexts=parse_ints(contexts, what="--contexts"),
                         concurrency=parse_ints(concurrency, what="--concurrency"), output_tokens=output_tokens,
                         num_requests=num_requests, repeats=repeats, seed=seed, warmup=warmup,
                         text=text).validated()
     out_dir = out if out is not None else Path("results") / f"bench-{_stamp()}"
-    cells = asyncio.run(run_bench(target, workload, out_dir=out_dir,
-                                  config=parse_json_object(config, what="--config"), progress=progress))
+    recorded = parse_json_object(config, what="--config")
+    if in_process:
+        cells = _bench_in_process(engine_config, workload, parse_json_object(extra_body, what="--extra-body"),
+                                  out_dir=out_dir, config=recorded, progress=progress)
+    else:
+        target = _target(url, engine, model, endpoint, extra_body, tokenizer, api_key, timeout)
+        cells = asyncio.run(run_bench(target, workload, out_dir=out_dir, config=recorded, progress=progress))
     console = Console()
     console.print(summary_table(cells))
     console.print(f"cells written to {out_dir}/")
+
+
+def _bench_in_process(engine_config: EngineConfig, workload: Any, extra_body: dict, *, out_dir: Path,
+                      config: dict, progress: bool) -> list[dict]:
+    """The matrix against ``Engine.from_config``: max_batch defaults to the highest concurrency, max_len to the
+    longest prompt plus the output, max_budget to cover ``--extra-body``'s budget."""
+    import dataclasses
+
+    from ddtree.engine import Engine
+    from ddtree.lab.bench.inprocess import run_engine_bench, tree_from_extra_body
+
+    tree = tree_from_extra_body(extra_body)
+    cfg = engine_config
+    cfg = dataclasses.replace(
+        cfg, max_batch=cfg.max_batch if cfg.max_batch is not None else max(workload.concurrency),
+        max_len=cfg.max_len if cfg.max_len is not None else max(workload.contexts) + workload.output_tokens + 16,
+        max_budget=max(cfg.max_budget, tree.budget if tree is not None else 0)).validated()
+    with Engine.from_config(cfg) as engine:
+        return run_engine_bench(engine, workload, out_dir=out_dir, config=config, tree=tree, progress=progress)
 
 
 # ---------------------------------------------------------------------------------------------------- eval
