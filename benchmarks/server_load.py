@@ -1,13 +1,18 @@
-"""Does one oversized request hurt anybody else? ``ddtree serve`` under 16 streams, idle vs. next to a huge body.
+"""Does one oversized request hurt anybody else? ``ddtree serve`` under 16 streams, idle vs. next to huge bodies.
 
 Starts ``python -m ddtree.server`` (the demo pair on the CPU unless ``--server-args`` says otherwise), then runs
-the same phase twice: 16 clients streaming completions while ``/health`` is polled every 50 ms; in the second run
-one more client keeps sending bodies of 10x the server's body limit (chunked, so the server must count them as
-they arrive). (one body, then the next a second after its answer). Reports p50/p99 of ``/health`` latency and of the streams' inter-chunk gaps, the 413 latencies,
-the server's resident memory (from /proc, sampled every 50 ms) before and at its peak, and whether a prompt at
-exactly the context limit (``max_len - 1`` tokens + 1 generated) is served. One JSON object on stdout.
+the same phase twice (``--repeat`` pairs): 16 clients streaming completions while ``/health`` is polled every
+50 ms; in the second one more client sends bodies of ``--body-factor`` x the server's body limit (chunked, so the
+server must count them as they arrive; ``--declared`` sends a Content-Length instead), ``--gap`` seconds apart,
+until the streams end or, with ``--bodies N``, exactly N of them (the phase then lasts until both are done).
+Reports p50/p99 of ``/health`` latency and of the streams' inter-chunk gaps, the 413 latencies, and the server's
+resident memory (from /proc): before the phase, its exact peak (``VmHWM``, reset at the phase's start through
+``/proc/PID/clear_refs``; 50 ms samples where that file is not writable), after each refused body, and 1 s
+after the phase (what persists). Last, whether a prompt at exactly the context limit (``max_len - 1`` tokens + 1
+generated) is served. One JSON object on stdout.
 
     python benchmarks/server_load.py                      # demo pair, CPU
+    python benchmarks/server_load.py --streams 0 --bodies 50 --gap 0 --repeat 3   # the body path alone
     python benchmarks/server_load.py --server-args "--max-len 2048" --streams 16 --max-tokens 32
 """
 
@@ -35,12 +40,23 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def rss_bytes(pid: int) -> int:
+def rss_bytes(pid: int, field: str = "VmRSS") -> int:
+    """``VmRSS`` (resident now) or ``VmHWM`` (the peak since start or the last reset) of ``pid``, in bytes."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
+    raise RuntimeError(f"no {field}")
+
+
+def reset_peak(pid: int) -> bool:
+    """Reset ``VmHWM`` to the current RSS (Linux >= 4.0); False where the file is not writable."""
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -75,10 +91,13 @@ async def poll_health(url: str, stop: asyncio.Event, latencies: list[float]) -> 
             await asyncio.sleep(0.05)
 
 
-def big_sender(url: str, size: int, stop: threading.Event, results: list[tuple[int, float]]) -> None:
-    """One client sending a ``size``-byte body in 64 KiB chunks (no Content-Length), then the next one a second
-    later, until ``stop``; records status and seconds of each."""
+def big_sender(url: str, pid: int, size: int, declared: bool, bodies: int, gap: float, stop: threading.Event,
+               results: list[dict[str, float]]) -> None:
+    """One client sending ``size``-byte bodies (64 KiB chunks without a Content-Length, or one declared body),
+    ``gap`` seconds apart, until ``stop`` or ``bodies`` of them (0: no count); records each one's status, seconds
+    and the server's RSS right after its answer."""
     piece = b"x" * 65536
+    whole = b'{"prompt": "' + piece * (size // len(piece)) + b'", "max_tokens": 4}' if declared else None
 
     def chunks():
         yield b'{"prompt": "'
@@ -87,18 +106,22 @@ def big_sender(url: str, size: int, stop: threading.Event, results: list[tuple[i
         yield b'", "max_tokens": 4}'
 
     with httpx.Client(base_url=url, timeout=60) as client:
-        while not stop.is_set():
+        while not stop.is_set() and (bodies == 0 or len(results) < bodies):
             t = time.perf_counter()
-            r = client.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
-            results.append((r.status_code, time.perf_counter() - t))
-            stop.wait(1.0)
+            r = client.post("/v1/completions", content=whole if declared else chunks(),
+                            headers={"content-type": "application/json"})
+            results.append({"status": r.status_code, "seconds": time.perf_counter() - t,
+                            "rss_mib": rss_bytes(pid) / 2**20})
+            if gap:
+                stop.wait(gap)
 
 
-def run_phase(url: str, pid: int, streams: int, max_tokens: int, big_size: int | None) -> dict[str, Any]:
+def run_phase(url: str, pid: int, streams: int, max_tokens: int, big_size: int | None, declared: bool = False,
+              bodies: int = 0, gap: float = 1.0) -> dict[str, Any]:
     gaps: list[float] = []
     health: list[float] = []
     rss: list[int] = []
-    big: list[tuple[int, float]] = []
+    big: list[dict[str, float]] = []
     stop_big = threading.Event()
     sampling = threading.Event()
 
@@ -107,10 +130,12 @@ def run_phase(url: str, pid: int, streams: int, max_tokens: int, big_size: int |
             rss.append(rss_bytes(pid))
             time.sleep(0.05)
 
+    before = rss_bytes(pid)
+    exact_peak = reset_peak(pid)
     sampler = threading.Thread(target=sample)
     sampler.start()
-    sender = threading.Thread(target=big_sender, args=(url, big_size, stop_big, big)) if big_size else None
-    before = rss_bytes(pid)
+    sender = (threading.Thread(target=big_sender, args=(url, pid, big_size, declared, bodies, gap, stop_big, big))
+              if big_size else None)
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -121,6 +146,8 @@ def run_phase(url: str, pid: int, streams: int, max_tokens: int, big_size: int |
         limits = httpx.Limits(max_connections=streams + 4)
         async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
             await asyncio.gather(*(stream_one(client, f"def f{i}(x):", max_tokens, gaps) for i in range(streams)))
+        while bodies and sender is not None and sender.is_alive():  # --bodies N: the phase lasts until all N
+            await asyncio.sleep(0.1)
         stop.set()
         await poller
 
@@ -128,15 +155,24 @@ def run_phase(url: str, pid: int, streams: int, max_tokens: int, big_size: int |
     asyncio.run(main())
     stop_big.set()
     if sender is not None:
-        sender.join(120)
+        sender.join(600)
     sampling.set()
     sampler.join()
+    peak = rss_bytes(pid, "VmHWM") if exact_peak else max(rss)
+    time.sleep(1.0)
+    mib = 2**20
     out: dict[str, Any] = {"seconds": time.perf_counter() - t0, "health": summary(health),
-                           "stream_gaps": summary(gaps), "rss_before_mib": before / 2**20,
-                           "rss_peak_mib": max(rss) / 2**20}
+                           "stream_gaps": summary(gaps), "rss_before_mib": before / mib,
+                           "rss_peak_mib": peak / mib, "peak_from": "VmHWM" if exact_peak else "50 ms samples",
+                           "rss_after_mib": rss_bytes(pid) / mib}
+    out["peak_growth_mib"] = out["rss_peak_mib"] - out["rss_before_mib"]
+    out["persistent_growth_mib"] = out["rss_after_mib"] - out["rss_before_mib"]
     if big_size:
-        out["big_requests"] = {"count": len(big), "statuses": sorted({s for s, _ in big}),
-                               **summary([t for _, t in big])}
+        after = [b["rss_mib"] - before / mib for b in big]
+        out["big_requests"] = {"count": len(big), "statuses": sorted({int(b["status"]) for b in big}),
+                               **summary([b["seconds"] for b in big]),
+                               "rss_growth_after_body_mib": {str(i + 1): after[i] for i in sorted({0, 9, len(big) - 1})
+                                                             if i < len(big)}}
     return out
 
 
@@ -162,7 +198,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--server-args", default="", help="extra flags for python -m ddtree.server")
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--big-factor", type=float, default=10.0, help="big body size / body limit")
+    parser.add_argument("--body-factor", "--big-factor", type=float, default=10.0, help="big body size / body limit")
+    parser.add_argument("--bodies", type=int, default=0,
+                        help="send exactly this many big bodies per loaded phase (default 0: until the streams end)")
+    parser.add_argument("--gap", type=float, default=1.0, help="seconds between one big body's answer and the next")
+    parser.add_argument("--declared", action="store_true", help="send the big bodies with a Content-Length")
+    parser.add_argument("--repeat", type=int, default=1, help="idle/loaded phase pairs (the idle peaks' spread is "
+                        "the noise of the peak comparison)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory for the context-limit prompt "
                         "(default: the demo target's)")
     args = parser.parse_args(argv)
@@ -184,16 +226,26 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.2)
         info = httpx.get(url + "/server_info").json()
         limits = info["server"]["limits"]
-        big = int(args.big_factor * limits["max_body_bytes"])
-        idle = run_phase(url, proc.pid, args.streams, args.max_tokens, None)
-        loaded = run_phase(url, proc.pid, args.streams, args.max_tokens, big)
+        big = int(args.body_factor * limits["max_body_bytes"])
+        pairs = []
+        for _ in range(args.repeat):
+            idle = run_phase(url, proc.pid, args.streams, args.max_tokens, None)
+            loaded = run_phase(url, proc.pid, args.streams, args.max_tokens, big, args.declared, args.bodies, args.gap)
+            pairs.append({"idle": idle, "with_big_bodies": loaded,
+                          # the same streams ran in both phases: the difference of the peaks is what the bodies cost
+                          "rss_peak_growth_over_idle_mib": loaded["rss_peak_mib"] - idle["rss_peak_mib"]})
+        idle, loaded = pairs[0]["idle"], pairs[0]["with_big_bodies"]
         report = {
-            "command": " ".join(cmd), "cpu_count": os.cpu_count(), "limits": limits, "big_body_bytes": big,
-            "idle": idle, "with_big_bodies": loaded,
+            "command": " ".join(cmd), "argv": sys.argv[1:], "cpu_count": os.cpu_count(),
+            "load_average": os.getloadavg(), "limits": limits, "big_body_bytes": big,
+            "idle": idle, "with_big_bodies": loaded, "repeats": pairs[1:],
             "health_p99_ratio": loaded["health"]["p99_ms"] / idle["health"]["p99_ms"],
-            "stream_gap_p99_ratio": loaded["stream_gaps"]["p99_ms"] / idle["stream_gaps"]["p99_ms"],
-            # the same 16 streams ran in both phases: the difference of the peaks is what the big bodies cost
-            "rss_peak_growth_over_idle_mib": loaded["rss_peak_mib"] - idle["rss_peak_mib"],
+            "stream_gap_p99_ratio": (loaded["stream_gaps"]["p99_ms"] / idle["stream_gaps"]["p99_ms"]
+                                     if args.streams else None),
+            "rss_peak_growth_over_idle_mib": [p["rss_peak_growth_over_idle_mib"] for p in pairs],
+            "idle_peak_growth_mib": [p["idle"]["peak_growth_mib"] for p in pairs],
+            "loaded_peak_growth_mib": [p["with_big_bodies"]["peak_growth_mib"] for p in pairs],
+            "loaded_persistent_growth_mib": [p["with_big_bodies"]["persistent_growth_mib"] for p in pairs],
             "limit_mib": limits["max_body_bytes"] / 2**20,
             "at_context_limit": at_context_limit(url, args.tokenizer, limits["max_len"]),
         }
