@@ -35,9 +35,9 @@ from pathlib import Path
 
 import torch
 
-from ddtree.lab.bench.workload import held_out_token_stream, prompts_for  # gpu.py's prompts
 from ddtree.engine import EngineConfig
 from ddtree.engine.kernels import KernelSet
+from ddtree.lab.bench.workload import held_out_token_stream, prompts_for  # gpu.py's prompts
 from ddtree.speculative.attention import TreeVisibility
 
 

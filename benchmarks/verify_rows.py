@@ -20,12 +20,12 @@ import time
 
 import torch
 
+from ddtree.engine import EngineConfig
+from ddtree.engine.kernels import KernelSet
 from ddtree.lab.bench.kernel_timing import (  # the kernel scripts' stand-in and graph timing
     load_standin_pair,
     time_ms,
 )
-from ddtree.engine import EngineConfig
-from ddtree.engine.kernels import KernelSet
 from ddtree.speculative.attention import TreeVisibility
 
 DEFAULT_ROWS = "1,16,17,32,33,48,63,64,65,96,127,128,129,256,257"

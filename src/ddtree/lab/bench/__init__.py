@@ -8,7 +8,14 @@ method matrix ``benchmarks/gpu.py`` presets; ``kernel_timing`` what the kernel s
 from ddtree.lab.bench.inprocess import run_cell, run_closed_loop, run_engine_bench
 from ddtree.lab.bench.metrics import RUN_SUMMARY_KEYS, per_token_itl, summarize_cell, summarize_run
 from ddtree.lab.bench.run import CELL_SCHEMA, cell_filename, run_bench, summary_table
-from ddtree.lab.bench.workload import Prompt, Workload, build_prompts, held_out_token_stream, load_tokenizer, prompts_for
+from ddtree.lab.bench.workload import (
+    Prompt,
+    Workload,
+    build_prompts,
+    held_out_token_stream,
+    load_tokenizer,
+    prompts_for,
+)
 
 __all__ = [
     "CELL_SCHEMA",
