@@ -309,7 +309,7 @@ class Warmup:
     def message(self) -> str:
         """What ``/health`` says while the engine is not ready."""
         if self.state == "done":
-            return "warm"
+            return f"warm-up done ({self.done - self.dropped} graphs); running a first request"
         if self.state == "pending":
             return f"loading; warm-up of {self.total} graphs next"
         return f"warming up: {self.done}/{self.total} graphs"

@@ -137,8 +137,11 @@ class EngineHost:
     def status_message(self) -> str:
         if self.startup_error is not None:
             return f"engine failed to start: {self.startup_error}"
-        if self.engine is None or not self.engine.ready:
-            return "engine is loading or warming up; retry shortly"
+        if self.engine is None:
+            return "engine is loading; retry shortly"
+        if not self.engine.ready:  # the warm-up's progress ("warming up: 37/120 graphs"; ddtree.engine.warmup)
+            warmup = getattr(self.engine, "warmup", None)
+            return warmup.message() if warmup is not None else "engine is warming up; retry shortly"
         return "ok"
 
     def start_in_background(self) -> None:
