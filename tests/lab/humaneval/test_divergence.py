@@ -8,7 +8,14 @@ import logging
 import pytest
 
 from ddtree.errors import ConfigError
-from ddtree.lab.humaneval import EVAL_SCHEMA, TokenTrace, TopEntry, classify, compare_with_baseline, first_difference
+from ddtree.lab.humaneval import (
+    EVAL_SCHEMA,
+    TokenTrace,
+    TopEntry,
+    classify,
+    compare_with_baseline,
+    first_difference,
+)
 from ddtree.lab.humaneval.divergence import DEFAULT_NEAR_TIE_MARGIN
 
 
@@ -19,7 +26,7 @@ def trace(tokens: list[str], tops: list[dict[str, float]] | None = None, ids: li
         return TokenTrace(tuple(tokens), None if ids is None else tuple(ids))
     top = tuple(tuple(TopEntry(t, lp, None if top_ids is None else top_ids[k][t])
                       for t, lp in sorted(d.items(), key=lambda kv: -kv[1])) for k, d in enumerate(tops))
-    return TokenTrace(tuple(tokens), None if ids is None else tuple(ids), tuple(d[t] for t, d in zip(tokens, tops)),
+    return TokenTrace(tuple(tokens), None if ids is None else tuple(ids), tuple(d[t] for t, d in zip(tokens, tops, strict=True)),
                       top)
 
 
@@ -159,3 +166,27 @@ def test_a_schema_1_baseline_is_read_and_its_differences_are_real(tmp_path):
     baseline.write_text(json.dumps({"schema": "ddtree.bench.cell/1"}))
     with pytest.raises(ConfigError, match="not a humaneval result"):
         compare_with_baseline(_result([]), baseline)
+
+
+def _with_logprobs(tokens: list[str], logprobs: list[float]) -> TokenTrace:
+    return TokenTrace(tuple(tokens), None, tuple(logprobs))
+
+
+def test_drift_of_the_same_tokens_log_probs_makes_a_tie_real():
+    # position 2 is a near-tie by its gap (0.21); the other run's own log-probs of the shared tokens say whether it
+    # computed the same distribution: within the margin (rounding) or not (a different computation)
+    close = _with_logprobs(["def", " f", ":"], [-0.01, -0.5 + 1e-3, -0.61 - 2e-3])
+    div = classify(BASE, close)
+    assert div is not None and div.kind == "near_tie" and div.drift == pytest.approx(2e-3) and div.drift_position == 2
+    drifted = _with_logprobs(["def", " f", ":"], [-0.01, -1.3, -0.61])  # token 1's log-prob moved by 0.8
+    div = classify(BASE, drifted)
+    assert div is not None and div.kind == "real" and div.drift == pytest.approx(0.8) and div.drift_position == 1
+    assert "differ by 0.8 nats at token 1" in div.reason
+    own = _with_logprobs(["def", " f", ":"], [-0.01, -0.5, -0.01])  # at k: its own token 0.6 more likely than AR's
+    div = classify(BASE, own)
+    assert div is not None and div.kind == "real" and div.drift_position == 2
+    tied = TokenTrace(BASE.tokens[:2] + (":",), None, (-0.01, -0.5, -0.40 - 2e-3))
+    exact_tie = TokenTrace(BASE.tokens, BASE.token_ids, BASE.logprobs, BASE.top[:2] + (
+        (TopEntry("(", -0.40), TopEntry(":", -0.40)),) + BASE.top[3:])
+    assert classify(exact_tie, tied, margin=1e-2).kind == "near_tie"  # gap 0, drift 2e-3 < 1e-2
+    assert classify(exact_tie, tied, margin=1e-3).kind == "real"  # the fp32 margin: 2e-3 of drift is no rounding

@@ -33,7 +33,10 @@ def test_gate_answers_are_the_engines_greedy_outputs_and_lossless(live_ddtree, t
     tree = run_humaneval(BenchTarget(url=live_ddtree.url), tasks=TASKS, limit=None, max_tokens=MAX_TOKENS, out=None,
                          extra_body={"ddtree": {"method": "ddtree", "budget": 8}}, baseline=baseline)
     assert tree["extra_body"] == {"ddtree": {"method": "ddtree", "budget": 8}}
-    assert tree["lossless"] == {"baseline": str(baseline), "identical": 3, "compared": 3, "differing_tasks": []}
+    assert tree["lossless"] == {"baseline": str(baseline), "identical": 3, "compared": 3, "near_tie": 0, "real": 0,
+                                "verdict": "identical", "near_tie_margin": 0.5, "differing_tasks": [],
+                                "divergences": []}
+    assert all(t["trace"] is None for t in tree["tasks"])  # no log-probs asked, no trace
 
 
 def test_gate_over_the_chat_endpoint(live_ddtree):

@@ -85,7 +85,11 @@ def test_responses_file_and_baseline(problems, tmp_path):
     changed.write_text("\n".join(json.dumps(line) for line in lines))
     second = score_responses_file(changed, endpoint="chat", baseline=out)
     assert second["passed"] == 3
-    assert second["lossless"] == {"baseline": str(out), "identical": 2, "compared": 3, "differing_tasks": [tasks[1]]}
+    lossless = second["lossless"]
+    assert {k: lossless[k] for k in ("baseline", "identical", "compared", "differing_tasks", "real", "verdict")} == {
+        "baseline": str(out), "identical": 2, "compared": 3, "differing_tasks": [tasks[1]], "real": 1,
+        "verdict": "failed"}
+    assert "no token trace" in lossless["divergences"][0]["reason"]  # saved answers carry no tokens
     same = score_responses_file(path, endpoint="chat", baseline=out, limit=2, tasks=tasks)
     assert same["lossless"]["identical"] == same["lossless"]["compared"] == 2
 

@@ -1,6 +1,6 @@
 """Synthetic sweep run directories with numbers chosen by hand, so report tests know the right answers.
 
-The files follow the bench cell (``ddtree.bench.cell/1``) and HumanEval (``ddtree.eval.humaneval/1``) formats and
+The files follow the bench cell (``ddtree.bench.cell/1``) and HumanEval (``ddtree.eval.humaneval/2``) formats and
 are laid out with the sweep's own :class:`RunLayout` and :class:`Manifest`, exactly as a real sweep writes them.
 """
 
@@ -75,7 +75,10 @@ def bench_cell(config: dict, context: int, concurrency: int, runs: tuple[float, 
 
 
 def gate_result(passed: list[bool], *, truncated: tuple[int, ...] = (), identical: int | None = None,
-                differing: tuple[str, ...] = ()) -> dict:
+                differing: tuple[str, ...] = (), kinds: tuple[str, ...] | None = None,
+                schema: str = EVAL_SCHEMA) -> dict:
+    """A gate result; ``kinds``: the class of each ``differing`` task (``near_tie`` / ``real``), None for a
+    lossless object without classes (schema /1)."""
     tasks = []
     for i, ok in enumerate(passed):
         reason = "passed" if ok else ("truncated" if i in truncated else "failed: AssertionError")
@@ -85,8 +88,12 @@ def gate_result(passed: list[bool], *, truncated: tuple[int, ...] = (), identica
     if identical is not None:
         lossless = {"baseline": "ar", "identical": identical, "compared": len(passed),
                     "differing_tasks": list(differing)}
+        if kinds is not None:
+            lossless.update(near_tie=kinds.count("near_tie"), real=kinds.count("real"), near_tie_margin=0.5,
+                            divergences=[{"task_id": t, "kind": k, "position": 3, "gap": 0.1 if k == "near_tie" else 4.0}
+                                         for t, k in zip(differing, kinds, strict=True)])
     return {
-        "schema": EVAL_SCHEMA, "pass_at_1": sum(passed) / len(passed), "passed": sum(passed), "total": len(passed),
+        "schema": schema, "pass_at_1": sum(passed) / len(passed), "passed": sum(passed), "total": len(passed),
         "truncated": len(truncated), "wrong": len(passed) - sum(passed) - len(truncated), "errors": 0, "tasks": tasks,
         "lossless": lossless,
     }
@@ -107,7 +114,8 @@ def make_run(root: Path, *, failures: bool = True) -> Path:
         if cid == "ar":
             gate = gate_result([True, True])
         elif cid == "ddtree-b8-k4-bstrained-wnone":
-            gate = gate_result([True, False], truncated=(1,), identical=1, differing=("HumanEval/1",))
+            gate = gate_result([True, False], truncated=(1,), identical=1, differing=("HumanEval/1",),
+                               kinds=("near_tie",))
         else:
             gate = gate_result([True, True], identical=2)
         atomic_write_json(layout.eval_path(cid), gate)

@@ -85,7 +85,7 @@ def test_users_table_sorted_with_gate_and_lossless(report_dir):
     ]
     by_id = {row[0]: row for row in table[1:]}
     assert by_id["ddtree b8 k=4"][6:] == ["60.0", "50.0", "160.0", "3.80", "3.00x", "1/2 (1 trunc.)",
-                                                         "NO 1/2"]
+                                                         "yes 1/2, 1 near-tie"]
     assert by_id["ar"][-2:] == ["2/2", "reference"]
     assert by_id["dflash"][2:6] == ["-", "-", "trained", "none"]
 
@@ -108,7 +108,8 @@ def test_conclusions(report_dir):
     assert "budget mattered" in text and "topk barely mattered" in text
     assert "Anomaly: the best DDTree setting lost to the DFlash chain at ctx 1024 C=8 (0.86x)" in text
     assert "1 answer(s) were truncated at max_tokens (HumanEval/1)" in text
-    assert "Lossless check FAILED: greedy outputs differ from AR for ddtree b8 k=4 (HumanEval/1)" in text
+    assert ("Lossless check passed with a note: outputs differ from AR only at numeric near-ties (the two tokens' AR "
+            "log-probs within 0.5 nats, what bf16 rounding can flip) for ddtree b8 k=4 (HumanEval/1)") in text
     assert "1 cell(s) failed" in text
 
 

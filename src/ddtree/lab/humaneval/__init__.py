@@ -3,6 +3,7 @@ lossless gate (outputs against a baseline run, differences classified as numeric
 
 from ddtree.lab.humaneval.divergence import (
     DEFAULT_NEAR_TIE_MARGIN,
+    FP32_NEAR_TIE_MARGIN,
     TOP_LOGPROBS,
     Divergence,
     TokenTrace,
@@ -29,6 +30,7 @@ __all__ = [
     "COMPLETION_STOP",
     "DEFAULT_NEAR_TIE_MARGIN",
     "EVAL_SCHEMA",
+    "FP32_NEAR_TIE_MARGIN",
     "GATE_TASKS",
     "READABLE_SCHEMAS",
     "TOP_LOGPROBS",

@@ -19,24 +19,37 @@ first differing token
     other run's choice is judged against. (Two different tokens with the same string, e.g. the replacement
     character of a split UTF-8 sequence, look equal without ids; the difference is then found at the next
     token.) When one trace is a prefix of the other, ``k`` is the shorter one's length.
+drift
+    where the other run reports log-probs too (the lab's gate asks every run for them), the largest difference
+    between the two runs' log-probs of the same token at the same position, over the common prefix ``0 .. k-1``
+    and the other run's own token at ``k``. Two runs that compute the same distribution up to rounding agree
+    there within rounding; a verify that computes a different distribution (a shifted position, a wrong mask)
+    shows it here, often before any token differs.
 numeric near-tie
     the baseline's log-prob of its own token at ``k`` and of the other run's token at ``k`` are within
-    ``margin`` nats: a gap that rounding of the logits can close.
+    ``margin`` nats, and the drift (when known) is within ``margin`` too: a flip that rounding can explain.
 real divergence
-    anything else, reported loudly: a wider gap; the other run's token missing from the baseline's top-N (its
-    log-prob is then below the N-th entry's, so the gap is at least ``own - lowest listed``, but how far below is
-    unknown, and it is never called a tie); one run ending where the other goes on (the end token is not reported,
-    so no gap can be shown); the baseline without log-probs at ``k``; or equal tokens with different texts.
+    anything else, reported loudly: a wider gap; a drift wider than the margin; the other run's token missing
+    from the baseline's top-N (its log-prob is then below the N-th entry's, so the gap is at least ``own - lowest
+    listed``, but how far below is unknown, and it is never called a tie); one run ending where the other goes on
+    (the end token is not reported, so no gap can be shown); the baseline without log-probs at ``k``; or equal
+    tokens with different texts.
 
 The margin (:data:`DEFAULT_NEAR_TIE_MARGIN`, 0.5 nats): two tokens' log-probs at one position differ by exactly the
 difference of their logits (``log_softmax`` subtracts the same log-sum-exp from both), so the margin bounds a logit
 difference. The engines in question compute the final logits in bf16, which keeps 8 significant bits: a logit in
-``[2^e, 2^(e+1))`` is a multiple of ``2^(e-7)``, so one ulp is 0.0625 for ``|logit|`` in [8, 16) and 0.125 in
-[16, 32), where the leading logits of greedy positions of Qwen3-class models fall. The project's divergence study
-(issue 27) found the row-count-dependent reductions moving logits by 1-2 ulps. A flip needs the gap closed by both
-tokens' errors together: 2 tokens x 2 ulps x 0.125 = 0.5 nats. A gap below that is one bf16 rounding alone can
-close; a wider one is more than rounding of the logits explains. Models whose leading logits exceed 32 (ulp 0.25)
-want a margin of 1.0: the margin is a gate setting (``near_tie_margin``), recorded in the result.
+``[2^e, 2^(e+1))`` is a multiple of ``2^(e-7)``, one ulp is 0.0625 for ``|logit|`` in [8, 16) and 0.125 in
+[16, 32). The project's divergence study (``benchmarks/divergence.py``, run 7 on the H200 stand-in, whose leading
+logits sit near 16) found verify-shaped forwards moving every logit by one or two ulps (max-abs difference: median
+0.0625, max 0.125), and argmax flips only where the plain decode's top two were 0 or 0.0625 apart. A flip needs
+the gap closed by both tokens' errors together: at most 2 x 0.125 = 0.25 nats measured there; 0.5 nats is the same
+two-ulp bound for leading logits up to 32 (2 tokens x 2 ulps x 0.125), so a gap below it is one bf16 rounding of
+the logits can close and a wider one is more than it explains. Models whose leading logits exceed 32 (ulp 0.25)
+want a margin of 1.0: the margin is a gate setting (``near_tie_margin``), recorded in the result. An fp32 engine
+wants :data:`FP32_NEAR_TIE_MARGIN` (1e-3): an fp32 ulp at 16 is 1.9e-6, and the same study measured fp32
+differences of 5e-6 to 1.9e-5; on the demo pair in fp32 a healthy tree's log-probs drifted at most 7e-6 from AR's,
+one shifted tree position by 0.1-0.3 nats (``tests/lab/humaneval/test_divergence_gate.py``). A flat distribution
+makes the first differing token a near-tie even under a bug; the drift is what still exposes it.
 
 Worked example (margin 0.5)::
 
@@ -56,7 +69,8 @@ from typing import Any, Literal
 
 from ddtree.errors import ConfigError
 
-DEFAULT_NEAR_TIE_MARGIN = 0.5  # nats; see the module docstring for where the number comes from
+DEFAULT_NEAR_TIE_MARGIN = 0.5  # nats, for bf16 engines; see the module docstring for where the number comes from
+FP32_NEAR_TIE_MARGIN = 1e-3  # nats, for fp32 engines (the CPU path)
 CONTEXT_TOKENS = 6  # tokens of each continuation shown in a report, from the first differing one
 TOP_LOGPROBS = 5  # the baseline's N: top log-probs requested per position by the gate
 
@@ -135,7 +149,9 @@ class Divergence:
     ``baseline_token`` / ``other_token``: the two tokens there (None: that run had ended);
     ``baseline_logprob``: the baseline's log-prob of its own token; ``other_logprob``: the baseline's log-prob of
     the other run's token (None: not in its top-N, or no log-probs); ``gap``: their difference, a lower bound when
-    the token was not listed; ``*_next``: up to :data:`CONTEXT_TOKENS` tokens of each run from ``position`` on."""
+    the token was not listed; ``drift`` / ``drift_position``: the largest difference of the two runs' log-probs of
+    the same token and where (None: the other run reported no log-probs); ``*_next``: up to
+    :data:`CONTEXT_TOKENS` tokens of each run from ``position`` on."""
 
     kind: Kind
     position: int | None
@@ -148,20 +164,25 @@ class Divergence:
     reason: str
     baseline_next: tuple[str, ...] = ()
     other_next: tuple[str, ...] = ()
+    drift: float | None = None
+    drift_position: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "position": self.position, "baseline_token": self.baseline_token,
                 "other_token": self.other_token, "baseline_logprob": self.baseline_logprob,
                 "other_logprob": self.other_logprob, "gap": self.gap, "margin": self.margin, "reason": self.reason,
-                "baseline_next": list(self.baseline_next), "other_next": list(self.other_next)}
+                "baseline_next": list(self.baseline_next), "other_next": list(self.other_next),
+                "drift": self.drift, "drift_position": self.drift_position}
 
     def warning(self, task: str) -> str:
         """The loud one-line report of a real divergence (or a near-tie's note)."""
         head = "REAL DIVERGENCE" if self.kind == "real" else "near-tie"
-        where = "tokens agree" if self.position is None else f"token {self.position}"
-        return (f"{head} in {task} at {where}: baseline {_show(self.baseline_next)} (log-prob "
+        if self.position is None:
+            return f"{head} in {task}: {self.reason}"
+        drift = "" if self.drift is None else f", drift {self.drift:.3g} at token {self.drift_position}"
+        return (f"{head} in {task} at token {self.position}: baseline {_show(self.baseline_next)} (log-prob "
                 f"{_lp(self.baseline_logprob)}) vs {_show(self.other_next)} (baseline log-prob "
-                f"{_lp(self.other_logprob)}); {self.reason}")
+                f"{_lp(self.other_logprob)}{drift}); {self.reason}")
 
 
 def _show(tokens: Sequence[str]) -> str:
@@ -179,7 +200,7 @@ def first_difference(baseline: TokenTrace, other: TokenTrace) -> int | None:
         else baseline.tokens
     b: Sequence[Any] = other.token_ids if baseline.token_ids is not None and other.token_ids is not None \
         else other.tokens
-    for k, (x, y) in enumerate(zip(a, b)):
+    for k, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
             return k
     return None if len(a) == len(b) else min(len(a), len(b))
@@ -203,8 +224,11 @@ def classify(baseline: TokenTrace, other: TokenTrace, *, margin: float = DEFAULT
     base_lp = baseline.logprobs[k] if baseline.logprobs is not None and base_tok is not None else None
     context = (tuple(baseline.tokens[k:k + CONTEXT_TOKENS]), tuple(other.tokens[k:k + CONTEXT_TOKENS]))
 
+    drift, drift_at = _drift(baseline, other, k)
+
     def real(reason: str, other_lp: float | None = None, gap: float | None = None) -> Divergence:
-        return Divergence("real", k, base_tok, other_tok, base_lp, other_lp, gap, margin, reason, *context)
+        return Divergence("real", k, base_tok, other_tok, base_lp, other_lp, gap, margin, reason, *context,
+                          drift, drift_at)
 
     if base_tok is None:
         return real("the baseline ended here while the other run went on; the baseline reported no distribution "
@@ -225,11 +249,32 @@ def classify(baseline: TokenTrace, other: TokenTrace, *, margin: float = DEFAULT
                     f"{lowest:.4f}, a gap of at least {bound:.4f} nats (margin {margin})", gap=bound)
     other_lp = max(listed)
     gap = base_lp - other_lp
-    if abs(gap) <= margin:
-        return Divergence("near_tie", k, base_tok, other_tok, base_lp, other_lp, gap, margin,
-                          f"gap {gap:.4f} nats <= margin {margin}: rounding of the logits can flip it", *context)
-    return real(f"gap {gap:.4f} nats > margin {margin}: more than rounding of the logits explains", other_lp, gap)
+    if other.logprobs is not None and other.logprobs[k] is not None:
+        own = abs(other.logprobs[k] - other_lp)  # the two runs' log-probs of the other run's token at k
+        if drift is None or own > drift:
+            drift, drift_at = own, k
+    if abs(gap) > margin:
+        return real(f"gap {gap:.4f} nats > margin {margin}: more than rounding of the logits explains", other_lp, gap)
+    if drift is not None and drift > margin:
+        return real(f"gap {gap:.4f} nats is within the margin, but the runs' log-probs of the same token differ by "
+                    f"{drift:.4g} nats at token {drift_at} (> margin {margin}): they do not compute the same "
+                    "distribution", other_lp, gap)
+    return Divergence("near_tie", k, base_tok, other_tok, base_lp, other_lp, gap, margin,
+                      f"gap {gap:.4f} nats <= margin {margin}: rounding of the logits can flip it", *context,
+                      drift, drift_at)
 
 
-__all__ = ["CONTEXT_TOKENS", "DEFAULT_NEAR_TIE_MARGIN", "TOP_LOGPROBS", "Divergence", "TokenTrace", "TopEntry",
+def _drift(baseline: TokenTrace, other: TokenTrace, k: int) -> tuple[float | None, int | None]:
+    """The largest ``|other - baseline|`` log-prob of the same token over positions ``0 .. k-1`` and where;
+    ``(None, None)`` when either run has no log-probs there."""
+    if baseline.logprobs is None or other.logprobs is None:
+        return None, None
+    best: tuple[float | None, int | None] = (None, None)
+    for j, (a, b) in enumerate(zip(baseline.logprobs[:k], other.logprobs[:k], strict=False)):
+        if a is not None and b is not None and (best[0] is None or abs(a - b) > best[0]):
+            best = (abs(a - b), j)
+    return best
+
+
+__all__ = ["CONTEXT_TOKENS", "DEFAULT_NEAR_TIE_MARGIN", "FP32_NEAR_TIE_MARGIN", "TOP_LOGPROBS", "Divergence", "TokenTrace", "TopEntry",
            "check_margin", "classify", "first_difference"]

@@ -11,7 +11,7 @@ a *real* divergence (a wider gap, a token outside the baseline's top-N, missing 
 
     {"baseline", "compared", "identical", "near_tie", "real", "verdict", "near_tie_margin",
      "differing_tasks": [task_id], "divergences": [{"task_id", "kind", "position", "baseline_token",
-     "other_token", "baseline_logprob", "other_logprob", "gap", "margin", "reason", "baseline_next", "other_next"}]}
+     "other_token", "baseline_logprob", "other_logprob", "gap", "margin", "reason", "baseline_next", "other_next", "drift", "drift_position"}]}
 
 Schema ``/1`` results (no token traces, no classification) are still read as baselines: their differing tasks are
 then real divergences ("no token trace"), since nothing shows them to be ties.
@@ -26,7 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from ddtree.errors import ConfigError
-from ddtree.lab.humaneval.divergence import DEFAULT_NEAR_TIE_MARGIN, Divergence, TokenTrace, check_margin, classify
+from ddtree.lab.humaneval.divergence import (
+    DEFAULT_NEAR_TIE_MARGIN,
+    Divergence,
+    TokenTrace,
+    check_margin,
+    classify,
+)
 
 EVAL_SCHEMA = "ddtree.eval.humaneval/2"
 READABLE_SCHEMAS = ("ddtree.eval.humaneval/1", EVAL_SCHEMA)  # /1: the same result without traces or classes
@@ -104,7 +110,7 @@ def warning_lines(lossless: Mapping[str, Any] | None) -> list[str]:
     lines = []
     for d in sorted(lossless.get("divergences") or [], key=lambda d: d.get("kind") != "real"):
         fields = {k: d.get(k) for k in ("kind", "position", "baseline_token", "other_token", "baseline_logprob",
-                                        "other_logprob", "gap", "margin", "reason")}
+                                        "other_logprob", "gap", "margin", "reason", "drift", "drift_position")}
         div = Divergence(**fields, baseline_next=tuple(d.get("baseline_next") or ()),
                          other_next=tuple(d.get("other_next") or ()))
         lines.append(div.warning(str(d.get("task_id"))))

@@ -13,6 +13,11 @@ A winner's margin *exceeds the run-to-run spread* when its slowest repeat is fas
 repeat (the ranges of repeats do not overlap). With one run per cell the spread is unknown, and the report says
 so rather than guess: users saw 170 vs 145 tok/s between two runs of the same setting.
 
+Only configs that pass the lossless gate are recommended: a config whose gate found a real divergence from AR's
+greedy outputs (or differences that could not be classified, a result from before the divergence classes) is left
+out of every ranking of :func:`recommend` and named; differences that are all numeric near-ties pass, with a note
+(:mod:`ddtree.lab.humaneval.divergence`). Configs without a compared gate are ranked as before.
+
 A knob *mattered* when changing it alone (every other setting fixed) moved tokens/s by more than the larger of 3%
 and the typical run-to-run spread, in the median over all cells and groups.
 """
@@ -77,6 +82,7 @@ class Recommendation:
     vs_ar: float | None  # winner / AR (same extra dimensions)
     vs_dflash: float | None  # winner / the best DFlash chain (same extra dimensions)
     metric: str = "tok_s"  # what the ranking is on: "tok_s", or "goodput" when the run has an SLO
+    excluded: tuple[str, ...] = ()  # config ids with a finished cell left out: they failed the lossless gate
 
     @property
     def winner(self) -> Ranked | None:
@@ -146,8 +152,11 @@ def speedup_over(results: RunResults, config: ConfigResult, method: str, context
 def recommend(results: RunResults) -> list[Recommendation]:
     out = []
     metric = "goodput" if results.slo else "tok_s"
+    failing = {c.config_id for c in results.configs if c.gate is not None and c.gate.passes is False}
     for wl in workloads(results):
-        ranking = rank(results, wl.context, wl.concurrency, metric=metric)
+        full = rank(results, wl.context, wl.concurrency, metric=metric)
+        ranking = [r for r in full if r.config.config_id not in failing]
+        excluded = tuple(r.config.config_id for r in full if r.config.config_id in failing)
         if len(ranking) >= 2:
             spread, detail = spread_verdict(ranking[0].config, ranking[1].config, wl.context, wl.concurrency,
                                             metric)
@@ -157,7 +166,7 @@ def recommend(results: RunResults) -> list[Recommendation]:
         if ranking:
             vs_ar = speedup_over(results, ranking[0].config, "ar", wl.context, wl.concurrency)
             vs_dflash = speedup_over(results, ranking[0].config, "dflash", wl.context, wl.concurrency)
-        out.append(Recommendation(wl, tuple(ranking), spread, detail, vs_ar, vs_dflash, metric))
+        out.append(Recommendation(wl, tuple(ranking), spread, detail, vs_ar, vs_dflash, metric, excluded))
     return out
 
 
@@ -408,12 +417,25 @@ def _gate_bullets(results: RunResults) -> list[str]:
         (passed, total), _ = scores.most_common(1)[0]
         bullets.append(f"Coding gate: every config scored {passed}/{total}.")
     checked = [c for c in gated if c.gate and c.gate.lossless is not None]
-    differing = [c for c in checked if c.gate and c.gate.lossless is False]
-    if differing:
+    failed = [c for c in checked if c.gate and c.gate.verdict == "failed"]
+    unclassified = [c for c in checked if c.gate and c.gate.verdict == "unclassified"]
+    ties = [c for c in checked if c.gate and c.gate.verdict == "near_ties"]
+    if failed:
+        names = ", ".join(f"{results.label(c.config_id)} ({', '.join(c.gate.real_tasks)})" for c in failed if c.gate)
+        bullets.append(f"Lossless check FAILED: real divergences from AR's greedy outputs (a gap no rounding explains) "
+                       f"for {names}; left out of the recommendations.")
+    if unclassified:
         names = ", ".join(f"{results.label(c.config_id)} ({', '.join(c.gate.differing_tasks)})"
-                          for c in differing if c.gate)
-        bullets.append(f"Lossless check FAILED: greedy outputs differ from AR for {names}.")
-    elif checked:
+                          for c in unclassified if c.gate)
+        bullets.append(f"Lossless check FAILED: greedy outputs differ from AR for {names} (not classified: the "
+                       "result has no token log-probs); left out of the recommendations.")
+    if ties:
+        names = ", ".join(f"{results.label(c.config_id)} ({', '.join(c.gate.near_tie_tasks)})" for c in ties if c.gate)
+        margin = next((c.gate.near_tie_margin for c in ties if c.gate and c.gate.near_tie_margin is not None), None)
+        within = f" within {margin:g} nats" if margin is not None else ""
+        bullets.append(f"Lossless check passed with a note: outputs differ from AR only at numeric near-ties (the two "
+                       f"tokens' AR log-probs{within}, what bf16 rounding can flip) for {names}.")
+    if checked and not (failed or unclassified or ties):
         bullets.append(
             f"Lossless check: all {len(checked)} speculative configs produced byte-identical greedy outputs to AR "
             "on the gate."

@@ -1,7 +1,8 @@
 """Read a sweep's run directory into plain records the analysis can rank.
 
 Only finished files count: a benchmark cell is read from ``bench/ctx{c}-c{n}.json`` (schema
-``ddtree.bench.cell/1``), the gate from ``humaneval.json``; failure records are kept beside them so the report can
+``ddtree.bench.cell/1``), the gate from ``humaneval.json`` (``ddtree.eval.humaneval/2``, or ``/1`` from before the
+divergence classes: its differing tasks are then unclassified); failure records are kept beside them so the report can
 say what is missing and why. Configs are ordered as the manifest's grid lists them (baselines first); a directory
 without a manifest (results copied by hand) is still readable, with configs in name order.
 """
@@ -18,7 +19,7 @@ from typing import Any
 from ddtree.errors import ConfigError
 from ddtree.lab.report.latency import Goodput, cell_goodput
 from ddtree.lab.sweep.labels import config_labels
-from ddtree.lab.sweep.layout import BENCH_SCHEMA, EVAL_SCHEMA, RunLayout, read_json
+from ddtree.lab.sweep.layout import BENCH_SCHEMA, EVAL_SCHEMAS, RunLayout, read_json
 
 _CELL_FILE = re.compile(r"^ctx(\d+)-c(\d+)\.json$")
 _TREE_KEYS = ("method", "budget", "topk", "block_size", "draft_window")
@@ -92,12 +93,39 @@ class GateResult:
     lossless_identical: int | None  # None: no baseline compared (the AR config itself, or AR's gate missing)
     lossless_compared: int | None
     differing_tasks: tuple[str, ...]
+    # the differing tasks classified at their first differing token (ddtree.lab.humaneval.divergence); None when
+    # the result predates the classes (schema /1) or nothing was compared
+    near_tie: int | None = None
+    real: int | None = None
+    real_tasks: tuple[str, ...] = ()
+    near_tie_tasks: tuple[str, ...] = ()
+    near_tie_margin: float | None = None
 
     @property
     def lossless(self) -> bool | None:
+        """Byte-identical to the baseline on every compared task (None: nothing compared)."""
         if self.lossless_compared is None or self.lossless_compared == 0:
             return None
         return self.lossless_identical == self.lossless_compared
+
+    @property
+    def verdict(self) -> str | None:
+        """``identical``; ``near_ties`` (differences, all numeric near-ties: passes with a note); ``failed`` (a
+        real divergence); ``unclassified`` (differences without classes: a schema /1 result, counted as failing
+        since nothing shows them to be ties); None when nothing was compared."""
+        if self.lossless is None:
+            return None
+        if self.lossless:
+            return "identical"
+        if self.real is None:
+            return "unclassified"
+        return "failed" if self.real else "near_ties"
+
+    @property
+    def passes(self) -> bool | None:
+        """Whether the lossless gate passes (identical or near-ties only); None when nothing was compared."""
+        verdict = self.verdict
+        return None if verdict is None else verdict in ("identical", "near_ties")
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> GateResult:
@@ -116,7 +144,20 @@ class GateResult:
             lossless_identical=None if lossless is None else int(lossless.get("identical", 0)),
             lossless_compared=None if lossless is None else int(lossless.get("compared", 0)),
             differing_tasks=tuple(lossless.get("differing_tasks") or ()) if lossless else (),
+            **_classes(lossless),
         )
+
+
+def _classes(lossless: Mapping[str, Any] | None) -> dict[str, Any]:
+    """GateResult's divergence fields from a ``lossless`` object (empty for one without classes)."""
+    if not lossless or "real" not in lossless:
+        return {}
+    divergences = [d for d in lossless.get("divergences") or [] if isinstance(d, Mapping)]
+    margin = lossless.get("near_tie_margin")
+    return {"near_tie": int(lossless.get("near_tie") or 0), "real": int(lossless.get("real") or 0),
+            "real_tasks": tuple(str(d.get("task_id")) for d in divergences if d.get("kind") == "real"),
+            "near_tie_tasks": tuple(str(d.get("task_id")) for d in divergences if d.get("kind") == "near_tie"),
+            "near_tie_margin": float(margin) if isinstance(margin, (int, float)) else None}
 
 
 def _is_truncation(task: dict[str, Any]) -> bool:
@@ -243,7 +284,7 @@ def load_run(root: str | Path, *, slo: Mapping[str, float] | None = None) -> Run
                     if isinstance(limits.get("trained_block_size"), int):
                         trained = limits["trained_block_size"]
         gate = read_json(layout.eval_path(config_id))
-        if isinstance(gate, dict) and gate.get("schema") == EVAL_SCHEMA:
+        if isinstance(gate, dict) and gate.get("schema") in EVAL_SCHEMAS:
             result.gate = GateResult.from_json(gate)
         configs.append(result)
     grid = (manifest or {}).get("grid") or {}

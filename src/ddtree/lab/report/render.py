@@ -69,9 +69,13 @@ def _lossless_text(cfg: ConfigResult) -> str:
         return "reference"
     if g is None or g.lossless is None:
         return "-"
-    return f"yes {g.lossless_identical}/{g.lossless_compared}" if g.lossless else (
-        f"NO {g.lossless_identical}/{g.lossless_compared}"
-    )
+    same = f"{g.lossless_identical}/{g.lossless_compared}"
+    return {
+        "identical": f"yes {same}",
+        "near_ties": f"yes {same}, {g.near_tie} near-tie",
+        "failed": f"NO {same}, {g.real} real, {g.near_tie} near-tie",
+        "unclassified": f"NO {same} (unclassified)",
+    }[g.verdict or "unclassified"]
 
 
 def users_table(results: RunResults) -> Table:
@@ -109,6 +113,15 @@ def users_table(results: RunResults) -> Table:
     rows = [row for *_, row in sorted(rows_keyed, key=lambda t: (t[0], t[1]))]
     numeric = frozenset({2, *range(6 + len(dims), len(headers) - 2)})  # budget .. vs AR
     return Table(headers, rows, numeric)
+
+
+def _excluded_paragraph(results: RunResults) -> list[str]:
+    """The configs left out of the rankings for failing the lossless gate, named (empty when none)."""
+    excluded = list(dict.fromkeys(cid for rec in recommend(results) for cid in rec.excluded))
+    if not excluded:
+        return []
+    return ["Not ranked (failed the lossless gate: real or unclassified divergences from AR, see the coding gate): "
+            + ", ".join(results.label(cid) for cid in excluded) + "."]
 
 
 def recommendations_table(results: RunResults) -> Table:
@@ -183,10 +196,12 @@ def gate_table(results: RunResults) -> Table | None:
         rows.append([
             results.label(c.config_id), f"{g.passed}/{g.total}", str(g.truncated), str(g.wrong), str(g.errors),
             ", ".join(g.truncated_tasks) or "-", ", ".join(g.wrong_tasks) or "-", _lossless_text(c),
-            ", ".join(g.differing_tasks) or "-",
+            "-" if g.near_tie is None else str(g.near_tie), "-" if g.real is None else str(g.real),
+            ", ".join(g.real_tasks) or "-", ", ".join(g.near_tie_tasks) or "-",
+            ", ".join(t for t in g.differing_tasks if t not in g.real_tasks + g.near_tie_tasks) or "-",
         ])
     return Table(["config", "passed", "truncated", "wrong", "errors", "truncated tasks", "wrong tasks", "lossless",
-                  "differing tasks"], rows)
+                  "near-tie", "real", "real divergences", "near-tie tasks", "unclassified differing tasks"], rows)
 
 
 def failures_table(results: RunResults) -> Table | None:
@@ -249,7 +264,8 @@ def build_sections(results: RunResults, plots: dict[str, Path]) -> list[Section]
             "Recommendations",
             paragraphs=[
                 "Each workload is one benchmark cell ranked on aggregate output tok/s. A margin is beyond the "
-                "run-to-run spread when the winner's slowest repeat beats the runner-up's fastest one."
+                "run-to-run spread when the winner's slowest repeat beats the runner-up's fastest one.",
+                *_excluded_paragraph(results),
             ],
             tables=[recommendations_table(results)],
         ),

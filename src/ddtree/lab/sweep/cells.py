@@ -14,6 +14,10 @@ if TYPE_CHECKING:
     from ddtree.lab.sweep.target import Endpoint, SweepTarget
 
 GATE_CONCURRENCY = 4  # gate requests in flight at once; greedy outputs do not depend on it
+# Every gate run (the AR baseline and each speculative config alike) records its tokens and their top-5
+# log-probs: the baseline's classify each difference at its first differing token, and asking the same of every
+# run keeps the request bodies equal but for the method (and lets any run's record serve as a baseline).
+GATE_LOGPROBS = 5
 
 
 class CellFailed(DDTreeError):
@@ -83,10 +87,13 @@ def run_bench_cell(
 
 
 def run_gate(
-    target: SweepTarget, endpoint: Endpoint, config: SweepConfig, tasks: tuple[str, ...], baseline: Path | None
+    target: SweepTarget, endpoint: Endpoint, config: SweepConfig, tasks: tuple[str, ...], baseline: Path | None,
+    *, near_tie_margin: float | None = None,
 ) -> dict[str, Any]:
-    """The coding gate through ``run_humaneval``; greedy, compared with AR's outputs when ``baseline`` is given."""
-    from ddtree.lab.humaneval import run_humaneval
+    """The coding gate through ``run_humaneval``; greedy, compared with AR's outputs when ``baseline`` is given,
+    each differing output classified (near-tie within ``near_tie_margin`` nats, default
+    :data:`~ddtree.lab.humaneval.DEFAULT_NEAR_TIE_MARGIN`, or real divergence)."""
+    from ddtree.lab.humaneval import DEFAULT_NEAR_TIE_MARGIN, run_humaneval
 
     result = run_humaneval(
         _bench_target(target, endpoint),
@@ -96,6 +103,8 @@ def run_gate(
         out=None,
         baseline=baseline,
         concurrency=GATE_CONCURRENCY,
+        logprobs=GATE_LOGPROBS,
+        near_tie_margin=DEFAULT_NEAR_TIE_MARGIN if near_tie_margin is None else near_tie_margin,
     )
     errors = int(result.get("errors") or 0)
     if errors:
@@ -112,4 +121,4 @@ def resolve_gate_tasks(config: SweepConfig) -> tuple[str, ...]:
     return tuple(GATE_TASKS)
 
 
-__all__ = ["GATE_CONCURRENCY", "CellFailed", "resolve_gate_tasks", "run_bench_cell", "run_gate"]
+__all__ = ["GATE_CONCURRENCY", "GATE_LOGPROBS", "CellFailed", "resolve_gate_tasks", "run_bench_cell", "run_gate"]

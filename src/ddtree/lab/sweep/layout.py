@@ -9,7 +9,7 @@
         configs/<config_id>/
             config.json               the point's settings, launch command and load-to-ready time
             bench/ctx{c}-c{n}.json    one benchmark cell (``ddtree.bench.cell/1``)
-            humaneval.json            the coding gate (``ddtree.eval.humaneval/1``)
+            humaneval.json            the coding gate (``ddtree.eval.humaneval/2``; ``/1`` still read)
             failure.json              {cell name: failure record} for cells that failed (removed when they pass)
             server.log                stdout + stderr of a launched engine
 
@@ -32,7 +32,8 @@ from typing import Any
 from ddtree.lab.files import atomic_write_bytes, atomic_write_json, atomic_write_text, finite_json
 
 BENCH_SCHEMA = "ddtree.bench.cell/1"
-EVAL_SCHEMA = "ddtree.eval.humaneval/1"
+EVAL_SCHEMA = "ddtree.eval.humaneval/2"  # the same string as ddtree.lab.humaneval.EVAL_SCHEMA
+EVAL_SCHEMAS = ("ddtree.eval.humaneval/1", EVAL_SCHEMA)  # /1: no token traces, no divergence classes
 MANIFEST_SCHEMA = "ddtree.sweep.manifest/1"
 FAILURE_SCHEMA = "ddtree.sweep.failure/1"
 GATE_CELL = "humaneval"
@@ -102,7 +103,7 @@ class RunLayout:
 
     def eval_done(self, config_id: str) -> bool:
         data = read_json(self.eval_path(config_id))
-        return isinstance(data, dict) and data.get("schema") == EVAL_SCHEMA
+        return isinstance(data, dict) and data.get("schema") in EVAL_SCHEMAS
 
     def failures(self, config_id: str) -> dict[str, Any]:
         data = read_json(self.failure_path(config_id))
@@ -153,6 +154,7 @@ class RunLayout:
 __all__ = [
     "BENCH_SCHEMA",
     "EVAL_SCHEMA",
+    "EVAL_SCHEMAS",
     "FAILURE_SCHEMA",
     "GATE_CELL",
     "MANIFEST_SCHEMA",

@@ -423,8 +423,17 @@ def _run_point(
                         atomic_write_json(layout.eval_path(cid), result)
                         lossless = result.get("lossless") or {}
                         summary = f"{result.get('passed')}/{result.get('total')} passed" + (
-                            f", lossless {lossless.get('identical')}/{lossless.get('compared')}" if lossless else ""
+                            f", lossless {lossless.get('identical')}/{lossless.get('compared')} identical, "
+                            f"{lossless.get('near_tie', 0)} near-tie, {lossless.get('real', 0)} real"
+                            if lossless else ""
                         )
+                        from rich.markup import escape
+
+                        from ddtree.lab.humaneval.lossless import warning_lines
+
+                        for line in warning_lines(lossless):  # real ones are logged as warnings by the gate
+                            if not line.startswith("REAL"):
+                                console.print(f"  {escape(line)}", highlight=False)
                     else:
                         ctx, conc = cells[name]
                         cell = run_bench_cell(target, endpoint, config, point, ctx, conc)
