@@ -45,7 +45,7 @@ accept() {  # acceptance since the last reset, from /server_info (what SGLang-st
   curl -s "$URL/server_info" | "$PYTHON" -c \
     "import json, sys; s = json.load(sys.stdin)['since_reset']; print(f\"verify rounds {s['verify_rounds']}, tokens {s['generation_tokens']}, accept length {s['accept_length']:.3f}\")"
 }
-vllm_counters() {  # vLLM's speculative counters from /metrics (what vLLM dashboards read)
+vllm_counters() {  # vLLM's speculative counters from /metrics (what vLLM dashboards read; cumulative since start)
   curl -s "$URL/metrics" | grep -E '^vllm:spec_decode_num_(drafts|draft_tokens|accepted_tokens)_total' | tr '\n' ' '
 }
 
@@ -135,6 +135,20 @@ elif [ -x "$CLIENTS_VENV/bin/guidellm" ]; then
     --data "kind=synthetic_text,prompt_tokens=64,output_tokens=32" \
     --output "kind=json,path=$OUT/guidellm.json" --output kind=console --disable-console-interactive
   tail -25 "$OUT/guidellm.log" | tee -a "$SUMMARY"
+  # GuideLLM prints no acceptance; it keeps each response's `metrics` object (vLLM's speculative_decoding) in
+  # its JSON as the request's response_metrics: summed here from GuideLLM's own file.
+  "$PYTHON" - "$OUT/guidellm.json" <<'EOF' 2>&1 | tee -a "$SUMMARY"
+import json, sys
+reqs = json.load(open(sys.argv[1]))["benchmarks"][0]["requests"]["successful"]
+specs = [r["response_metrics"]["speculative_decoding"] for r in reqs
+         if (r.get("response_metrics") or {}).get("speculative_decoding")]
+steps = sum(s["num_spec_steps"] for s in specs)
+accepted = sum(s["num_accepted_draft_tokens"] for s in specs)
+drafts = sum(s["num_draft_tokens"] for s in specs)
+print(f"guidellm.json: {len(specs)} of {len(reqs)} successful requests carry metrics.speculative_decoding: "
+      f"{steps} steps, mean acceptance length {1 + accepted / max(steps, 1):.3f}, "
+      f"draft acceptance rate {accepted / max(drafts, 1):.4f}")
+EOF
 else
   note "guidellm: not installed in $CLIENTS_VENV"
 fi
@@ -151,6 +165,7 @@ elif [ -x "$CLIENTS_VENV/bin/aiperf" ]; then
     --endpoint-type completions --streaming --tokenizer "${AIPERF_TOKENIZER:-$TOKENIZER}" --request-count "$REQUESTS" --concurrency 2 \
     --synthetic-input-tokens-mean 64 --output-tokens-mean 32 --artifact-dir "$OUT/aiperf" --ui-type none
   tail -40 "$OUT/aiperf.log" | tee -a "$SUMMARY"
+  grep -a -A12 "LLM Metrics: Spec Decode" "$OUT/aiperf.log" | tee -a "$SUMMARY"  # its acceptance table
 else
   note "aiperf: not installed in $CLIENTS_VENV"
 fi

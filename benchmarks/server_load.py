@@ -14,6 +14,15 @@ generated) is served. One JSON object on stdout.
     python benchmarks/server_load.py                      # demo pair, CPU
     python benchmarks/server_load.py --streams 0 --bodies 50 --gap 0 --repeat 3   # the body path alone
     python benchmarks/server_load.py --server-args "--max-len 2048" --streams 16 --max-tokens 32
+
+``--bare MODE`` isolates the body path: instead of ``ddtree serve`` it starts uvicorn serving only the server's
+``BodyLimitMiddleware`` (or a variant) around an app that answers with the body's length, no engine, so one cause
+at a time can be measured (with ``--trace``, tracemalloc's peak of Python allocations too). MODE: ``ours`` (the
+middleware as it is), ``keepalive`` (its 413 without ``Connection: close``: uvicorn reads and drops the rest of the
+upload), ``bytearray`` (one growing bytearray instead of a list of chunks), ``count`` (counts and drops every
+chunk, holds nothing: what uvicorn and asyncio alone cost for a refused upload).
+
+    python benchmarks/server_load.py --bare count --bodies 50 --gap 0 --repeat 3
 """
 
 from __future__ import annotations
@@ -176,6 +185,88 @@ def run_phase(url: str, pid: int, streams: int, max_tokens: int, big_size: int |
     return out
 
 
+BARE_MODES = ("ours", "keepalive", "bytearray", "count")
+
+
+def serve_bare(mode: str, port: int, limit: int) -> None:
+    """uvicorn on 127.0.0.1:``port`` serving ``BodyLimitMiddleware`` (``mode``: a variant) around an app that
+    answers every request with its body's length; ``/server_info`` gives the limit, ``/trace`` tracemalloc's
+    current and peak bytes (and resets the peak) when the process runs under ``-X tracemalloc``."""
+    import tracemalloc
+
+    import uvicorn
+
+    from ddtree.server.limits import BodyLimitMiddleware, send_json
+
+    async def inner(scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        path = scope["path"]
+        if path == "/trace":
+            current, peak = tracemalloc.get_traced_memory()
+            tracemalloc.reset_peak()
+            await send_json(send, 200, {"current": current, "peak": peak, "tracing": tracemalloc.is_tracing()})
+            return
+        if path == "/server_info":
+            await send_json(send, 200, {"server": {"limits": {"max_body_bytes": limit, "max_len": 0}}})
+            return
+        message = await receive()
+        await send_json(send, 200, {"bytes": len(message.get("body", b""))})
+
+    class KeepAlive(BodyLimitMiddleware):
+        async def _refuse(self, scope: Any, send: Any, limit: int, got: str) -> None:
+            await send_json(send, 413, {"error": {"message": f"too large: {got}"}})
+
+    class ByteArray(BodyLimitMiddleware):
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            if scope["type"] != "http":
+                return await self.app(scope, receive, send)
+            buf: bytearray | None = bytearray()
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return
+                buf += message.get("body", b"")
+                if len(buf) > limit:
+                    buf = None
+                    return await self._refuse(scope, send, limit, "too much")
+                if not message.get("more_body", False):
+                    break
+            body = [bytes(buf)]
+            buf = None
+
+            async def replay() -> Any:
+                return {"type": "http.request", "body": body.pop(), "more_body": False} if body else await receive()
+
+            await self.app(scope, replay, send)
+
+    class CountOnly(BodyLimitMiddleware):
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            if scope["type"] != "http" or scope["method"] == "GET":
+                return await self.app(scope, receive, send)
+            size = 0
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return
+                size += len(message.get("body", b""))
+                if size > limit:
+                    return await self._refuse(scope, send, limit, "too much")
+                if not message.get("more_body", False):
+                    break
+            await send_json(send, 200, {"bytes": size})
+
+    cls = {"ours": BodyLimitMiddleware, "keepalive": KeepAlive, "bytearray": ByteArray, "count": CountOnly}[mode]
+    app = cls(inner, lambda: limit, lambda path: None)
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+
+
+def traced(url: str) -> dict[str, float] | None:
+    """tracemalloc's current and peak MiB in a ``--bare --trace`` server since the last call (None: not tracing)."""
+    r = httpx.get(url + "/trace", timeout=10).json()
+    return {"current_mib": r["current"] / 2**20, "peak_mib": r["peak"] / 2**20} if r["tracing"] else None
+
+
 def at_context_limit(url: str, tokenizer_dir: str | None, max_len: int) -> dict[str, Any]:
     """A prompt of ``max_len - 1`` tokens (a space-led word repeated: one token per copy) and max_tokens 1."""
     from transformers import AutoTokenizer
@@ -207,11 +298,26 @@ def main(argv: list[str] | None = None) -> int:
                         "the noise of the peak comparison)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory for the context-limit prompt "
                         "(default: the demo target's)")
+    parser.add_argument("--bare", choices=BARE_MODES, default=None,
+                        help="serve only the body-limit middleware (or a variant), no engine; implies --streams 0")
+    parser.add_argument("--bare-limit", type=int, default=5 * 2**19, help="--bare: the body limit in bytes "
+                        "(default 2.5 MiB, the demo server's derived limit)")
+    parser.add_argument("--trace", action="store_true", help="--bare: run the server under tracemalloc")
+    parser.add_argument("--serve-bare", choices=BARE_MODES, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.serve_bare:  # the --bare server process itself
+        serve_bare(args.serve_bare, args.port, args.bare_limit)
+        return 0
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "ddtree.server", "--device", "cpu", "--port", str(port), "--log-level", "warning",
-           *shlex.split(args.server_args)]
+    if args.bare:
+        args.streams = 0
+        cmd = [sys.executable, *(["-X", "tracemalloc"] if args.trace else []), os.path.abspath(__file__),
+               "--serve-bare", args.bare, "--port", str(port), "--bare-limit", str(args.bare_limit)]
+    else:
+        cmd = [sys.executable, "-m", "ddtree.server", "--device", "cpu", "--port", str(port), "--log-level",
+               "warning", *shlex.split(args.server_args)]
     proc = subprocess.Popen(cmd, start_new_session=True)
     try:
         deadline = time.monotonic() + 600
@@ -228,9 +334,16 @@ def main(argv: list[str] | None = None) -> int:
         limits = info["server"]["limits"]
         big = int(args.body_factor * limits["max_body_bytes"])
         pairs = []
+        if args.bare:  # one small request first, so first-request allocations are not counted as the bodies'
+            httpx.post(url + "/v1/completions", content=b'{"prompt": "x"}', timeout=10)
         for _ in range(args.repeat):
             idle = run_phase(url, proc.pid, args.streams, args.max_tokens, None)
+            start = traced(url) if args.bare else None  # also resets tracemalloc's peak
             loaded = run_phase(url, proc.pid, args.streams, args.max_tokens, big, args.declared, args.bodies, args.gap)
+            end = traced(url) if args.bare else None
+            if start is not None and end is not None:  # Python's own allocations, over the phase's start
+                loaded["tracemalloc_mib"] = {"peak_growth": end["peak_mib"] - start["current_mib"],
+                                             "persistent_growth": end["current_mib"] - start["current_mib"]}
             pairs.append({"idle": idle, "with_big_bodies": loaded,
                           # the same streams ran in both phases: the difference of the peaks is what the bodies cost
                           "rss_peak_growth_over_idle_mib": loaded["rss_peak_mib"] - idle["rss_peak_mib"]})
@@ -247,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
             "loaded_peak_growth_mib": [p["with_big_bodies"]["peak_growth_mib"] for p in pairs],
             "loaded_persistent_growth_mib": [p["with_big_bodies"]["persistent_growth_mib"] for p in pairs],
             "limit_mib": limits["max_body_bytes"] / 2**20,
-            "at_context_limit": at_context_limit(url, args.tokenizer, limits["max_len"]),
+            "at_context_limit": None if args.bare else at_context_limit(url, args.tokenizer, limits["max_len"]),
         }
         print(json.dumps(report, indent=2))
     finally:
