@@ -11,7 +11,9 @@ near-ties (issue 27). This script runs, greedy over the same held-out prompts (`
   shipped), captured into that engine's own CUDA graphs;
 
 and classifies every output that differs from AR's at its first differing token with the gate's own classifier
-(:func:`ddtree.lab.humaneval.divergence.classify`, margin ``--margin`` nats): numeric near-tie or real divergence.
+(:func:`ddtree.lab.humaneval.divergence.classify`, margin ``--margin`` nats, by default the bf16 or fp32 one, and
+the drift of both runs' log-probs of the same tokens, since every run records them): numeric near-tie or real
+divergence.
 Expected: the healthy configs show only near-ties (bf16) or no difference at all (fp32 on the CPU), the broken one
 real divergences. Prints a table and every real divergence; writes ``OUT/divergence_gate.json``.
 
@@ -34,6 +36,7 @@ import torch
 from ddtree.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, TreeSettings
 from ddtree.lab.humaneval.divergence import (
     DEFAULT_NEAR_TIE_MARGIN,
+    FP32_NEAR_TIE_MARGIN,
     TOP_LOGPROBS,
     TokenTrace,
     TopEntry,
@@ -104,6 +107,20 @@ def shift_tree_position(node: int, shift: int) -> None:
     speculative.tree_positions = shifted
 
 
+def prefix_drift(base: TokenTrace, other: TokenTrace) -> float:
+    """The largest difference of the two runs' log-probs of the same token over their common token prefix (how
+    far the verify's numbers move from AR's: rounding on a healthy engine, more under a bug)."""
+    if base.logprobs is None or other.logprobs is None:
+        return 0.0
+    drift = 0.0
+    for a, b, x, y in zip(base.token_ids or (), other.token_ids or (), base.logprobs, other.logprobs, strict=False):
+        if a != b:
+            break
+        if x is not None and y is not None:
+            drift = max(drift, abs(x - y))
+    return drift
+
+
 def classify_config(name: str, ref: list[TokenTrace], runs: list[TokenTrace], margin: float) -> dict[str, Any]:
     divergences = []
     for i, (base, other) in enumerate(zip(ref, runs, strict=True)):
@@ -114,6 +131,7 @@ def classify_config(name: str, ref: list[TokenTrace], runs: list[TokenTrace], ma
                 print(div.warning(f"{name} prompt {i}"), flush=True)
     near = [d for d in divergences if d["kind"] == "near_tie"]
     return {"requests": len(runs), "identical": len(runs) - len(divergences), "near_tie": len(near),
+            "max_drift": max((prefix_drift(b, o) for b, o in zip(ref, runs, strict=True)), default=0.0),
             "real": len(divergences) - len(near), "near_tie_gaps": sorted(round(d["gap"], 4) for d in near),
             "divergences": divergences}
 
@@ -129,21 +147,24 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--budgets", default="31,63")
     ap.add_argument("--concurrency", type=int, default=1, help="requests in flight (max_in_flight)")
     ap.add_argument("--top", type=int, default=TOP_LOGPROBS, help="AR's top log-probs per token")
-    ap.add_argument("--margin", type=float, default=DEFAULT_NEAR_TIE_MARGIN, help="near-tie margin, nats")
+    ap.add_argument("--margin", type=float, default=None,
+                    help=f"near-tie margin in nats (default: {DEFAULT_NEAR_TIE_MARGIN} for bf16 on cuda, "
+                         f"{FP32_NEAR_TIE_MARGIN} for fp32 on cpu)")
     ap.add_argument("--broken-budget", type=int, default=31, help="budget of the broken-verify run (0: none)")
     ap.add_argument("--broken-node", type=int, default=1, help="tree node whose position is shifted")
     ap.add_argument("--broken-shift", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="demo pair, 4 prompts of 64 tokens, 32 new, budgets 4,8")
     args = ap.parse_args(argv)
-    margin = check_margin(args.margin)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    default_margin = DEFAULT_NEAR_TIE_MARGIN if dtype == torch.bfloat16 else FP32_NEAR_TIE_MARGIN
+    margin = check_margin(default_margin if args.margin is None else args.margin)
     if args.quick:
         args.shape, args.prompts, args.context, args.new_tokens, args.budgets = "none", 4, 64, 32, "4,8"
         args.broken_budget = min(args.broken_budget, 8) if args.broken_budget else 0
     budgets = [int(b) for b in args.budgets.split(",") if b.strip()]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 
     from ddtree.assets import demo_drafter_path, demo_target_path
     from ddtree.models import load_drafter, load_target, load_tokenizer
@@ -172,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
         ar_out, ar_wall = run_config(engine, prompts, TreeSettings(method="ar"), args.new_tokens, args.top,
                                      args.concurrency)
         ref = [trace_of(o, tokenizer) for o in ar_out]
-        rows.append(("ar", {"requests": len(ref), "identical": len(ref), "near_tie": 0, "real": 0,
+        rows.append(("ar", {"requests": len(ref), "identical": len(ref), "near_tie": 0, "real": 0, "max_drift": 0.0,
                             "near_tie_gaps": [], "divergences": []}, ar_wall))
         for budget in budgets:
             outs, wall = run_config(engine, prompts, TreeSettings(method="ddtree", budget=budget), args.new_tokens,
@@ -189,14 +210,14 @@ def main(argv: list[str] | None = None) -> None:
     lines = [f"{report['device']}, {report['dtype']}, shape {args.shape}: {len(prompts)} prompts of {args.context} "
              f"tokens, {args.new_tokens} greedy tokens each, C={args.concurrency}; AR top-{args.top} log-probs, "
              f"near-tie margin {margin} nats; broken: node {args.broken_node} position +{args.broken_shift}", "",
-             "| config | requests | identical | near-tie | real | near-tie gaps (nats) | wall s |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| config | requests | identical | near-tie | real | near-tie gaps (nats) | max drift (nats) | wall s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, res, wall in rows:
         res["wall_s"] = round(wall, 2)
         report["configs"][name] = res
         gaps = ", ".join(f"{g:.3g}" for g in res["near_tie_gaps"][:8]) or "-"
         lines.append(f"| {name} | {res['requests']} | {res['identical']} | {res['near_tie']} | {res['real']} | "
-                     f"{gaps} | {wall:.1f} |")
+                     f"{gaps} | {res['max_drift']:.3g} | {wall:.1f} |")
     healthy = [res for name, res, _ in rows if name.startswith("ddtree")]
     broken_rows = [res for name, res, _ in rows if name.startswith("broken")]
     report["healthy_only_near_ties"] = all(r["real"] == 0 for r in healthy)
