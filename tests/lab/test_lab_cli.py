@@ -40,6 +40,32 @@ def test_eval_command_against_live_server(live_ddtree, tmp_path):
     assert "pass@1" in result.output
 
 
+def test_eval_command_records_log_probs_and_classifies_against_the_baseline(live_ddtree, tmp_path):
+    base, other = tmp_path / "ar.json", tmp_path / "tree.json"
+    common = ["eval", "humaneval", "--url", live_ddtree.url, "--gate", "--limit", "2", "--max-tokens", "12",
+              "--logprobs", "3"]
+    first = CliRunner().invoke(app, [*common, "--extra-body", '{"ddtree": {"method": "ar"}}', "--out", str(base)])
+    assert first.exit_code == 0, first.output
+    data = json.loads(base.read_text())
+    assert data["logprobs"] == 3 and all(len(t["trace"]["top_logprobs"][0]) in (3, 4) for t in data["tasks"])
+    second = CliRunner().invoke(app, [*common, "--baseline", str(base), "--near-tie-margin", "0.001",
+                                      "--out", str(other)], env={"COLUMNS": "200"})
+    assert second.exit_code == 0, second.output
+    assert json.loads(other.read_text())["lossless"]["near_tie_margin"] == 0.001
+    assert "lossless: 2/2 byte-identical" in second.output and "0 real divergence(s): identical" in second.output
+    bad = CliRunner().invoke(app, [*common, "--baseline", str(base), "--near-tie-margin", "-1", "--out", str(other)])
+    assert bad.exit_code != 0 and "near_tie_margin must be a finite number" in str(bad.exception or bad.output)
+
+
+def test_the_margin_flag_defaults_to_the_gates_margin():
+    import inspect
+
+    from ddtree.lab.cli import humaneval
+    from ddtree.lab.humaneval import DEFAULT_NEAR_TIE_MARGIN
+
+    assert inspect.signature(humaneval).parameters["near_tie_margin"].default.default == DEFAULT_NEAR_TIE_MARGIN
+
+
 def test_eval_command_scores_a_responses_file(tmp_path):
     problems = load_problems()
     path = tmp_path / "answers.jsonl"

@@ -163,7 +163,12 @@ def humaneval(
     limit: int | None = typer.Option(None, help="Only the first N of the selected tasks."),
     max_tokens: int = typer.Option(512, help="Token limit per answer (answers cut by it count as truncated)."),
     responses: Path | None = typer.Option(None, help="Score answers from a JSONL file (task_id + text) instead."),
-    baseline: Path | None = typer.Option(None, help="A previous result JSON: report byte-identical outputs."),
+    baseline: Path | None = typer.Option(None, help="A previous result JSON: report byte-identical outputs and "
+                                         "classify each differing one (numeric near-tie or real divergence)."),
+    logprobs: int | None = typer.Option(None, help="Record each emitted token with its top N log-probs (a baseline "
+                                        "needs them to classify differences; the sweep's gate asks for 5)."),
+    near_tie_margin: float = typer.Option(0.5, help="Nats within which the baseline's log-probs of the two tokens "
+                                          "at the first differing one count as a near-tie (0.5 for bf16, 1e-3 fp32)."),
     out: Path | None = typer.Option(None, help="Result JSON path (default: results/humaneval-<time>.json)."),
     concurrency: int = typer.Option(4, help="Requests in flight."),
     api_key: str | None = typer.Option(None, help="Bearer token, if the server wants one."),
@@ -178,13 +183,14 @@ def humaneval(
     out_path = out if out is not None else Path("results") / f"humaneval-{_stamp()}.json"
     if responses is not None:
         result = score_responses_file(responses, tasks=selected, limit=limit, endpoint=endpoint, out=out_path,
-                                      baseline=baseline)
+                                      baseline=baseline, near_tie_margin=near_tie_margin)
     else:
         if url is None:
             raise ConfigError("--url is required (or --responses FILE.jsonl to score saved answers)")
         target = _target(url, engine, model, endpoint, extra_body, None, api_key, timeout)
         result = run_humaneval(target, tasks=selected, limit=limit, max_tokens=max_tokens, out=out_path,
-                               baseline=baseline, concurrency=concurrency)
+                               baseline=baseline, concurrency=concurrency, logprobs=logprobs,
+                               near_tie_margin=near_tie_margin)
     _print_eval(result, out_path)
 
 
@@ -207,7 +213,13 @@ def _print_eval(result: dict, out_path: Path) -> None:
     )
     lossless = result.get("lossless")
     if lossless is not None:
+        from rich.markup import escape
+
+        from ddtree.lab.humaneval import warning_lines
+
         console.print(f"lossless: {lossless['identical']}/{lossless['compared']} byte-identical to "
-                      f"{lossless['baseline']}" + (f"; differing: {', '.join(lossless['differing_tasks'])}"
-                                                   if lossless["differing_tasks"] else ""))
+                      f"{lossless['baseline']}, {lossless.get('near_tie', 0)} numeric near-tie(s), "
+                      f"{lossless.get('real', 0)} real divergence(s): {lossless.get('verdict')}", highlight=False)
+        for line in warning_lines(lossless):  # real ones were also logged as warnings when they were found
+            console.print(escape(line), highlight=False)
     console.print(f"result written to {out_path}")
