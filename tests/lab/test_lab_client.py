@@ -165,3 +165,49 @@ def test_model_resolution_errors_say_what_is_wrong():
         asyncio.run(resolve(not_ready))
     with pytest.raises(ConfigError, match="lists no model"):
         asyncio.run(resolve(empty))
+
+
+def _logprob_server(bodies: list[dict], payload: dict) -> httpx.MockTransport:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        bodies.append(json.loads(request.content))
+        return httpx.Response(200, json={"choices": [payload], "usage": {"completion_tokens": 2}})
+
+    return httpx.MockTransport(handler)
+
+
+def test_log_probs_are_requested_and_parsed_in_both_endpoint_shapes():
+    # chat (OpenAI's shape): content items with their top_logprobs lists
+    chat_choice = {"index": 0, "finish_reason": "length", "message": {"role": "assistant", "content": "ab"},
+                   "logprobs": {"content": [
+                       {"token": "a", "logprob": -0.1, "bytes": [97],
+                        "top_logprobs": [{"token": "a", "logprob": -0.1}, {"token": "c", "logprob": -2.5}]},
+                       {"token": "b", "logprob": -0.3, "bytes": [98], "top_logprobs": [{"token": "b", "logprob": -0.3}]},
+                   ], "refusal": None}}
+    bodies: list[dict] = []
+    _, c = _complete(BenchTarget(url="http://t", endpoint="chat"), {"prompt": "x", "max_tokens": 2, "stream": False,
+                                                                 "logprobs": 2}, _logprob_server(bodies, chat_choice))
+    assert bodies[0]["logprobs"] is True and bodies[0]["top_logprobs"] == 2
+    assert c.tokens == ["a", "b"] and c.token_logprobs == [-0.1, -0.3] and c.token_ids is None
+    assert c.top_logprobs == [[("a", -0.1, None), ("c", -2.5, None)], [("b", -0.3, None)]]
+    # completions (vLLM with return_tokens_as_token_ids): dicts keyed by token, ids spelled token_id:N
+    comp_choice = {"index": 0, "finish_reason": "length", "text": "ab", "logprobs": {
+        "tokens": ["token_id:7", "token_id:9"], "token_logprobs": [-0.2, -0.05], "text_offset": [0, 1],
+        "top_logprobs": [{"token_id:8": -1.9, "token_id:7": -0.2}, {"token_id:9": -0.05}]}}
+    bodies.clear()
+    _, c = _complete(BenchTarget(url="http://t"), {"prompt": "x", "max_tokens": 2, "stream": False, "logprobs": 1},
+                  _logprob_server(bodies, comp_choice))
+    assert bodies[0]["logprobs"] == 1 and "top_logprobs" not in bodies[0]
+    assert c.token_ids == [7, 9] and c.tokens == ["token_id:7", "token_id:9"]
+    assert c.top_logprobs[0] == [("token_id:7", -0.2, 7), ("token_id:8", -1.9, 8)]  # most probable first
+    bodies.clear()
+    _, c = _complete(BenchTarget(url="http://t"), {"prompt": "x", "max_tokens": 2, "stream": False},
+                  _logprob_server(bodies, {**comp_choice, "logprobs": None}))
+    assert "logprobs" not in bodies[0] and c.tokens is None
+
+
+def test_bad_logprobs_argument_is_a_config_error():
+    with pytest.raises(ConfigError, match="logprobs must be None or an integer >= 0"):
+        _complete(BenchTarget(url="http://t"), {"prompt": "x", "max_tokens": 2, "stream": False, "logprobs": -1},
+                  _logprob_server([], {}))
