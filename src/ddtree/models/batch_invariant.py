@@ -1,0 +1,444 @@
+"""Batch-invariant kernels for exact mode: a matmul and an attention whose result for one token row does not depend
+on how many rows ride along, where the row sits in the batch, the tree around it or the key-length bucket.
+
+Why: cuBLAS picks its kernel (and split-K) by row count and the tree-attention kernel picks its tiles and context
+splits by rows and ``kv_len``, so the same token gets logits 1-2 ulps apart in AR decoding, a chain, a tree or a
+batch of 64, and bf16 near-ties flip (docs/benchmarks.md, "Divergence"; ``../shared/docs/gpu-facts.md``). Here every
+reduction has one fixed order per output element (docs/architecture.md, "Exact mode"):
+
+Matmul (:func:`linear`, x [M, K] @ w [N, K]^T)
+    One tile configuration per weight shape (:func:`matmul_tiles`: BLOCK_M 64, BLOCK_N, BLOCK_K and a split-K count
+    from (N, K) only, never from M), the K loop in ascending order, split-K partials summed in ascending split order
+    by a second kernel. M is not specialised on (``do_not_specialize``), so every row count runs one compiled kernel;
+    a row's result depends on its own inputs and the weight only.
+
+Attention (:func:`attention`, new tokens over a KV-cache slot)
+    Keys are walked in *position* order, in tiles of ``ATTN_BLOCK_N`` positions at fixed multiples of it, and split at
+    fixed multiples of ``ATTN_SPLIT_KEYS`` positions; a query at position p combines splits 0 .. p // ATTN_SPLIT_KEYS
+    in ascending order. Key position j of query t is cache index j below ``start`` (the committed prefix) and
+    ``start + anc[t, j - start]`` above it (the node's ancestor at depth ``j - start``: in a tree the ancestors are not
+    contiguous in the cache, :func:`ancestor_map`). A program's rows are ``ATTN_BLOCK_M`` = queries x the G query heads
+    of one KV head. Where its queries share their keys (prefix tiles; every tile of a chain or a prompt chunk) one K/V
+    tile serves them all; in a tree's tiles the program gathers each query's own tile and keeps, of each dot, the rows
+    of that query (a tensor-core dot's row depends only on that row and the tile). Masked keys are exact no-ops
+    (p = exp2(-inf) = 0; the running max is guarded against -inf - -inf).
+
+Example: a tree root(0) -> a(1), root -> b(2), a -> c(3) at start 5, written at cache indices 5..8 with positions
+5, 6, 6, 7. Query c (position 7) walks positions 0..7 and reads cache indices 0 1 2 3 4 5 6 8: exactly the keys AR
+decoding of the same tokens reads at positions 0..7 (cache 0..7), in the same tiles and splits.
+
+Each kernel has a torch path for devices Triton cannot run on (:func:`linear_rows`, :func:`attention_rows`): one
+token row at a time, so every call has the shapes of a single row and is invariant by construction (slow; the CPU
+tests and CPU exact mode use it). On CUDA exact mode needs Triton.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ddtree.errors import ConfigError
+from ddtree.triton_runtime import INTERPRETED, tl, triton
+
+# ---- constants (changing one changes exact mode's bits, never its invariance) --------------------------------------
+MATMUL_BLOCK_M = 64  # rows per matmul tile, for every row count
+MATMUL_MAX_BLOCK_N = 128
+MATMUL_MAX_BLOCK_K = 64
+# Split-K is chosen from the weight's shape so that about this many programs stream a weight at one tile of rows
+# (decoding is bandwidth-bound: o_proj's 32 column tiles alone would leave most of an H200's 132 SMs idle).
+MATMUL_TARGET_PROGRAMS = 160
+MATMUL_MAX_SPLIT_K = 8
+MATMUL_MIN_K_BLOCKS_PER_SPLIT = 4
+ATTN_BLOCK_M = 32  # folded rows (queries x query heads of one KV head) per attention program
+ATTN_BLOCK_N = 64  # key positions per tile
+ATTN_SPLIT_KEYS = 256  # key positions per split (a multiple of ATTN_BLOCK_N)
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+class MatmulTiles(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int  # K blocks are divided among this many programs per output tile; partials summed in order
+    num_warps: int
+    num_stages: int
+
+
+def _pow2_at_least(n: int, lo: int) -> int:
+    return max(lo, 1 << max(0, n - 1).bit_length())
+
+
+def matmul_tiles(n: int, k: int) -> MatmulTiles:
+    """The one tile configuration of a weight [n, k] (a function of the weight's shape only, never of the rows)."""
+    block_n = min(MATMUL_MAX_BLOCK_N, _pow2_at_least(n, 16))
+    block_k = min(MATMUL_MAX_BLOCK_K, _pow2_at_least(k, 16))
+    n_tiles = -(-n // block_n)
+    k_blocks = -(-k // block_k)
+    split = 1
+    while (n_tiles * split < MATMUL_TARGET_PROGRAMS and split * 2 <= MATMUL_MAX_SPLIT_K
+           and k_blocks % (split * 2) == 0 and k_blocks // (split * 2) >= MATMUL_MIN_K_BLOCKS_PER_SPLIT):
+        split *= 2
+    return MatmulTiles(MATMUL_BLOCK_M, block_n, block_k, split, 4, 3)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _dot(a, b, acc, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
+        """acc + a @ b in fp32. EMULATE (Triton's interpreter only): an fp32 broadcast product summed over K with
+        ``tl.sum``, because the interpreter's ``tl.dot`` is numpy's BLAS matmul, whose result for a row changes with
+        the row's place in the tile (and whose bf16 dot multiplies raw bit patterns). On a GPU the tensor-core dot
+        runs; its rows are independent of each other for one instruction shape (one compiled kernel)."""
+        if EMULATE:
+            out = acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
+        else:
+            out = tl.dot(a, b, acc, input_precision=PRECISION)
+        return out
+
+    @triton.jit(do_not_specialize=["M"])
+    def _matmul_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                       k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr, EMULATE: tl.constexpr,
+                       PRECISION: tl.constexpr):
+        """Program (row tile, column tile, K split): acc = sum over its K blocks in ascending order; DIRECT (one
+        split) adds the bias and stores; otherwise the fp32 partial goes to part[split, m, n]."""
+        pid_m = tl.program_id(0).to(tl.int64)
+        pid_n = tl.program_id(1).to(tl.int64)
+        pid_s = tl.program_id(2).to(tl.int64)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        m_ok = rm < M
+        n_ok = rn < N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        k_lo = pid_s * k_per_split
+        k_hi = tl.minimum(k_lo + k_per_split, K)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            kk = k0 + rk
+            k_ok = kk < K
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc = _dot(x, tl.trans(w), acc, EMULATE, PRECISION)
+        if DIRECT:
+            if HAS_BIAS:
+                acc = acc + tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+                     mask=m_ok[:, None] & n_ok[None, :])
+        else:
+            part = part_ptr + (pid_s * M + rm[:, None]) * N + rn[None, :]
+            tl.store(part, acc, mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit(do_not_specialize=["M"])
+    def _split_sum_kernel(part_ptr, b_ptr, out_ptr, M, N, stride_om, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          BLOCK: tl.constexpr):
+        """out[m, n] = ((part[0] + part[1]) + ...) + bias, splits in ascending order, one element per lane."""
+        idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = idx < M * N
+        m = idx // N
+        n = idx % N
+        total = tl.load(part_ptr + idx, mask=ok, other=0.0)
+        for s in tl.static_range(1, SPLITS):
+            total = total + tl.load(part_ptr + s * M * N + idx, mask=ok, other=0.0)
+        if HAS_BIAS:
+            total = total + tl.load(b_ptr + n, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + m * stride_om + n, total.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear(x, weight, bias)`` with a fixed reduction order per output element: x [..., K], weight [N, K],
+    bias [N] -> [..., N] in x's dtype (fp32 accumulation). Triton; CUDA tensors or the interpreter."""
+    if triton is None:
+        raise ConfigError("batch_invariant.linear needs Triton; use linear_rows")
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ConfigError(f"batch_invariant.linear: x {tuple(x.shape)} does not fit weight {tuple(weight.shape)}")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ConfigError(f"batch_invariant.linear: bias {tuple(bias.shape)} for weight {tuple(weight.shape)}")
+    n, k = weight.shape
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    m = x2.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.reshape(*lead, n)
+    tiles = matmul_tiles(n, k)
+    k_blocks = -(-k // tiles.block_k)
+    k_per_split = (k_blocks // tiles.split_k) * tiles.block_k
+    direct = tiles.split_k == 1
+    part = out if direct else torch.empty((tiles.split_k, m, n), dtype=torch.float32, device=x.device)
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    grid = (-(-m // tiles.block_m), -(-n // tiles.block_n), tiles.split_k)
+    _matmul_kernel[grid](x2, weight, weight if bias is None else bias, out, part, m, n, k, x2.stride(0),
+                         weight.stride(0), out.stride(0), k if direct else k_per_split,
+                         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+                         HAS_BIAS=bias is not None, DIRECT=direct, EMULATE=INTERPRETED, PRECISION=precision,
+                         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    if not direct:
+        block = 1024
+        _split_sum_kernel[(-(-(m * n) // block),)](part, weight if bias is None else bias, out, m, n, out.stride(0),
+                                                    SPLITS=tiles.split_k, HAS_BIAS=bias is not None, BLOCK=block,
+                                                    num_warps=4)
+    return out.reshape(*lead, n)
+
+
+def linear_rows(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """The torch path: ``F.linear`` one row at a time (every call has one row, so a row's result cannot depend on
+    the others). x [..., K] -> [..., N]."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.shape[0] == 0:
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+    rows = [F.linear(x2[i:i + 1], weight, bias) for i in range(x2.shape[0])]
+    return torch.cat(rows, 0).reshape(*x.shape[:-1], weight.shape[0])
+
+
+# ---- attention --------------------------------------------------------------------------------------------------
+
+def ancestor_map(start: Tensor, positions: Tensor, new_vis: Tensor) -> tuple[Tensor, Tensor]:
+    """Where each new token's keys above the prefix live: ``anc [R, T, T]`` int32, ``anc[r, t, d]`` = the new token
+    (index into T) that query t sees at depth ``d`` (position ``start + d``), -1 if none; and ``chain [R, T]`` int32,
+    1 where ``anc[r, t, d] == d`` for every depth up to t's own (its keys are contiguous in the cache, as in a chain
+    or a prompt chunk). start [R]; positions [R, T] (a node's is ``start + depth``); new_vis [R, T, T] bool (the
+    diagonal is added). A tree gives one visible node per depth; device ops only (graph-capturable)."""
+    r, t = positions.shape
+    idx = torch.arange(t, device=positions.device)
+    vis = new_vis | (idx[:, None] == idx[None, :])
+    depth = (positions - start[:, None]).clamp(0, max(t - 1, 0))  # [R, T]
+    src = torch.where(vis, idx.to(torch.int32), -1)  # [R, Tq, Tk]: key node j where visible
+    anc = torch.full((r, t, t), -1, dtype=torch.int32, device=positions.device)
+    anc = anc.scatter_reduce(2, depth[:, None, :].expand(r, t, t), src, reduce="amax")
+    up_to = idx[None, None, :] <= depth[:, :, None]  # [R, Tq, D]
+    chain = ((anc == idx.to(torch.int32)) | ~up_to).all(-1).to(torch.int32)
+    return anc.contiguous(), chain.contiguous()
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gather_tile(base, stride_p, offs_d, j, start, pos_q, anc_row_ptr, shared):
+        """The K or V tile [BLOCK_N, D] one query reads at positions j [BLOCK_N]: cache index j below start, the
+        ancestor's slot above it; masked keys (past pos_q, or no ancestor at that depth) load 0. ``shared``: the
+        keys are contiguous (cache index j up to pos_q)."""
+        above = j >= start
+        if shared:
+            idx = j.to(tl.int64)
+            ok = j <= pos_q
+        else:
+            anc = tl.load(anc_row_ptr + (j - start), mask=above & (j <= pos_q), other=-1)
+            idx = tl.where(above, start + anc, j).to(tl.int64)
+            ok = (j <= pos_q) & ((~above) | (anc >= 0))
+        return tl.load(base + idx[:, None] * stride_p + offs_d[None, :], mask=ok[:, None], other=0.0)
+
+    @triton.jit(do_not_specialize=["T"])
+    def _attention_split_kernel(
+        q_ptr, k_ptr, v_ptr, slots_ptr, start_ptr, pos_ptr, anc_ptr, chain_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+        stride_qr, stride_qh, stride_qt, stride_ks, stride_kh, stride_kp, stride_vs, stride_vh, stride_vp,
+        T, G, num_kv, num_splits, scale_log2,
+        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, QT: tl.constexpr, BLOCK_N: tl.constexpr,
+        TILES_PER_SPLIT: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        """Program (query tile, split, row x KV head): the online softmax of its rows over the key tiles of its
+        split in ascending position order -> fp32 partials (max m, sum l, unnormalised acc) per (row, head, split)."""
+        pid_q = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        pid_rk = tl.program_id(2)
+        r = (pid_rk // num_kv).to(tl.int64)
+        kv = pid_rk % num_kv
+        rows = tl.arange(0, BLOCK_M)
+        qi = rows // G  # query within the tile (query-major folding)
+        t = pid_q * QT + qi
+        row_ok = (qi < QT) & (t < T)
+        head = kv * G + rows % G
+        offs_d = tl.arange(0, HEAD_DIM)
+        offs_n = tl.arange(0, BLOCK_N)
+        q = tl.load(q_ptr + r * stride_qr + head[:, None] * stride_qh + t[:, None] * stride_qt + offs_d[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        slot = tl.load(slots_ptr + r)
+        start = tl.load(start_ptr + r)
+        pos_row = tl.load(pos_ptr + r * T + t, mask=row_ok, other=-1)
+        max_pos = tl.max(pos_row, 0)
+        all_chain = tl.min(tl.load(chain_ptr + r * T + t, mask=row_ok, other=1), 0)
+        k_base = k_ptr + slot * stride_ks + kv * stride_kh
+        v_base = v_ptr + slot * stride_vs + kv * stride_vh
+        anc_base = anc_ptr + r * T * T
+
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        tile_lo = pid_s * TILES_PER_SPLIT
+        tile_hi = tl.minimum(tile_lo + TILES_PER_SPLIT, max_pos // BLOCK_N + 1)
+        for tile in range(tile_lo, tile_hi):
+            j = tile * BLOCK_N + offs_n
+            shared = (all_chain != 0) | ((tile + 1) * BLOCK_N <= start)
+            n_groups = tl.where(shared, 1, QT)
+            # visibility of each row: positions up to its own, and above start only where it has an ancestor
+            vis = j[None, :] <= pos_row[:, None]
+            if not shared:
+                anc_rc = tl.load(anc_base + t[:, None] * T + (j[None, :] - start),
+                                 mask=row_ok[:, None] & (j[None, :] >= start) & vis, other=-1)
+                vis = vis & ((j[None, :] < start) | (anc_rc >= 0))
+            scores = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for grp in range(0, n_groups):
+                t_g = pid_q * QT + grp
+                pos_g = tl.where(shared, max_pos, tl.load(pos_ptr + r * T + t_g, mask=t_g < T, other=-1))
+                sel = shared | (qi == grp)
+                k = _gather_tile(k_base, stride_kp, offs_d, j, start, pos_g, anc_base + t_g * T, shared)
+                s = _dot(q, tl.trans(k.to(q.dtype)), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), EMULATE,
+                         PRECISION)
+                scores = tl.where(sel[:, None], s, scores)
+            qk = tl.where(vis & row_ok[:, None], scores * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(qk - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            pv = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+            for grp in range(0, n_groups):
+                t_g = pid_q * QT + grp
+                pos_g = tl.where(shared, max_pos, tl.load(pos_ptr + r * T + t_g, mask=t_g < T, other=-1))
+                sel = shared | (qi == grp)
+                v = _gather_tile(v_base, stride_vp, offs_d, j, start, pos_g, anc_base + t_g * T, shared)
+                o = _dot(p.to(q.dtype), v.to(q.dtype), tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32), EMULATE,
+                         PRECISION)
+                pv = tl.where(sel[:, None], o, pv)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+
+        # partials [R, T, H, splits] (+ D): written for every valid row, read only for splits up to its position
+        part = ((r * T + t) * (num_kv * G) + head) * num_splits + pid_s
+        tl.store(part_m_ptr + part, m_i, mask=row_ok)
+        tl.store(part_l_ptr + part, l_i, mask=row_ok)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None])
+
+    @triton.jit(do_not_specialize=["T"])
+    def _attention_combine_kernel(
+        out_ptr, pos_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, stride_or, stride_oh, stride_ot, T, H, num_splits,
+        HEAD_DIM: tl.constexpr, SPLIT_KEYS: tl.constexpr,
+    ):
+        """Program (row x token, head): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the splits
+        0 .. pos // SPLIT_KEYS in ascending order (the same splits whatever the call's kv_len)."""
+        rt = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1).to(tl.int64)
+        r = rt // T
+        t = rt % T
+        offs_d = tl.arange(0, HEAD_DIM)
+        pos = tl.load(pos_ptr + rt)
+        n = tl.minimum(pos // SPLIT_KEYS + 1, num_splits)
+        base = (rt * H + h) * num_splits
+        m_max = tl.load(part_m_ptr + base)
+        for s in range(1, n):
+            m_max = tl.maximum(m_max, tl.load(part_m_ptr + base + s))
+        m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
+        w = tl.exp2(tl.load(part_m_ptr + base) - m_use)
+        l_sum = w * tl.load(part_l_ptr + base)
+        acc = w * tl.load(part_acc_ptr + base * HEAD_DIM + offs_d)
+        for s in range(1, n):
+            w = tl.exp2(tl.load(part_m_ptr + base + s) - m_use)
+            l_sum = l_sum + w * tl.load(part_l_ptr + base + s)
+            acc = acc + w * tl.load(part_acc_ptr + (base + s) * HEAD_DIM + offs_d)
+        out = acc / tl.where(l_sum > 0.0, l_sum, 1.0)
+        tl.store(out_ptr + r * stride_or + h * stride_oh + t * stride_ot + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+def _check_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start: Tensor, positions: Tensor,
+                     anc: Tensor) -> None:
+    if q.dim() != 4:
+        raise ConfigError(f"batch_invariant.attention: q must be [R, H, T, D], got {tuple(q.shape)}")
+    r, h, t, d = q.shape
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[-1] != d:
+        raise ConfigError(f"batch_invariant.attention: k/v caches {tuple(k_cache.shape)}/{tuple(v_cache.shape)} "
+                          f"must both be [slots, KV, max_len, {d}]")
+    if h % k_cache.shape[1]:
+        raise ConfigError(f"batch_invariant.attention: {h} query heads are not a multiple of {k_cache.shape[1]}")
+    if slots.shape != (r,) or start.shape != (r,) or positions.shape != (r, t) or anc.shape != (r, t, t):
+        raise ConfigError(f"batch_invariant.attention: slots {tuple(slots.shape)}, start {tuple(start.shape)}, "
+                          f"positions {tuple(positions.shape)}, anc {tuple(anc.shape)} do not fit q {tuple(q.shape)}")
+
+
+def supports_head_dim(head_dim: int) -> bool:
+    """Head dims the Triton attention takes (one power-of-two block, at least a tensor-core tile)."""
+    return head_dim in SUPPORTED_HEAD_DIMS
+
+
+def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start: Tensor, positions: Tensor,
+              anc: Tensor, chain: Tensor, kv_len: int, *, split_keys: int = ATTN_SPLIT_KEYS) -> Tensor:
+    """Attention of the new tokens over their slots' keys in position order (module docstring).
+
+    q [R, H, T, D]; k_cache, v_cache [slots, KV, max_len, D] (new tokens already written at ``start + t``);
+    slots, start [R] long; positions [R, T] long (``start + depth``); anc, chain: :func:`ancestor_map`; kv_len: host
+    bound > every position (sizes the split grid only: a query's result does not depend on it). Softmax in fp32
+    with scale 1/sqrt(D). Returns [R, H, T, D] in q's dtype (a view of [R, T, H, D] memory)."""
+    if triton is None:
+        raise ConfigError("batch_invariant.attention needs Triton; use attention_rows")
+    _check_attention(q, k_cache, v_cache, slots, start, positions, anc)
+    r, h, t, d = q.shape
+    if not supports_head_dim(d):
+        raise ConfigError(f"batch_invariant.attention takes head_dim in {SUPPORTED_HEAD_DIMS}, got {d}")
+    if split_keys % ATTN_BLOCK_N:
+        raise ConfigError(f"batch_invariant.attention: split_keys {split_keys} is not a multiple of {ATTN_BLOCK_N}")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ConfigError("batch_invariant.attention: the KV cache must have unit stride over head_dim")
+    kv = k_cache.shape[1]
+    g = h // kv
+    if g > ATTN_BLOCK_M:
+        raise ConfigError(f"batch_invariant.attention: {g} query heads per KV head exceed {ATTN_BLOCK_M}")
+    qt = ATTN_BLOCK_M // g
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    slots, start, positions = slots.contiguous(), start.contiguous(), positions.contiguous()
+    anc, chain = anc.contiguous(), chain.contiguous()
+    out = torch.empty((r, t, h, d), dtype=q.dtype, device=q.device).transpose(1, 2)
+    if r == 0 or t == 0:
+        return out
+    splits = max(1, math.ceil(kv_len / split_keys))
+    part_m = torch.empty((r, t, h, splits), dtype=torch.float32, device=q.device)
+    part_l = torch.empty_like(part_m)
+    part_acc = torch.empty((r, t, h, splits, d), dtype=torch.float32, device=q.device)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    scale_log2 = d**-0.5 * math.log2(math.e)
+    _attention_split_kernel[(-(-t // qt), splits, r * kv)](
+        q, k_cache, v_cache, slots, start, positions, anc, chain, part_m, part_l, part_acc,
+        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        t, g, kv, splits, scale_log2,
+        HEAD_DIM=d, BLOCK_M=ATTN_BLOCK_M, QT=qt, BLOCK_N=ATTN_BLOCK_N, TILES_PER_SPLIT=split_keys // ATTN_BLOCK_N,
+        EMULATE=INTERPRETED, PRECISION=precision, num_warps=4, num_stages=2,
+    )
+    _attention_combine_kernel[(r * t, h)](
+        out, positions, part_m, part_l, part_acc, out.stride(0), out.stride(1), out.stride(2), t, h, splits,
+        HEAD_DIM=d, SPLIT_KEYS=split_keys, num_warps=1,
+    )
+    return out
+
+
+def attention_rows(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start: Tensor, positions: Tensor,
+                   anc: Tensor) -> Tensor:
+    """The torch path of :func:`attention`: one query at a time over exactly its ``position + 1`` keys gathered in
+    position order (shapes depend on the position alone). Reads the small index tensors on the host: CPU use only.
+    Same arguments and result as :func:`attention` (chain and kv_len are not needed)."""
+    _check_attention(q, k_cache, v_cache, slots, start, positions, anc)
+    r_count, h, t_count, d = q.shape
+    kv = k_cache.shape[1]
+    g = h // kv
+    out = torch.empty((r_count, t_count, h, d), dtype=q.dtype, device=q.device).transpose(1, 2)
+    starts, slot_ids, pos, ancs = start.tolist(), slots.tolist(), positions.tolist(), anc.tolist()
+    for r in range(r_count):
+        s0, slot = starts[r], slot_ids[r]
+        for t in range(t_count):
+            depth = pos[r][t] - s0
+            above = [s0 + a for a in ancs[r][t][:depth + 1] if a >= 0]
+            idx = torch.tensor(list(range(s0)) + above, dtype=torch.long, device=q.device)
+            k = k_cache[slot][:, idx].to(q.dtype)  # [KV, n, D]
+            v = v_cache[slot][:, idx].to(q.dtype)
+            qg = q[r, :, t].reshape(kv, g, d)
+            scores = torch.matmul(qg, k.transpose(-1, -2)).float() * d**-0.5  # [KV, G, n]
+            probs = torch.softmax(scores, dim=-1).to(v.dtype)
+            out[r, :, t] = torch.matmul(probs, v).reshape(h, d)
+    return out
