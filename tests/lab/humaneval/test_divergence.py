@@ -190,3 +190,17 @@ def test_drift_of_the_same_tokens_log_probs_makes_a_tie_real():
         (TopEntry("(", -0.40), TopEntry(":", -0.40)),) + BASE.top[3:])
     assert classify(exact_tie, tied, margin=1e-2).kind == "near_tie"  # gap 0, drift 2e-3 < 1e-2
     assert classify(exact_tie, tied, margin=1e-3).kind == "real"  # the fp32 margin: 2e-3 of drift is no rounding
+
+
+def test_identical_outputs_whose_log_probs_drift_are_listed_but_pass(tmp_path, caplog):
+    baseline = tmp_path / "ar.json"
+    baseline.write_text(json.dumps(_result([("T/0", "def f(x):", BASE), ("T/1", "def f(x):", BASE)])))
+    same = _with_logprobs(BASE_TOKENS, [-0.01, -0.5, -0.40, -0.2, -0.05 - 1e-4])
+    moved = _with_logprobs(BASE_TOKENS, [-0.01, -0.5, -1.1, -0.2, -0.05])  # token 2: 0.7 nats off
+    with caplog.at_level(logging.WARNING, logger="ddtree.lab.humaneval"):
+        lossless = compare_with_baseline(_result([("T/0", "def f(x):", same), ("T/1", "def f(x):", moved)]),
+                                         baseline)
+    assert (lossless["identical"], lossless["verdict"]) == (2, "identical")
+    assert lossless["drifting"] == [{"task_id": "T/1", "drift": pytest.approx(0.7), "position": 2}]
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line.startswith("LOG-PROB DRIFT in T/1: identical output, but the runs' log-probs of token 2 differ")

@@ -224,7 +224,7 @@ def classify(baseline: TokenTrace, other: TokenTrace, *, margin: float = DEFAULT
     base_lp = baseline.logprobs[k] if baseline.logprobs is not None and base_tok is not None else None
     context = (tuple(baseline.tokens[k:k + CONTEXT_TOKENS]), tuple(other.tokens[k:k + CONTEXT_TOKENS]))
 
-    drift, drift_at = _drift(baseline, other, k)
+    drift, drift_at = log_prob_drift(baseline, other, k)
 
     def real(reason: str, other_lp: float | None = None, gap: float | None = None) -> Divergence:
         return Divergence("real", k, base_tok, other_tok, base_lp, other_lp, gap, margin, reason, *context,
@@ -264,9 +264,12 @@ def classify(baseline: TokenTrace, other: TokenTrace, *, margin: float = DEFAULT
                       drift, drift_at)
 
 
-def _drift(baseline: TokenTrace, other: TokenTrace, k: int) -> tuple[float | None, int | None]:
-    """The largest ``|other - baseline|`` log-prob of the same token over positions ``0 .. k-1`` and where;
-    ``(None, None)`` when either run has no log-probs there."""
+def log_prob_drift(baseline: TokenTrace, other: TokenTrace, k: int | None = None) -> tuple[float | None, int | None]:
+    """The largest ``|other - baseline|`` log-prob of the same token over positions ``0 .. k-1`` (all positions when
+    ``k`` is None: the traces must then agree token for token) and where; ``(None, None)`` when either run has no
+    log-probs there."""
+    if k is None:
+        k = len(baseline.tokens)
     if baseline.logprobs is None or other.logprobs is None:
         return None, None
     best: tuple[float | None, int | None] = (None, None)
@@ -277,4 +280,4 @@ def _drift(baseline: TokenTrace, other: TokenTrace, k: int) -> tuple[float | Non
 
 
 __all__ = ["CONTEXT_TOKENS", "DEFAULT_NEAR_TIE_MARGIN", "FP32_NEAR_TIE_MARGIN", "TOP_LOGPROBS", "Divergence", "TokenTrace", "TopEntry",
-           "check_margin", "classify", "first_difference"]
+           "check_margin", "classify", "first_difference", "log_prob_drift"]

@@ -5,13 +5,17 @@ classified at its first differing token by :func:`ddtree.lab.humaneval.divergenc
 top log-probs: a *near-tie* (the two tokens' baseline log-probs within the margin, what bf16 rounding can flip) or
 a *real* divergence (a wider gap, a token outside the baseline's top-N, missing data, a failed request). Verdict:
 ``identical`` (every task), ``near_ties`` (differences, all near-ties: the gate passes with a note) or ``failed``
-(at least one real divergence). Real divergences are logged as warnings, one line each.
+(at least one real divergence). Real divergences are logged as warnings, one line each. An identical task whose
+two runs' log-probs of the same tokens differ by more than the margin is listed in ``drifting`` and logged too
+(the verify computes another distribution, although no token has flipped yet); it does not change the verdict,
+which is about outputs.
 
 ``lossless`` object of a result (schema ``ddtree.eval.humaneval/2``)::
 
     {"baseline", "compared", "identical", "near_tie", "real", "verdict", "near_tie_margin",
      "differing_tasks": [task_id], "divergences": [{"task_id", "kind", "position", "baseline_token",
-     "other_token", "baseline_logprob", "other_logprob", "gap", "margin", "reason", "baseline_next", "other_next", "drift", "drift_position"}]}
+     "other_token", "baseline_logprob", "other_logprob", "gap", "margin", "reason", "baseline_next", "other_next", "drift", "drift_position"}],
+     "drifting": [{"task_id", "drift", "position"}]}
 
 Schema ``/1`` results (no token traces, no classification) are still read as baselines: their differing tasks are
 then real divergences ("no token trace"), since nothing shows them to be ties.
@@ -32,6 +36,8 @@ from ddtree.lab.humaneval.divergence import (
     TokenTrace,
     check_margin,
     classify,
+    first_difference,
+    log_prob_drift,
 )
 
 EVAL_SCHEMA = "ddtree.eval.humaneval/2"
@@ -82,7 +88,7 @@ def compare_with_baseline(result: Mapping[str, Any], baseline: Path, *,
         raise ConfigError(f"{baseline} is not a humaneval result (schema {schema!r}, want one of "
                           f"{', '.join(READABLE_SCHEMAS)})")
     base = {t["task_id"]: t for t in data.get("tasks", [])}
-    compared, identical, differing, divergences = 0, 0, [], []
+    compared, identical, differing, divergences, drifting = 0, 0, [], [], []
     for task in result["tasks"]:
         other = base.get(task["task_id"])
         if other is None:
@@ -91,6 +97,12 @@ def compare_with_baseline(result: Mapping[str, Any], baseline: Path, *,
         div = divergence_of(task, other, margin)
         if div is None:
             identical += 1
+            drift = _identical_drift(task, other)
+            if drift is not None and drift[0] > margin:
+                drifting.append({"task_id": task["task_id"], "drift": drift[0], "position": drift[1]})
+                log.warning("LOG-PROB DRIFT in %s: identical output, but the runs' log-probs of token %d differ by "
+                            "%.4g nats (> margin %s): they do not compute the same distribution", task["task_id"],
+                            drift[1], drift[0], margin)
             continue
         differing.append(task["task_id"])
         divergences.append({"task_id": task["task_id"], **div.to_json()})
@@ -100,7 +112,18 @@ def compare_with_baseline(result: Mapping[str, Any], baseline: Path, *,
     near = len(divergences) - real
     verdict = "failed" if real else ("near_ties" if near else "identical")
     return {"baseline": str(baseline), "identical": identical, "compared": compared, "near_tie": near, "real": real,
-            "verdict": verdict, "near_tie_margin": margin, "differing_tasks": differing, "divergences": divergences}
+            "verdict": verdict, "near_tie_margin": margin, "differing_tasks": differing, "divergences": divergences,
+            "drifting": drifting}
+
+
+def _identical_drift(task: Mapping[str, Any], base: Mapping[str, Any]) -> tuple[float, int] | None:
+    """For a byte-identical task: the largest difference of the two runs' log-probs of the same token, and where
+    (None without traces, or when the traces' tokens differ: a spelling difference, nothing to measure)."""
+    base_trace, trace = _trace(base), _trace(task)
+    if base_trace is None or trace is None or first_difference(base_trace, trace) is not None:
+        return None
+    drift, at = log_prob_drift(base_trace, trace)
+    return None if drift is None or at is None else (drift, at)
 
 
 def warning_lines(lossless: Mapping[str, Any] | None) -> list[str]:
