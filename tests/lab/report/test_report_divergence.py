@@ -62,3 +62,15 @@ def test_real_and_unclassified_divergences_leave_the_recommendations(tmp_path: P
     assert gate["ddtree b8 k=4"][7:] == ["yes 1/2, 1 near-tie", "1", "0", "-", "HumanEval/1", "-"]
     results_table = {row[0]: row for row in _table(md, "Results")}
     assert results_table["ddtree b8"][-1] == "NO 1/2, 1 real, 0 near-tie"
+
+
+def test_drifting_identical_outputs_get_a_bullet(tmp_path: Path):
+    root = make_run(tmp_path / "run")
+    gate = gate_result([True, True], identical=2, kinds=())
+    gate["lossless"]["drifting"] = [{"task_id": "HumanEval/1", "drift": 0.9, "position": 4}]
+    atomic_write_json(RunLayout(root).eval_path(B8), gate)
+    results = load_run(root)
+    g = next(c.gate for c in results.configs if c.config_id == B8)
+    assert (g.verdict, g.passes, g.drifting_tasks) == ("identical", True, ("HumanEval/1",))
+    md = write_report(root).summary.read_text()
+    assert "Log-prob drift: outputs identical to AR's" in md and "ddtree b8 (HumanEval/1)" in md

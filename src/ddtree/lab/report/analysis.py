@@ -435,6 +435,13 @@ def _gate_bullets(results: RunResults) -> list[str]:
         within = f" within {margin:g} nats" if margin is not None else ""
         bullets.append(f"Lossless check passed with a note: outputs differ from AR only at numeric near-ties (the two "
                        f"tokens' AR log-probs{within}, what bf16 rounding can flip) for {names}.")
+    drifting = [c for c in checked if c.gate and c.gate.drifting_tasks]
+    if drifting:
+        names = ", ".join(f"{results.label(c.config_id)} ({', '.join(c.gate.drifting_tasks)})"
+                          for c in drifting if c.gate)
+        bullets.append(f"Log-prob drift: outputs identical to AR's, but the two runs' log-probs of the same tokens "
+                       f"differ by more than the near-tie margin for {names}: the verify computes another "
+                       "distribution, although no token has flipped on the gate yet.")
     if checked and not (failed or unclassified or ties):
         bullets.append(
             f"Lossless check: all {len(checked)} speculative configs produced byte-identical greedy outputs to AR "

@@ -100,6 +100,7 @@ class GateResult:
     real_tasks: tuple[str, ...] = ()
     near_tie_tasks: tuple[str, ...] = ()
     near_tie_margin: float | None = None
+    drifting_tasks: tuple[str, ...] = ()  # identical outputs whose runs' log-probs drifted past the margin
 
     @property
     def lossless(self) -> bool | None:
@@ -157,7 +158,9 @@ def _classes(lossless: Mapping[str, Any] | None) -> dict[str, Any]:
     return {"near_tie": int(lossless.get("near_tie") or 0), "real": int(lossless.get("real") or 0),
             "real_tasks": tuple(str(d.get("task_id")) for d in divergences if d.get("kind") == "real"),
             "near_tie_tasks": tuple(str(d.get("task_id")) for d in divergences if d.get("kind") == "near_tie"),
-            "near_tie_margin": float(margin) if isinstance(margin, (int, float)) else None}
+            "near_tie_margin": float(margin) if isinstance(margin, (int, float)) else None,
+            "drifting_tasks": tuple(str(d.get("task_id")) for d in lossless.get("drifting") or []
+                                    if isinstance(d, Mapping))}
 
 
 def _is_truncation(task: dict[str, Any]) -> bool:
