@@ -370,6 +370,7 @@ class Warmup:
             "seconds": round(self.seconds, 3), "estimated_graph_bytes": self.estimated_bytes,
             "graph_bytes": self.graph_bytes, "compile_listener": self.listening,
             "triton_compiled": self.compiles_during[0], "triton_disk_hits": self.compiles_during[1],
+            "triton_cache_dir": _triton_cache_dir(),
         }
         if self.state == "done":
             rounds, prefills = self._captures()
@@ -380,6 +381,15 @@ class Warmup:
 
     def close(self) -> None:
         self.compiles.uninstall()
+
+
+def _triton_cache_dir() -> str | None:
+    """Where Triton keeps compiled kernels (``TRITON_CACHE_DIR``, default ``~/.triton/cache``), as Triton reads it."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return None
+    return str(knobs.cache.dir)
 
 
 def _progress(total: int):
