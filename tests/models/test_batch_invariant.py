@@ -1,0 +1,230 @@
+"""Exact mode's kernels (ddtree.models.batch_invariant): a row's result is bit-identical whatever rides along.
+
+References: the same row computed alone (1 row, AR decoding's layout), and for closeness ``F.linear`` and the
+one-query-at-a-time torch path. Kernels run through Triton's interpreter on the CPU (tiny shapes), where the dot is
+emulated with an fp32 ``tl.sum`` (the interpreter's BLAS dot is not row-invariant itself); the GPU tests at the end
+run the compiled tensor-core kernels in bf16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from ddtree import triton_runtime  # noqa: E402
+from ddtree.errors import ConfigError  # noqa: E402
+from ddtree.models import batch_invariant as bi  # noqa: E402
+
+if not torch.cuda.is_available() and not triton_runtime.INTERPRETED:
+    pytest.skip("no CUDA device and Triton's interpreter is off", allow_module_level=True)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ROWS = (1, 2, 17, 64, 257)
+
+
+@pytest.fixture(autouse=True)
+def kernel_on(triton_kernels_on_cpu):
+    yield
+
+
+# ---- matmul -------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(40, 80), (48, 512)])  # one split; two K splits (matmul_tiles)
+def test_linear_rows_bit_identical_to_one_row(dtype, shape):
+    n, k = shape
+    gen = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=gen).to(dtype).to(DEVICE)
+    b = torch.randn(n, generator=gen).to(dtype).to(DEVICE)
+    x = torch.randn(max(ROWS), k, generator=gen).to(dtype).to(DEVICE)
+    alone = bi.linear(x[:1], w, b)  # row 0 computed alone
+    last_alone = {m: bi.linear(x[m - 1:m], w, b) for m in ROWS}
+    for m in ROWS:
+        y = bi.linear(x[:m], w, b)
+        assert torch.equal(y[:1], alone), f"row 0 changes at {m} rows"
+        assert torch.equal(y[m - 1:m], last_alone[m]), f"row {m - 1} changes at {m} rows"
+    full = bi.linear(x, w, b)
+    ref = F.linear(x.float(), w.float(), b.float())
+    tol = 1e-4 if dtype == torch.float32 else 2 ** -7
+    assert ((full.float() - ref).abs() <= tol * (1 + ref.abs())).all()
+    if shape == (48, 512):
+        assert bi.matmul_tiles(n, k).split_k == 2  # the split-K path ran
+
+
+def test_linear_no_bias_and_leading_dims():
+    w = torch.randn(24, 32, device=DEVICE)
+    x = torch.randn(3, 5, 32, device=DEVICE)
+    y = bi.linear(x, w)
+    assert y.shape == (3, 5, 24)
+    assert torch.equal(y[1, 2], bi.linear(x[1, 2:3], w)[0])
+    torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_matmul_tiles_depend_on_the_weight_only():
+    # the Qwen3-8B projections: qkv, o_proj, gate/up, down, LM head
+    assert bi.matmul_tiles(4096, 4096).split_k == 8
+    assert bi.matmul_tiles(4096, 12288).split_k == 8
+    assert bi.matmul_tiles(24576, 4096).split_k == 1
+    assert bi.matmul_tiles(151936, 4096).split_k == 1
+
+
+def test_linear_rejects_bad_shapes():
+    with pytest.raises(ConfigError, match="does not fit"):
+        bi.linear(torch.randn(2, 8, device=DEVICE), torch.randn(4, 9, device=DEVICE))
+
+
+def test_linear_rows_torch_path():
+    w, b = torch.randn(24, 32), torch.randn(24)
+    x = torch.randn(17, 32)
+    y = bi.linear_rows(x, w, b)
+    assert torch.equal(y[3], bi.linear_rows(x[3:4], w, b)[0])
+    torch.testing.assert_close(y, F.linear(x, w, b))
+
+
+# ---- attention ----------------------------------------------------------------------------------------------------
+
+PARENTS = (-1, 0, 0, 1, 3, 2, 4)  # root; a, b under it; c under a; d under c; e under b; f under d
+KV, G, D = 2, 2, 16
+
+
+def _tree(parents):
+    t = len(parents)
+    vis = torch.zeros(1, t, t, dtype=torch.bool)
+    depth = []
+    for i in range(t):
+        j, d = i, -1
+        while j >= 0:
+            vis[0, i, j] = True
+            j, d = parents[j], d + 1
+        depth.append(d)
+    return vis, torch.tensor(depth)
+
+
+def _ar_layout(kc, vc, slot_from, slot_to, start, path):
+    """Copy slot_from's prefix and the nodes of ``path`` (cache indices start + node) to slot_to contiguously: the
+    cache AR decoding of the same tokens would hold."""
+    kc[slot_to, :, :start] = kc[slot_from, :, :start]
+    vc[slot_to, :, :start] = vc[slot_from, :, :start]
+    for d, node in enumerate(path):
+        kc[slot_to, :, start + d] = kc[slot_from, :, start + node]
+        vc[slot_to, :, start + d] = vc[slot_from, :, start + node]
+
+
+def _path(parents, node):
+    out = []
+    while node >= 0:
+        out.append(node)
+        node = parents[node]
+    return out[::-1]
+
+
+def _run(fn, q, kc, vc, slots, start, pos, vis, kv_len):
+    anc, chain = bi.ancestor_map(start, pos, vis)
+    if fn is bi.attention:
+        return bi.attention(q, kc, vc, slots, start, pos, anc, chain, kv_len, split_keys=64)
+    return bi.attention_rows(q, kc, vc, slots, start, pos, anc)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fn", [bi.attention, bi.attention_rows], ids=["triton", "torch"])
+@pytest.mark.parametrize("start", [0, 60, 130])  # keys in one tile; a tree across a tile edge; three splits
+def test_tree_node_equals_its_ar_decode(dtype, fn, start):
+    gen = torch.Generator().manual_seed(start)
+    t = len(PARENTS)
+    length = 256
+    kc = torch.randn(3, KV, length, D, generator=gen).to(dtype)
+    vc = torch.randn(3, KV, length, D, generator=gen).to(dtype)
+    q = torch.randn(1, KV * G, t, D, generator=gen).to(dtype)
+    vis, depth = _tree(PARENTS)
+    s0 = torch.tensor([start])
+    pos = s0[:, None] + depth[None]
+    out = _run(fn, q, kc, vc, torch.tensor([0]), s0, pos, vis, kv_len=start + t)
+    for node in range(t):
+        path = _path(PARENTS, node)
+        _ar_layout(kc, vc, 0, 1, start, path)
+        p = start + len(path) - 1
+        for kv_len in (p + 1, 192, 256):  # every key-length bucket the AR step could run in
+            ar = _run(fn, q[:, :, node:node + 1], kc, vc, torch.tensor([1]), torch.tensor([p]), torch.tensor([[p]]),
+                      torch.ones(1, 1, 1, dtype=torch.bool), kv_len)
+            assert torch.equal(ar[0, :, 0], out[0, :, node]), f"node {node} at kv_len {kv_len}"
+        # ... and as the last token of a prompt chunk (causal, contiguous) that starts mid-path
+        chunk = torch.tensor([max(0, p - 3)])
+        n = p - int(chunk) + 1
+        ch = _run(fn, q[:, :, node:node + 1].expand(1, KV * G, n, D).contiguous(), kc, vc, torch.tensor([1]), chunk,
+                  chunk[:, None] + torch.arange(n)[None], torch.tril(torch.ones(1, n, n, dtype=torch.bool)), 256)
+        assert torch.equal(ch[0, :, -1], out[0, :, node]), f"node {node} as a prompt chunk's last token"
+    if fn is bi.attention:
+        ref = _run(bi.attention_rows, q, kc, vc, torch.tensor([0]), s0, pos, vis, start + t)
+        torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
+                                   atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_attention_row_independent_of_other_rows():
+    """One request's tree alone vs beside two others (different starts and slots, padded batch)."""
+    gen = torch.Generator().manual_seed(3)
+    t = len(PARENTS)
+    kc = torch.randn(4, KV, 256, D, generator=gen)
+    vc = torch.randn(4, KV, 256, D, generator=gen)
+    q = torch.randn(3, KV * G, t, D, generator=gen)
+    vis, depth = _tree(PARENTS)
+    start = torch.tensor([70, 5, 200])
+    pos = start[:, None] + depth[None]
+    vis3 = vis.expand(3, t, t).contiguous()
+    anc, chain = bi.ancestor_map(start, pos, vis3)
+    together = bi.attention(q, kc, vc, torch.tensor([2, 0, 3]), start, pos, anc, chain, 256, split_keys=64)
+    a1, c1 = bi.ancestor_map(start[:1], pos[:1], vis)
+    alone = bi.attention(q[:1], kc, vc, torch.tensor([2]), start[:1], pos[:1], a1, c1, 128, split_keys=64)
+    assert torch.equal(together[:1], alone)
+
+
+def test_ancestor_map_of_a_tree_and_a_chunk():
+    vis, depth = _tree((-1, 0, 0, 1))
+    anc, chain = bi.ancestor_map(torch.tensor([5]), 5 + depth[None], vis)
+    assert anc[0].tolist() == [[0, -1, -1, -1], [0, 1, -1, -1], [0, 2, -1, -1], [0, 1, 3, -1]]
+    assert chain[0].tolist() == [1, 1, 0, 0]
+    causal = torch.tril(torch.ones(1, 3, 3, dtype=torch.bool))
+    _, chain = bi.ancestor_map(torch.tensor([9]), 9 + torch.arange(3)[None], causal)
+    assert chain[0].tolist() == [1, 1, 1]
+
+
+# ---- GPU: the compiled kernels in bf16 ----------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shape", [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (151936, 4096)])
+def test_gpu_linear_rows_bit_identical(shape):
+    n, k = shape
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    x = torch.randn(2048, k, device="cuda", dtype=torch.bfloat16)
+    alone = bi.linear(x[:1], w)
+    for m in (1, 2, 8, 16, 17, 32, 64, 65, 128, 257, 512, 1024, 2048):
+        assert torch.equal(bi.linear(x[:m], w)[:1], alone), f"row 0 changes at {m} rows"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("start", [100, 1000, 3000])
+def test_gpu_tree_node_equals_its_ar_decode(start):
+    kv, g, d, t = 8, 4, 128, len(PARENTS)
+    kc = torch.randn(3, kv, 4096, d, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn(3, kv, 4096, d, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(1, kv * g, t, d, device="cuda", dtype=torch.bfloat16)
+    vis, depth = _tree(PARENTS)
+    s0 = torch.tensor([start], device="cuda")
+    pos = s0[:, None] + depth[None].cuda()
+    anc, chain = bi.ancestor_map(s0, pos, vis.cuda())
+    out = bi.attention(q, kc, vc, torch.tensor([0], device="cuda"), s0, pos, anc, chain, start + 64)
+    one = torch.ones(1, 1, 1, dtype=torch.bool, device="cuda")
+    for node in range(t):
+        path = _path(PARENTS, node)
+        _ar_layout(kc, vc, 0, 1, start, path)
+        p = start + len(path) - 1
+        pt = torch.tensor([p], device="cuda")
+        a1, c1 = bi.ancestor_map(pt, pt[:, None], one)
+        for kv_len in (p + 1, 1024 * (p // 1024 + 1), 4096):
+            ar = bi.attention(q[:, :, node:node + 1], kc, vc, torch.tensor([1], device="cuda"), pt, pt[:, None],
+                              a1, c1, kv_len)
+            assert torch.equal(ar[0, :, 0], out[0, :, node]), f"node {node} at kv_len {kv_len}"
