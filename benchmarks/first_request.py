@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -77,6 +78,7 @@ def main(argv: list[str] | None = None) -> None:
         NEW_TOKENS = 8
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")  # the warm-up's progress
     compiles = CompileLog()
     listening = compiles.install()
     device = torch.device(args.device)
@@ -119,6 +121,8 @@ def main(argv: list[str] | None = None) -> None:
         "engine_warmup": engine.info()["warmup"],
         "kv_bytes": engine.runner.kv_bytes,
     }
+    # written now and again at the end: a run cut short still leaves its start-up numbers
+    (out_dir / "first_request.json").write_text(json.dumps(report, indent=1, default=str))
     stream = held_out_token_stream(tokenizer, sum(w[1] * w[2] for w in (*WORKLOADS, CELL)) + 8192)
     cell_prompts = prompts_for(stream, CELL[2], CELL[1], salt=99)
     report["cell_first"] = timed(engine, cell_prompts, CELL[3], compiles, device)
