@@ -188,7 +188,7 @@ class OracleDrafter(torch.nn.Module):
 
     @torch.inference_mode()
     def draft_logits(self, target, root_tokens, ctx_len, cache, slots, block_size, *, block_len=None, window=None,
-                     kv_len=None, tree_kernel=False):
+                     kv_len=None, kernels=None):
         from ddtree import speculative
 
         r = root_tokens.shape[0]

@@ -3,8 +3,8 @@ stores, vocabulary top-k, node selection, the walk, KV compaction) decodes the s
 torch path.
 
 Without a GPU the kernels run through Triton's interpreter (tests/conftest.py), so this checks on a CPU the wiring
-a GPU runs: ``EngineConfig(gpu_kernels=True)`` reaching ``fuse_projections``, ``build_trees(fast_topk=True)`` and
-the verify's ``attn_mask=None, tree=...`` call. fp32, so every path must give the same tokens.
+a GPU runs: ``EngineConfig(gpu_kernels=True)`` resolved into a ``KernelSet`` that reaches the model forwards
+(``kernels=``), ``build_trees(fast_topk=True)`` and the verify's ``TreeVisibility`` call. fp32, so every path must give the same tokens.
 """
 
 from __future__ import annotations
@@ -71,8 +71,8 @@ def _decode(kernels: bool, monkeypatch) -> tuple[list[list[int]], dict[str, int]
     tokenizer = load_tokenizer(demo_target_path())
     target = load_target(demo_target_path(), dtype=torch.float32, device=DEVICE)
     drafter = load_drafter(demo_drafter_path(), dtype=torch.float32, device=DEVICE)
-    fuse_projections(target, kernels=kernels)  # the engine does this itself on CUDA only
-    fuse_projections(drafter, kernels=kernels)
+    fuse_projections(target)  # the engine does this itself on CUDA only
+    fuse_projections(drafter)
     layers = len(drafter.layers)
     config = EngineConfig(device=DEVICE, dtype="float32", max_batch=2, max_len=256, max_budget=16, cuda_graphs=False,
                           gpu_kernels=kernels)

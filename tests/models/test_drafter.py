@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from model_helpers import random_drafter, random_target, rel_err
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply_rotary_pos_emb
 
+from ddtree.engine.kernels import KernelSet
 from ddtree.errors import ConfigError
 from ddtree.models import DFlashDrafter, KVCache, TargetModel
 
@@ -76,14 +78,15 @@ def features_of(target: TargetModel, drafter: DFlashDrafter, ids: torch.Tensor) 
 
 
 def fill_context(drafter: DFlashDrafter, features: torch.Tensor, lens: list[int], cache: KVCache,
-                 slots: list[int]) -> None:
+                 slots: list[int], kernels: KernelSet | None = None) -> None:
     """Append each request's context in two uneven chunks (exercises incremental appends)."""
     for r, (n, slot) in enumerate(zip(lens, slots, strict=True)):
         cut = n // 3
         for lo, hi in ((0, cut), (cut, n)):
             if hi > lo:
                 pos = torch.arange(lo, hi)[None]
-                drafter.append_context(features[r:r + 1, lo:hi], pos, cache, torch.tensor([slot]), pos)
+                drafter.append_context(features[r:r + 1, lo:hi], pos, cache, torch.tensor([slot]), pos,
+                                       kernels=kernels)
 
 
 CASES = {
@@ -193,7 +196,7 @@ def test_check_target_rejects_mismatched_target():
 
 
 def test_tree_kernel_path_equals_the_dense_path(triton_kernels_on_cpu):
-    """draft_logits(tree_kernel=True) (block K/V written into the cache, the Triton kernel reading context and block
+    """draft_logits with KernelSet.draft_attention (block K/V written into the cache, the Triton kernel reading context and block
     by slot, the window as the kernel's first visible key) gives the dense path's logits: mixed context lengths, a
     window, a shorter block_len and a padding row on the scratch slot. It leaves the committed context untouched."""
     from ddtree import triton_runtime
@@ -217,7 +220,7 @@ def test_tree_kernel_path_equals_the_dense_path(triton_kernels_on_cpu):
     before = cache.k.clone()
     dense = drafter.draft_logits(target, roots, ctx, cache, slots, 5, block_len=block_len, window=window, kv_len=13)
     fast = drafter.draft_logits(target, roots, ctx, cache, slots, 5, block_len=block_len, window=window, kv_len=13,
-                                tree_kernel=True)
+                                kernels=replace(KernelSet.torch(), draft_attention=True))
     assert rel_err(fast[:3], dense[:3]) < 1e-4
     assert rel_err(fast[1, :2], dense[1, :2]) < 1e-4  # the short block's live depths
     for r, n in enumerate(lens):
@@ -238,8 +241,9 @@ def test_kernel_norms_and_context_writes_equal_the_eager_drafter(triton_kernels_
     target = random_target()
     eager = random_drafter(head_dim=64, block_size=5)
     fast = copy.deepcopy(eager)
-    fuse_projections(eager, kernels=False)
-    fuse_projections(fast, kernels=True)
+    fuse_projections(eager)
+    fuse_projections(fast)
+    chosen = {"eager": KernelSet.torch(), "fast": replace(KernelSet.torch(), fused_ops=True)}
     calls = {"norm": 0, "write": 0}
     for module, name, key in ((fused_ops, "rms_norm", "norm"), (tree_attention, "write_kv", "write")):
         original = getattr(module, name)
@@ -257,9 +261,9 @@ def test_kernel_norms_and_context_writes_equal_the_eager_drafter(triton_kernels_
     with torch.inference_mode():
         for name, drafter in (("eager", eager), ("fast", fast)):
             caches[name] = drafter.allocate_cache(2, 20)
-            fill_context(drafter, features, lens, caches[name], slots)
+            fill_context(drafter, features, lens, caches[name], slots, chosen[name])
             logits[name] = drafter.draft_logits(target, ids[:, 0], torch.tensor(lens), caches[name],
-                                                torch.tensor(slots), 5, kv_len=12)
+                                                torch.tensor(slots), 5, kv_len=12, kernels=chosen[name])
             if name == "eager":
                 assert calls == {"norm": 0, "write": 0}
     assert calls["write"] == 4 * len(fast.layers)  # two chunks per request, every layer
@@ -283,7 +287,7 @@ def test_context_appends_keep_autograd_when_the_kv_projections_train(triton_kern
         pytest.skip("needs Triton's interpreter (CPU tensors)")
     target = random_target()
     drafter = random_drafter(head_dim=64, block_size=5)
-    fuse_projections(drafter, kernels=True)
+    fuse_projections(drafter)
     drafter.requires_grad_(False)
     for layer in drafter.layers:
         layer.self_attn.k_proj.weight.requires_grad_(True)
@@ -293,7 +297,8 @@ def test_context_appends_keep_autograd_when_the_kv_projections_train(triton_kern
     cache = drafter.allocate_cache(1, 10)
     pos = torch.arange(6)[None]
     with torch.enable_grad():
-        drafter.append_context(features, pos, cache, torch.tensor([0]), pos)
+        drafter.append_context(features, pos, cache, torch.tensor([0]), pos,
+                               kernels=replace(KernelSet.torch(), fused_ops=True))
         assert cache.k.requires_grad
         cache.k.sum().backward()
     assert all(layer.self_attn.k_proj.weight.grad is not None for layer in drafter.layers)

@@ -24,7 +24,7 @@ def _linear(n: int, k: int, seed: int = 0) -> torch.nn.Linear:
 
 def _projection(n: int = 48, k: int = 32, seed: int = 0) -> tuple[torch.Tensor, fp8.Fp8Projection]:
     lin = _linear(n, k, seed)
-    proj = fp8.Fp8Projection(lin, kernels=False)
+    proj = fp8.Fp8Projection(lin)
     proj.calibrating = True
     proj(torch.randn(16, k, generator=torch.Generator().manual_seed(seed + 1)) * 3.0, lambda: None)  # abs-max
     proj.finish_calibration()
@@ -54,7 +54,7 @@ def test_calibration_sets_the_scale_and_larger_inputs_saturate_instead_of_overfl
     assert torch.isfinite(out).all()
     clipped = torch.full((16, 32), fp8.HEADROOM * amax)  # saturates at 448 * scale = HEADROOM * amax
     assert torch.allclose(out, proj(clipped, lambda: None))
-    zero = fp8.Fp8Projection(_linear(16, 16), kernels=False)
+    zero = fp8.Fp8Projection(_linear(16, 16))
     zero.finish_calibration()  # never saw a non-zero input (a zero-initialised layer): keeps the exact path
     assert not zero.calibrated
     zero.amax = float("inf")
@@ -65,12 +65,12 @@ def test_calibration_sets_the_scale_and_larger_inputs_saturate_instead_of_overfl
 @pytest.mark.parametrize("case", ["uncalibrated", "rows", "grad", "trainable", "replaced", "updated", "odd_weight"])
 def test_calls_the_fp8_path_cannot_take_get_the_exact_projection(case):
     lin = _linear(48, 32)
-    proj = fp8.Fp8Projection(lin, kernels=False)
+    proj = fp8.Fp8Projection(lin)
     proj.amax = 1.0
     proj.finish_calibration()
     x = torch.randn(16, 32)
     if case == "uncalibrated":
-        proj = fp8.Fp8Projection(lin, kernels=False)
+        proj = fp8.Fp8Projection(lin)
     elif case == "rows":
         x = torch.randn(17, 32)  # not a multiple of 16 rows
     elif case == "grad":
@@ -83,7 +83,7 @@ def test_calls_the_fp8_path_cannot_take_get_the_exact_projection(case):
         with torch.no_grad():
             lin.weight.mul_(0.5)  # what load_state_dict or an optimiser step does
     elif case == "odd_weight":
-        proj = fp8.Fp8Projection(_linear(40, 32), kernels=False)
+        proj = fp8.Fp8Projection(_linear(40, 32))
         proj.amax = 1.0
         proj.finish_calibration()
     sentinel = torch.zeros(1)
@@ -97,22 +97,22 @@ def test_quantize_drafter_attaches_every_projection_and_calibrates_them():
     target, drafter = random_target(), random_drafter(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
                                                       intermediate_size=32, block_size=4)
     with pytest.raises(ConfigError, match="fuse_projections"):
-        fp8.quantize_drafter(drafter, kernels=False)
-    fuse_projections(drafter, kernels=False)
-    assert fp8.quantize_drafter(drafter, kernels=False) == 2
+        fp8.quantize_drafter(drafter)
+    fuse_projections(drafter)
+    assert fp8.quantize_drafter(drafter) == 2
     procs = list(fp8.projections(drafter))
     assert len(procs) == 8 and not any(p.calibrated for p in procs)
     ids = torch.randint(0, 60, (1, 40), generator=torch.Generator().manual_seed(0))
     fp8.calibrate(drafter, target, ids)
     assert all(p.calibrated and p.input_scale.item() > 0 for p in procs)
-    fp8.quantize_drafter(drafter, kernels=False)  # again: unchanged weights keep their (calibrated) copies
+    fp8.quantize_drafter(drafter)  # again: unchanged weights keep their (calibrated) copies
     assert list(fp8.projections(drafter)) == procs
     twin = copy.deepcopy(drafter)  # a deep copy checks its own weights, not the original's
     twin.layers[0].self_attn.o_proj.weight = torch.nn.Parameter(twin.layers[0].self_attn.o_proj.weight * 2)
     assert not twin.layers[0].self_attn.o_fp8.intact() and drafter.layers[0].self_attn.o_fp8.intact()
     layer = drafter.layers[0]
     layer.mlp.down_proj.weight = torch.nn.Parameter(layer.mlp.down_proj.weight.detach().clone())
-    fp8.quantize_drafter(drafter, kernels=False)  # a replaced weight gets a new, uncalibrated copy
+    fp8.quantize_drafter(drafter)  # a replaced weight gets a new, uncalibrated copy
     assert layer.mlp.down_fp8 not in procs and not layer.mlp.down_fp8.calibrated
     with pytest.raises(ConfigError, match="more than 4 tokens"):
         fp8.calibrate(drafter, target, ids[:, :4])

@@ -9,6 +9,7 @@ where a GPU rounds to nearest, so bf16 results are compared within a few bf16 ul
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from model_helpers import perturb_, random_drafter, random_target, rel_err
 pytest.importorskip("triton")
 
 from ddtree import triton_runtime  # noqa: E402
+from ddtree.engine.kernels import KernelSet  # noqa: E402
 from ddtree.errors import ConfigError  # noqa: E402
 from ddtree.models import fused_ops, load_target, save_target  # noqa: E402
 from ddtree.models.layers import (  # noqa: E402
@@ -279,9 +281,9 @@ def test_fused_layer_equals_unfused(qk_norm, qkv_bias, kernels, monkeypatch):
     cos, sin = Rotary(8, 10000.0, None).to(DEVICE)(torch.arange(3, 17, 2, device=DEVICE).expand(2, -1),
                                                   torch.float32)
     expected = layer(h, cos, sin, causal_attend)
-    fuse_projections(layer, kernels=kernels)
+    fuse_projections(layer)
     calls = count_calls(monkeypatch, "rms_norm", "add_rms_norm", "qk_norm_rope", "silu_mul")
-    out = layer(h, cos, sin, causal_attend)
+    out = layer(h, cos, sin, causal_attend, kernels=kernels)
     assert calls == dict.fromkeys(calls, int(kernels))
     assert rel_err(out, expected) < 1e-5
 
@@ -293,10 +295,10 @@ def test_kernels_chosen_but_unable_to_run_fall_back_to_eager(monkeypatch):
     h = torch.randn(2, 7, 32, generator=torch.Generator().manual_seed(5))
     cos, sin = Rotary(8, 10000.0, None)(torch.arange(7).expand(2, -1), torch.float32)
     expected = layer(h, cos, sin, causal_attend)
-    fuse_projections(layer, kernels=True)
+    fuse_projections(layer)
     calls = count_calls(monkeypatch, "rms_norm", "add_rms_norm", "qk_norm_rope", "silu_mul")
     with triton_runtime.cpu_interpreter(False):
-        out = layer(h, cos, sin, causal_attend)
+        out = layer(h, cos, sin, causal_attend, kernels=True)
     assert calls == dict.fromkeys(calls, 0)
     assert layer.self_attn.fused_qkv(h) is not None  # the fused projections did serve the call
     assert rel_err(out, expected) < 1e-5
@@ -323,11 +325,15 @@ def causal_mask(batch: int, seq: int) -> torch.Tensor:
     return (s[None, :] <= s[:, None]).expand(batch, -1, -1)
 
 
-def target_logits(model, ids: torch.Tensor) -> torch.Tensor:
+def target_logits(model, ids: torch.Tensor, kernels: KernelSet | None = None) -> torch.Tensor:
     batch, seq = ids.shape
     cache = model.allocate_cache(batch, seq)
     pos = torch.arange(seq, device=DEVICE).expand(batch, -1)
-    return model(ids, pos, cache, torch.arange(batch, device=DEVICE), pos, causal_mask(batch, seq)).logits
+    return model(ids, pos, cache, torch.arange(batch, device=DEVICE), pos, causal_mask(batch, seq),
+                 kernels=kernels).logits
+
+
+FUSED_OPS = replace(KernelSet.torch(), fused_ops=True)  # the layers' element-wise kernels, nothing else
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen2"])
@@ -337,11 +343,10 @@ def test_fused_target_equals_unfused_and_saves_original_names(family, tmp_path, 
     ids = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(8)).to(DEVICE)
     expected = target_logits(model, ids)
     calls = count_calls(monkeypatch, "rms_norm", "qk_norm_rope")
-    assert fuse_projections(model, kernels=False) == model.config.num_layers
-    assert rel_err(target_logits(model, ids), expected) < 1e-5  # fused matmuls, eager element-wise code
+    assert fuse_projections(model) == model.config.num_layers
+    assert rel_err(target_logits(model, ids, KernelSet.torch()), expected) < 1e-5  # fused matmuls, eager element-wise
     assert calls == {"rms_norm": 0, "qk_norm_rope": 0}
-    assert fuse_projections(model) == model.config.num_layers  # kernels=True: Triton kernels too
-    assert rel_err(target_logits(model, ids), expected) < 1e-5
+    assert rel_err(target_logits(model, ids, FUSED_OPS), expected) < 1e-5  # fused_ops: Triton kernels too
     layers = model.config.num_layers
     assert calls == {"rms_norm": layers, "qk_norm_rope": layers}
     save_target(model, tmp_path)
@@ -360,10 +365,11 @@ def test_fused_drafter_context_and_drafts_equal_unfused():
     pos = torch.arange(6, device=DEVICE)[None]
     slot = torch.tensor([0], device=DEVICE)
     outs, caches = [], []
-    for model in (drafter, fused):
+    for model, kernels in ((drafter, None), (fused, FUSED_OPS)):
         cache = model.allocate_cache(1, 12)
-        model.append_context(features, pos, cache, slot, pos)
-        outs.append(model.draft_logits(target, ids[:, 5], torch.tensor([5], device=DEVICE), cache, slot, 4))
+        model.append_context(features, pos, cache, slot, pos, kernels=kernels)
+        outs.append(model.draft_logits(target, ids[:, 5], torch.tensor([5], device=DEVICE), cache, slot, 4,
+                                       kernels=kernels))
         caches.append(cache)
     assert rel_err(caches[1].k, caches[0].k) < 1e-5 and rel_err(caches[1].v, caches[0].v) < 1e-5
     assert rel_err(outs[1], outs[0]) < 1e-5

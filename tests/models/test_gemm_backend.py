@@ -46,12 +46,11 @@ def test_restored_after_an_exception(preference):
     assert preference["now"] == "cublas"
 
 
-def test_outside_the_range_off_cuda_or_disabled_nothing_is_touched(preference, monkeypatch):
+def test_outside_the_range_off_cuda_or_disabled_nothing_is_touched(preference):
     for rows, device in ((16, CUDA), (1024, CUDA), (64, torch.device("cpu"))):
         with gemm_backend.blas_for_rows(rows, device):
             pass
-    monkeypatch.setattr(gemm_backend, "enabled", False)
-    with gemm_backend.blas_for_rows(64, CUDA):
+    with gemm_backend.blas_for_rows(64, CUDA, rule=False):  # KernelSet.blas_rule off
         pass
     assert preference["set"] == []
 
@@ -62,18 +61,20 @@ def test_the_target_forward_asks_by_all_its_new_tokens(monkeypatch):
     from contextlib import nullcontext
 
     from ddtree.assets import demo_target_path
+    from ddtree.engine.kernels import KernelSet
     from ddtree.models import load_target
     from ddtree.models import target as target_module
-    from ddtree.models.tree_attention import TreeVisibility
+    from ddtree.speculative.attention import TreeVisibility
 
     asked = []
-    monkeypatch.setattr(target_module, "blas_for_rows", lambda rows, device: asked.append((rows, device.type))
-                        or nullcontext())
+    monkeypatch.setattr(target_module, "blas_for_rows", lambda rows, device, *, rule: asked.append(
+        (rows, device.type, rule)) or nullcontext())
     target = load_target(demo_target_path(), dtype=torch.float32, device="cpu")
     cache = target.allocate_cache(2, 64)
     ids = torch.zeros(2, 5, dtype=torch.long)
     pos = torch.arange(5).expand(2, 5)
     tree = TreeVisibility(torch.zeros(2, dtype=torch.long), torch.ones(2, 5, 5, dtype=torch.bool).tril(), 5)
     with torch.no_grad():
-        target(ids, pos, cache, torch.arange(2), pos, None, tree=tree)
-    assert asked == [(10, "cpu")]
+        target(ids, pos, cache, torch.arange(2), pos, tree)
+        target(ids, pos, cache, torch.arange(2), pos, tree, kernels=KernelSet.torch(blas_rule=False))
+    assert asked == [(10, "cpu", True), (10, "cpu", False)]  # the rule applies unless the KernelSet turns it off

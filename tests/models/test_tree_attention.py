@@ -21,7 +21,7 @@ from ddtree import speculative, triton_runtime  # noqa: E402
 from ddtree.errors import ConfigError  # noqa: E402
 from ddtree.models import tree_attention as ta  # noqa: E402
 from ddtree.models.layers import masked_attention  # noqa: E402
-from ddtree.models.tree_attention import TreeVisibility  # noqa: E402
+from ddtree.speculative.attention import TreeVisibility  # noqa: E402
 
 if not torch.cuda.is_available() and not triton_runtime.INTERPRETED:
     pytest.skip("no CUDA device and Triton's interpreter is off (TRITON_INTERPRET=1 must be set before import)",
@@ -434,10 +434,9 @@ def test_target_forward_with_tree_equals_dense_mask(monkeypatch):
 
     mask = speculative.build_attention_mask(start, write_pos, new_vis, kv_len)
     calls = count_kernel_calls(monkeypatch)
-    dense = model(ids, positions, dense_cache, slots, write_pos, mask, tree=TreeVisibility(start, new_vis, kv_len),
-                  hidden_layers=(0, 1))
-    assert calls == []  # a mask given: the dense path, tree ignored
-    tree = model(ids, positions, kernel_cache, slots, write_pos, None, tree=TreeVisibility(start, new_vis, kv_len),
+    dense = model(ids, positions, dense_cache, slots, write_pos, mask, hidden_layers=(0, 1))
+    assert calls == []  # a mask given: the dense path
+    tree = model(ids, positions, kernel_cache, slots, write_pos, TreeVisibility(start, new_vis, kv_len),
                  hidden_layers=(0, 1))
     assert len(calls) == 2  # one kernel call per layer
     assert rel_err(tree.logits, dense.logits) < 1e-5
@@ -451,13 +450,15 @@ def test_chunked_prefill_through_the_kernel_equals_the_dense_path():
     """ModelRunner.prefill with the kernel (a causal chunk as a tree) against the dense mask: two chunks, the second
     continuing two rows at different starts beside a new row, ragged valid lengths. Logits and every committed
     cache entry must agree."""
+    from ddtree.engine import EngineConfig
     from ddtree.engine.kernels import KernelSet
     from ddtree.engine.runner import ModelRunner, PrefillInputs
 
     target = random_target(head_dim=64, num_heads=4, num_kv_heads=2, num_layers=2).to(DEVICE)
     runs = {}
     for kernels in (False, True):
-        runner = ModelRunner(target, None, slots=3, cache_len=40, kernels=KernelSet.resolve(kernels, target, None))
+        runner = ModelRunner(target, None, slots=3, cache_len=40,
+                             kernels=KernelSet.resolve(EngineConfig(gpu_kernels=kernels), target, None))
         assert runner.tree_kernel == kernels
         gen = torch.Generator().manual_seed(1)
         ids = torch.randint(0, target.config.vocab_size, (2, 7), generator=gen).to(DEVICE)
@@ -487,10 +488,10 @@ def test_target_forward_with_tree_builds_the_mask_when_the_kernel_cannot_run(mon
     calls = count_kernel_calls(monkeypatch)
     with triton_runtime.cpu_interpreter(False):
         assert not model.supports_tree_attention()
-        tree = model(ids, positions, cache, slots, write_pos, None, tree=TreeVisibility(start, new_vis, kv_len))
+        tree = model(ids, positions, cache, slots, write_pos, TreeVisibility(start, new_vis, kv_len))
     assert calls == []
     assert torch.equal(tree.logits, dense.logits)
-    with pytest.raises(ConfigError, match="attn_mask or tree"):
+    with pytest.raises(ConfigError, match="a dense mask tensor or a TreeVisibility"):
         model(ids, positions, cache, slots, write_pos, None)
 
 

@@ -83,19 +83,19 @@ def build(target, drafter, tokenizer, config: EngineConfig, *, model_name: str) 
             "draft positions past the trained depth are untrained and rarely accepted",
             stacklevel=4,
         )
-    kernels = KernelSet.resolve(config.gpu_kernels, target, drafter)
+    kernels = KernelSet.resolve(config, target, drafter)
     if device.type == "cpu" and config.cpu_threads is not None:
         torch.set_num_threads(config.cpu_threads)
     if device.type == "cuda":
-        # One matmul for q/k/v and one for gate/up per layer (the weights become views of a fused matrix) and,
-        # with gpu_kernels, Triton kernels for the element-wise steps: the graphs captured below launch ~10
-        # kernels per decoder layer instead of ~50.
-        fuse_projections(target, kernels=kernels.fused_ops)
+        # One matmul for q/k/v and one for gate/up per layer (the weights become views of a fused matrix); with
+        # KernelSet.fused_ops the runner's forwards also take Triton kernels for the element-wise steps: the
+        # graphs captured below launch ~10 kernels per decoder layer instead of ~50.
+        fuse_projections(target)
         if drafter is not None:
-            fuse_projections(drafter, kernels=kernels.fused_ops)
+            fuse_projections(drafter)
     _check_fp8_sharing(drafter, config.draft_fp8)
     if config.draft_fp8:
-        _quantize_drafter(target, drafter, tokenizer, kernels=kernels.fused_ops)
+        _quantize_drafter(target, drafter, tokenizer)
     headroom = max(config.prefill_chunk, config.max_budget + 1, max_block) + 1
     max_batch = config.max_batch
     graphed = bool(config.cuda_graphs and device.type == "cuda")
@@ -232,7 +232,7 @@ def _check_fp8_sharing(drafter, draft_fp8: bool) -> None:
         _DRAFTERS_WITHOUT_FP8.add(drafter)
 
 
-def _quantize_drafter(target, drafter, tokenizer, *, kernels: bool) -> None:
+def _quantize_drafter(target, drafter, tokenizer) -> None:
     """``EngineConfig.draft_fp8``: fp8 copies of the drafter's layer projections, their input scales calibrated on
     :data:`ddtree.models.fp8.CALIBRATION_TEXT` (see :mod:`ddtree.models.fp8`). Runs before any graph is captured."""
     from ddtree.models import fp8
@@ -245,8 +245,8 @@ def _quantize_drafter(target, drafter, tokenizer, *, kernels: bool) -> None:
                  else "no CUDA")
         raise ConfigError(f"draft_fp8 needs fp8 matmuls (a CUDA device of compute capability 8.9 or newer, or the "
                           f"CPU); {device} has {found}")
-    fuse_projections(drafter, kernels=kernels)  # idempotent; on the CPU the layers are fused only for fp8
-    fp8.quantize_drafter(drafter, kernels=kernels)
+    fuse_projections(drafter)  # idempotent; on the CPU the layers are fused only for fp8
+    fp8.quantize_drafter(drafter)
     if not all(p.calibrated for p in fp8.projections(drafter)):
         ids = tokenizer.encode(fp8.CALIBRATION_TEXT, add_special_tokens=False)[:512]
         fp8.calibrate(drafter, target, torch.tensor([ids], device=device))

@@ -28,6 +28,9 @@ class EngineConfig:
     cuda_graphs: bool = True  # capture decode rounds as CUDA graphs (CUDA devices only)
     prefill_graphs: bool = True  # with cuda_graphs: also prefill chunks that start a prompt (up to 1024 tokens)
     gpu_kernels: bool = True  # Triton kernels on CUDA (fused layer ops, tree attention, vocab top-k); False = torch
+    # The model forwards' matmuls through cuBLASLt at 32-192 token rows, cuBLAS otherwise (ddtree.models.gemm_backend,
+    # measured on the H200); False = cuBLAS for every matmul, for an A/B of the rule (benchmarks/gpu.py --no-blas-rule).
+    blas_rule: bool = True
     # The drafter's layer projections in fp8 (e4m3, ddtree.models.fp8): half the bytes a draft reads. Lossless still
     # (the target verifies every token); acceptance may move. Needs a GPU of compute capability >= 8.9 (or the CPU).
     draft_fp8: bool = False
@@ -54,6 +57,8 @@ class EngineConfig:
             raise ConfigError(f"max_block_size must be an integer >= 2, got {self.max_block_size!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if not isinstance(self.blas_rule, bool):
+            raise ConfigError(f"blas_rule must be true or false, got {self.blas_rule!r}")
         if not isinstance(self.draft_fp8, bool):
             raise ConfigError(f"draft_fp8 must be true or false, got {self.draft_fp8!r}")
         if self.kv_memory_fraction is not None and not (0.0 < self.kv_memory_fraction < 1.0):

@@ -1,45 +1,62 @@
 """The one kernel switch: which op of a round runs a Triton kernel, resolved once per engine and passed down.
 
-``EngineConfig.gpu_kernels`` is the setting; :meth:`KernelSet.resolve` turns it, with the models (their device,
-head dims and layer kinds), into one frozen per-op choice that :func:`ddtree.engine.build.build` hands to
-:func:`~ddtree.models.fuse_projections` and :class:`~ddtree.engine.runner.ModelRunner`; the runner passes each
-field to the call it governs (``build_trees(fast_topk=, fast_select=)``, ``walk_trees(kernel=)``, ``compact_cache(kernel=)``,
-``draft_logits(tree_kernel=)``, and the dense mask built or not for the verify). Nothing below reads a setting of
-its own; whether a chosen kernel *can* run on a given tensor stays :func:`ddtree.triton_runtime.can_run`'s answer
-(so the CPU tests run the same choice through Triton's interpreter).
+``EngineConfig.gpu_kernels`` and ``EngineConfig.blas_rule`` are the settings; :meth:`KernelSet.resolve` turns them,
+with the models (their device, head dims and layer kinds), into one frozen per-op choice that
+:func:`ddtree.engine.build.build` hands to :class:`~ddtree.engine.runner.ModelRunner`. The runner passes it down
+explicitly to every call it governs:
 
-Why one record: the choice used to fan out into five differently named booleans, and a reader could not see in one
-place which ops of a round run which code.
+- the model forwards take the whole set (``TargetModel.forward(..., kernels=)``, ``DFlashDrafter.draft_logits`` and
+  ``append_context``), read ``fused_ops``, ``draft_attention`` and ``blas_rule`` and hand each layer its
+  ``kernels=`` bool (:mod:`ddtree.models.layers`: fusing changes only the weights' layout, no module remembers a
+  choice);
+- the verify's and prefill's attention is chosen by what the runner passes the target: a ``TreeVisibility`` (the
+  tree-attention kernel) when ``tree_attention``, else the dense mask;
+- the core's functions get one bool each (``build_trees(fast_topk=, fast_select=)``, ``walk_trees(kernel=)``,
+  ``compact_cache(kernel=)``).
+
+Nothing below reads a setting of its own and no module global is flipped; whether a chosen kernel *can* run on a
+given tensor stays :func:`ddtree.triton_runtime.can_run`'s answer (so the CPU tests run the same choice through
+Triton's interpreter). This module imports nothing from ddtree at run time, so the models may name the type.
+
+Why one record: the choice used to fan out into five differently named booleans, module state and a global, and a
+reader could not see in one place which ops of a round run which code.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ddtree.engine.config import EngineConfig
 
 
 @dataclass(frozen=True)
 class KernelSet:
     """Per op: True = the Triton kernel (where it can run), False = the torch reference."""
 
-    fused_ops: bool  # RMSNorm, residual + RMSNorm, q/k norm + RoPE, SiLU x up in fused layers (models.fused_ops)
+    fused_ops: bool  # RMSNorm, residual + RMSNorm, q/k norm + RoPE, SiLU x up, fp8 input quantisation (models.fused_ops)
     tree_attention: bool  # the verify's and prefill's attention through models.tree_attention (no dense mask)
     draft_attention: bool  # the drafter's block attention through the same kernel
     vocab_topk: bool  # tree building's vocabulary pass: top-k + logsumexp (speculative.vocab_topk)
     tree_select: bool  # tree building's node selection (speculative.tree_select)
     walk: bool  # the verification walk (speculative.walk)
     compaction: bool  # the accepted K/V compaction (speculative.compaction)
+    # Not a Triton kernel: the model forwards' matmuls through cuBLASLt at the row counts where the H200 ran them
+    # faster (models.gemm_backend); False = torch's default cuBLAS for every matmul (an A/B of the rule).
+    blas_rule: bool = True
 
     @classmethod
-    def torch(cls) -> KernelSet:
-        """Every op on its torch reference."""
-        return cls(**{f.name: False for f in fields(cls)})
+    def torch(cls, *, blas_rule: bool = True) -> KernelSet:
+        """Every op on its torch reference (``blas_rule`` picks between torch's own cuBLAS front ends)."""
+        return cls(**{f.name: False for f in fields(cls) if f.name != "blas_rule"}, blas_rule=blas_rule)
 
     @classmethod
-    def resolve(cls, gpu_kernels: bool, target, drafter) -> KernelSet:
-        """The set an engine runs: ``gpu_kernels`` (``EngineConfig.gpu_kernels``) narrowed to what the models take
-        (the tree-attention kernel's head dims and, for the drafter, layers that see their whole block)."""
-        if not gpu_kernels:
-            return cls.torch()
+    def resolve(cls, config: EngineConfig, target, drafter) -> KernelSet:
+        """The set an engine runs: ``config.gpu_kernels`` narrowed to what the models take (the tree-attention
+        kernel's head dims and, for the drafter, layers that see their whole block), and ``config.blas_rule``."""
+        if not config.gpu_kernels:
+            return cls.torch(blas_rule=config.blas_rule)
         return cls(
             fused_ops=True,
             tree_attention=target.supports_tree_attention(),
@@ -48,6 +65,7 @@ class KernelSet:
             tree_select=True,
             walk=True,
             compaction=True,
+            blas_rule=config.blas_rule,
         )
 
     def describe(self) -> dict[str, bool]:

@@ -172,8 +172,9 @@ class TreeStage:
     trees: speculative.Trees
     positions: Tensor  # [R, N] RoPE positions (start + depth)
     write_pos: Tensor  # [R, N] cache indices the verify writes (start + i)
-    visibility: TreeVisibility  # prefix + ancestors, what the tree-attention kernel reads
-    mask: Tensor | None  # the dense [R, N, kv_len] mask, built only when the dense attention path runs
+    # prefix + ancestors, in the form that picks the verify's attention path (KernelSet.tree_attention): the
+    # TreeVisibility the tree-attention kernel reads, or the dense [R, N, kv_len] mask (built only then)
+    visibility: TreeVisibility | Tensor
 
 
 @dataclass

@@ -4,7 +4,8 @@ One round for R requests (rows) that may each use a different method, budget, to
 
     draft   drafter.draft_logits         [R] roots            -> [R, L, V]   (L = batch max block size - 1)
     tree    speculative.build_trees             [R, L, V]            -> Trees, N = batch max budget + 1 nodes
-            speculative.tree_positions / build_attention_mask        -> positions [R, N], mask [R, N, kv_len]
+            speculative.tree_positions / build_attention_mask        -> positions [R, N], TreeVisibility or
+                                                                        mask [R, N, kv_len]
     verify  target.forward (tree tokens, ancestor visibility) -> logits [R, N, V], features [R, N, F]
             argmax or speculative.sample_choices                     -> choices [R, N]
     commit  speculative.walk_trees                                   -> path [R, L + 1], num_accepted [R]
@@ -15,6 +16,11 @@ One round for R requests (rows) that may each use a different method, budget, to
 AR rows have budget 0 (a tree of the root alone); DFlash rows have top-k 1 and budget = depth, which makes
 ``build_trees`` return exactly the drafter's top-1 chain. Nothing inside a round reads a device value on the host:
 every size (N, L, kv_len) is known on the host from the requests' settings and committed lengths.
+
+Kernels: the runner holds the engine's :class:`~ddtree.engine.kernels.KernelSet` and passes it to every call it
+governs: the whole set to the model calls (``kernels=``), one bool each to the core's functions, and the verify's
+and prefill's attention path as the type of the visibility it hands the target (a ``TreeVisibility`` for the
+tree-attention kernel, else the dense mask).
 """
 
 from __future__ import annotations
@@ -105,8 +111,7 @@ class ModelRunner:
         kernels: KernelSet,
     ) -> None:
         """kernels: which ops run their Triton kernel (:class:`~ddtree.engine.kernels.KernelSet`, resolved once
-        from ``EngineConfig.gpu_kernels``; the fused layers' element-wise kernels are chosen when the engine fuses
-        them, :func:`ddtree.models.fuse_projections`)."""
+        from the config and the models by :func:`ddtree.engine.build.build`); passed down to every call."""
         self.target = target
         self.drafter = drafter
         self.kernels = kernels
@@ -139,23 +144,26 @@ class ModelRunner:
         visibility = speculative.causal_visibility(t, inp.valid_len)
         # The tree kernel takes a causal chunk as a tree whose every node sees the ones before it (and skips the
         # keys after a query tile's last token); the dense path gets its mask.
-        tree = TreeVisibility(inp.start, visibility, inp.kv_len)
-        mask = None if self.kernels.tree_attention else speculative.build_attention_mask(inp.start, positions, visibility, inp.kv_len)
+        if self.kernels.tree_attention:
+            seen: Tensor | TreeVisibility = TreeVisibility(inp.start, visibility, inp.kv_len)
+        else:
+            seen = speculative.build_attention_mask(inp.start, positions, visibility, inp.kv_len)
         out = self.target(
             inp.ids,
             positions,
             self.target_cache,
             inp.slots,
             positions,
-            mask,
-            tree=tree,
+            seen,
+            kernels=self.kernels,
             logits_at=None if every_position else inp.last_index[:, None],
             hidden_layers=self.feature_layers,
         )
         if self.drafter is not None:
             # Padding columns write features past the prompt; they stay invisible (beyond every ctx_len) and are
             # overwritten when those positions are committed.
-            self.drafter.append_context(out.hidden, positions, self.drafter_cache, inp.slots, positions)
+            self.drafter.append_context(out.hidden, positions, self.drafter_cache, inp.slots, positions,
+                                        kernels=self.kernels)
         return out.logits if every_position else out.logits[:, 0]
 
     # ---- one speculative round, as four stages ------------------------------------------------------------------
@@ -187,7 +195,7 @@ class ModelRunner:
                 block_len=inp.depth_limit + 1,
                 window=inp.window,
                 kv_len=inp.shape.draft_kv_len,
-                tree_kernel=self.kernels.draft_attention,
+                kernels=self.kernels,
             )
 
     def stage_tree(self, inp: RoundInputs, work: RoundWork) -> None:
@@ -209,14 +217,12 @@ class ModelRunner:
         write_pos = speculative.tree_write_positions(inp.start, n)
         # With KernelSet.tree_attention the verify attends through the Triton tree kernel, which reads (start,
         # visibility) directly; the dense path needs the [R, N, kv_len] mask.
-        work.tree = TreeStage(
-            trees=trees,
-            positions=speculative.tree_positions(inp.start, trees.depths),
-            write_pos=write_pos,
-            visibility=TreeVisibility(inp.start, trees.visibility, shape.kv_len),
-            mask=None if self.kernels.tree_attention else speculative.build_attention_mask(inp.start, write_pos, trees.visibility,
-                                                                         shape.kv_len),
-        )
+        if self.kernels.tree_attention:
+            seen: Tensor | TreeVisibility = TreeVisibility(inp.start, trees.visibility, shape.kv_len)
+        else:
+            seen = speculative.build_attention_mask(inp.start, write_pos, trees.visibility, shape.kv_len)
+        work.tree = TreeStage(trees=trees, positions=speculative.tree_positions(inp.start, trees.depths),
+                              write_pos=write_pos, visibility=seen)
 
     def stage_verify(self, inp: RoundInputs, work: RoundWork) -> None:
         tree = work.tree
@@ -227,8 +233,8 @@ class ModelRunner:
             self.target_cache,
             inp.slot,
             tree.write_pos,
-            tree.mask,
-            tree=tree.visibility,
+            tree.visibility,
+            kernels=self.kernels,
             hidden_layers=self._round_feature_layers(inp),
         )
         depth_steps = inp.step[:, None] + trees.depths  # output index each node's choice would commit
@@ -253,7 +259,7 @@ class ModelRunner:
         if hidden is not None:
             feats = torch.gather(hidden, 1, walk.path[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [R, L+1, F]
             ctx_pos = inp.start[:, None] + torch.arange(walk.path.shape[1], device=self.device)
-            self.drafter.append_context(feats, ctx_pos, self.drafter_cache, inp.slot, ctx_pos)
+            self.drafter.append_context(feats, ctx_pos, self.drafter_cache, inp.slot, ctx_pos, kernels=self.kernels)
         # One tensor for the host to read (one copy, one sync): the accepted count, then the committed tokens, then
         # (rounds with log-probs) the target's log-probs at the accepted nodes (ddtree.engine.logprobs).
         parts = [walk.num_accepted[:, None], walk.new_tokens]

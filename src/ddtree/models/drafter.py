@@ -25,9 +25,16 @@ index ``s`` is position ``s``. Blocks are recomputed each round and never cached
 :meth:`DFlashDrafter.draft_logits` (engine, one block per request, context from the cache) and
 :meth:`DFlashDrafter.forward_train` (training, every anchored block of a sequence, context recomputed) share the
 layer code and the mask rule (:func:`draft_visibility`), so a trained drafter drafts exactly as it was trained.
+
+Kernels: the engine's calls pass its :class:`~ddtree.engine.kernels.KernelSet` (``kernels=``), of which the drafter
+reads ``fused_ops`` (the fused layers' and the context/final norms' Triton kernels, the one-kernel context write),
+``draft_attention`` (the block attention through the tree-attention kernel instead of a dense mask) and
+``blas_rule``; without it (training, tests) every op runs its torch reference. The drafter keeps no choice of its own.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -40,6 +47,9 @@ from ddtree.models.kv_cache import KVCache
 from ddtree.models.layers import Attend, DecoderLayer, RMSNorm, Rotary, grad_needed, masked_attention
 from ddtree.models.target import TargetModel
 from ddtree.triton_runtime import can_run
+
+if TYPE_CHECKING:
+    from ddtree.engine.kernels import KernelSet
 
 
 def draft_visibility(anchor: Tensor, depth: Tensor, query_block: Tensor, context_len: int, key_depth: Tensor,
@@ -122,7 +132,7 @@ class DFlashDrafter(nn.Module):
                                 dtype=dtype or self.dtype, device=device or self.device)
 
     def supports_tree_attention(self) -> bool:
-        """Whether :meth:`draft_logits` can attend through the Triton tree-attention kernel (``tree_kernel=True``):
+        """Whether :meth:`draft_logits` can attend through the Triton tree-attention kernel (``draft_attention``):
         it can run on this drafter's weights, takes its head dim, and every layer sees its whole block (a causal
         or sliding layer's in-block rule is not the kernel's)."""
         c = self.config
@@ -149,39 +159,43 @@ class DFlashDrafter(nn.Module):
                 f"{len(c.target_layer_ids)} x {t.hidden_size}"
             )
 
-    def context(self, target_hidden: Tensor) -> Tensor:
-        """Target features [..., n * H_target] -> projected context [..., H] (``hidden_norm(fc(.))``)."""
-        return self._norm(self.hidden_norm, self.fc(target_hidden.to(self.fc.weight.dtype)))
+    def context(self, target_hidden: Tensor, *, kernels: bool = False) -> Tensor:
+        """Target features [..., n * H_target] -> projected context [..., H] (``hidden_norm(fc(.))``); kernels: the
+        norm as one Triton kernel where :meth:`_kernels_for` allows."""
+        return self._norm(self.hidden_norm, self.fc(target_hidden.to(self.fc.weight.dtype)), kernels)
 
-    def _kernels_for(self, x: Tensor) -> bool:
-        """Whether the drafter's own norms and context writes may run the Triton kernels on ``x``: its layers were
-        fused with kernels (``fuse_projections(kernels=True)``, the engine's ``gpu_kernels``), ``x`` is on a device
-        they run on and autograd needs none of it (the kernels have no backward)."""
-        return (self.layers[0].self_attn._kernels_for(x)
+    def _kernels_for(self, x: Tensor, kernels: bool) -> bool:
+        """Whether the drafter's own norms and context writes run the Triton kernels on ``x``: the caller chose
+        them (``KernelSet.fused_ops``), the layers are fused (the layers' own kernels need that, and the drafter's
+        follow them), ``x`` is on a device they run on and autograd needs none of it (no backward)."""
+        attn = self.layers[0].self_attn
+        return (attn.qkv is not None and attn.kernels_for(x, kernels)
                 and not grad_needed(x, self.hidden_norm.weight, self.norm.weight))
 
-    def _norm(self, norm: RMSNorm, x: Tensor) -> Tensor:
+    def _norm(self, norm: RMSNorm, x: Tensor, kernels: bool) -> Tensor:
         """``norm(x)``, as one Triton kernel where :meth:`_kernels_for` allows (the eager RMSNorm is five kernels;
         the context norm and the final norm run every round)."""
-        return fused_ops.rms_norm(x, norm.weight, norm.eps) if self._kernels_for(x) else norm(x)
+        return fused_ops.rms_norm(x, norm.weight, norm.eps) if self._kernels_for(x, kernels) else norm(x)
 
     def append_context(self, target_hidden: Tensor, positions: Tensor, cache: KVCache, slots: Tensor,
-                       write_pos: Tensor) -> None:
+                       write_pos: Tensor, *, kernels: KernelSet | None = None) -> None:
         """Project new context features and write every layer's context K/V into the cache.
 
         target_hidden [R, N, n * H_target]; positions [R, N] absolute positions of those tokens; slots [R];
-        write_pos [R, N] cache indices (equal to ``positions`` in the standard layout)."""
-        ctx = self.context(target_hidden)  # [R, N, H]
+        write_pos [R, N] cache indices (equal to ``positions`` in the standard layout); kernels: the engine's
+        KernelSet (``fused_ops`` is read; None = the torch reference)."""
+        fused = kernels is not None and kernels.fused_ops
+        ctx = self.context(target_hidden, kernels=fused)  # [R, N, H]
         cos, sin = self.rotary(positions, ctx.dtype)
         # One Triton kernel per layer instead of KVCache.write's two indexing kernels (0.038 of the 0.171 ms an
         # append of a 16-token path cost on the Qwen3-8B stand-in's drafter, H200 run 16).
         # write_kv reads slots and write_pos on the cache's device, write_pos at unit stride over T; KVCache.write
         # takes any layout. Autograd: the K/V projections may need grad even when ctx and the norms do not.
-        one_kernel = (self._kernels_for(ctx) and tree_attention.supports_head_dim(self.config.head_dim)
+        one_kernel = (self._kernels_for(ctx, fused) and tree_attention.supports_head_dim(self.config.head_dim)
                       and cache.k.device == ctx.device == slots.device == write_pos.device
                       and write_pos.stride(-1) == 1)
         for layer in self.layers:
-            k, v = layer.self_attn.project_kv(ctx, cos, sin)
+            k, v = layer.self_attn.project_kv(ctx, cos, sin, kernels=fused)
             if one_kernel and not grad_needed(k, v):
                 tree_attention.write_kv(cache.k[layer.index], cache.v[layer.index], slots, write_pos, k, v)
             else:
@@ -209,20 +223,23 @@ class DFlashDrafter(nn.Module):
             masks[i] = by_kind[kind]
         return masks
 
-    def _run_blocks(self, target: TargetModel, ids: Tensor, positions: Tensor, attend: Attend) -> Tensor:
+    def _run_blocks(self, target: TargetModel, ids: Tensor, positions: Tensor, attend: Attend,
+                    kernels: KernelSet | None) -> Tensor:
         """Block tokens [R, Q] at positions [R, Q] through every layer -> final-normed hidden [R, Q, H]."""
+        fused = kernels is not None and kernels.fused_ops
         h = target.embed(ids).to(self.dtype)
         if self.config.input_embedding_scale != 1.0:
             h = h * self.config.input_embedding_scale
         cos, sin = self.rotary(positions, h.dtype)
-        with blas_for_rows(ids.numel(), ids.device):
+        with blas_for_rows(ids.numel(), ids.device, rule=kernels is None or kernels.blas_rule):
             for layer in self.layers:
-                h = layer(h, cos, sin, attend)
-        return self._norm(self.norm, h)
+                h = layer(h, cos, sin, attend, kernels=fused)
+        return self._norm(self.norm, h, fused)
 
     def draft_logits(self, target: TargetModel, root_tokens: Tensor, ctx_len: Tensor, cache: KVCache,
                      slots: Tensor, block_size: int, *, block_len: Tensor | None = None,
-                     window: Tensor | None = None, kv_len: int | None = None, tree_kernel: bool = False) -> Tensor:
+                     window: Tensor | None = None, kv_len: int | None = None,
+                     kernels: KernelSet | None = None) -> Tensor:
         """Draft one block per request -> logits [R, block_size - 1, V] for depths 1 .. block_size - 1.
 
         root_tokens [R] last committed token (the anchor, at position ``ctx_len``); ctx_len [R] context
@@ -231,21 +248,24 @@ class DFlashDrafter(nn.Module):
         draft window (None = all context); kv_len static number of cache positions read (a bound on every
         ``ctx_len``; None = the whole cache).
 
-        tree_kernel (the caller's choice, where :meth:`supports_tree_attention`): attend through the Triton
-        tree-attention kernel instead of gathering the context and building a dense mask. The block's K/V are then
-        written into the cache at ``ctx_len ..`` first (positions past the committed context: the next
-        :meth:`append_context` overwrites them) and the kernel reads context and block from the cache by slot."""
+        kernels: the engine's KernelSet (None = the torch reference for every op); ``fused_ops`` and ``blas_rule``
+        as in the target's forward. With ``draft_attention`` (the caller's choice, where
+        :meth:`supports_tree_attention`) the block attends through the Triton tree-attention kernel instead of
+        gathering the context and building a dense mask: the block's K/V are then written into the cache at
+        ``ctx_len ..`` first (positions past the committed context: the next :meth:`append_context` overwrites
+        them) and the kernel reads context and block from the cache by slot."""
         c = self.config
         length = cache.max_len if kv_len is None else kv_len
         device = root_tokens.device
         depth = torch.arange(block_size, device=device)
         ids = torch.where(depth == 0, root_tokens[:, None], c.mask_token_id)  # [R, bs]
         positions = ctx_len[:, None] + depth  # [R, bs]
-        if tree_kernel:
+        if kernels is not None and kernels.draft_attention:
             if not self.supports_tree_attention():
-                raise ConfigError("draft_logits(tree_kernel=True) needs supports_tree_attention(); use the dense path")
+                raise ConfigError("draft_logits with KernelSet.draft_attention needs supports_tree_attention(); "
+                                  "resolve the KernelSet for this drafter (KernelSet.resolve) or turn it off")
             return self.head(target, self._run_blocks(target, ids, positions, self._kernel_attend(
-                cache, slots, ctx_len, positions, block_size, block_len, window, length))[:, 1:])
+                cache, slots, ctx_len, positions, block_size, block_len, window, length), kernels)[:, 1:])
         zeros = torch.zeros_like(depth)
         anchor = ctx_len[:, None].expand(-1, block_size)
         masks = self._layer_masks(lambda causal, sliding: draft_visibility(
@@ -256,7 +276,7 @@ class DFlashDrafter(nn.Module):
             ck, cv = cache.read(layer, slots, length)
             return attend_with_context(q, k, v, ck, cv, masks[layer])
 
-        h = self._run_blocks(target, ids, positions, attend)
+        h = self._run_blocks(target, ids, positions, attend, kernels)
         return self.head(target, h[:, 1:])
 
     def _kernel_attend(self, cache: KVCache, slots: Tensor, ctx_len: Tensor, positions: Tensor, block_size: int,
@@ -315,6 +335,6 @@ class DFlashDrafter(nn.Module):
             ck, cv = self.layers[layer].self_attn.project_kv(ctx, ctx_cos, ctx_sin)
             return attend_with_context(q, k, v, ck, cv, masks[layer])
 
-        h = self._run_blocks(target, ids, positions, attend)
+        h = self._run_blocks(target, ids, positions, attend, None)
         h = h.unflatten(1, (n_blocks, bs))[:, :, 1:]
         return h if return_hidden else self.head(target, h)

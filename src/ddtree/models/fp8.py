@@ -97,7 +97,7 @@ class Fp8Projection:
     turns itself off instead of serving stale values, and so that a deep copy of the model checks its own weights.
     Deliberately not an ``nn.Module``: nothing here belongs in ``state_dict()``."""
 
-    def __init__(self, owner: Any, *, kernels: bool) -> None:
+    def __init__(self, owner: Any) -> None:
         self.owner = owner
         self._stamp = _stamp(owner.weight, owner.bias)
         w = owner.weight.detach()
@@ -108,7 +108,6 @@ class Fp8Projection:
         # row-major [N, K] whatever the source's strides, so weight.t() is the column-major operand _scaled_mm wants
         self.weight = (w.float() / self.weight_scale).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3).contiguous()
         self.bias = None if owner.bias is None else owner.bias.detach()
-        self.kernels = kernels  # quantise inputs with the Triton kernel where it can run
         self.input_scale = torch.ones((), dtype=torch.float32, device=w.device)
         self.inv_input_scale = torch.ones((), dtype=torch.float32, device=w.device)
         self.amax = 0.0  # the input's abs-max while calibrating
@@ -141,16 +140,17 @@ class Fp8Projection:
         """Whether the owner's weight and bias are still the tensors (and versions) this copies."""
         return _stamp(self.owner.weight, self.owner.bias) == self._stamp
 
-    def __call__(self, x: Tensor, fallback: Callable[[], Tensor]) -> Tensor:
+    def __call__(self, x: Tensor, fallback: Callable[[], Tensor], *, kernel: bool = False) -> Tensor:
         """x [..., K] -> [..., N] in x's dtype through fp8, or ``fallback()`` (the model-dtype projection) for a
-        call this path does not take; while calibrating, records x's abs-max and returns ``fallback()``."""
+        call this path does not take; while calibrating, records x's abs-max and returns ``fallback()``.
+        kernel: quantise the input with the Triton kernel where it can run (the caller's ``KernelSet.fused_ops``)."""
         if self.calibrating:
             self.amax = max(self.amax, float(x.detach().abs().amax()))
             return fallback()
         if not self.accepts(x):
             return fallback()
         rows = x.reshape(-1, self.in_features).contiguous()
-        xq = quantize(rows, self.inv_input_scale, kernel=self.kernels and can_run(rows))
+        xq = quantize(rows, self.inv_input_scale, kernel=kernel and can_run(rows))
         out = torch._scaled_mm(xq, self.weight.t(), scale_a=self.input_scale, scale_b=self.weight_scale,
                                out_dtype=x.dtype)
         if self.bias is not None:
@@ -172,7 +172,7 @@ def projections(drafter: nn.Module) -> Iterator[Fp8Projection]:
                 yield p
 
 
-def quantize_drafter(drafter: nn.Module, *, kernels: bool) -> int:
+def quantize_drafter(drafter: nn.Module) -> int:
     """Attach fp8 copies of every layer's q/k/v, o, gate/up and down weights -> the number of layers. The layers
     must be fused first (:func:`~ddtree.models.layers.fuse_projections`); :func:`calibrate` must run before the
     fp8 path serves a call (until then every call takes the model-dtype projection).
@@ -188,13 +188,13 @@ def quantize_drafter(drafter: nn.Module, *, kernels: bool) -> int:
         if attn.qkv is None or mlp.gate_up is None:
             raise ConfigError("quantize_drafter needs fused projections: call fuse_projections(drafter) first")
         if not fresh(attn.qkv.fp8):
-            attn.qkv.fp8 = Fp8Projection(attn.qkv, kernels=kernels)
+            attn.qkv.fp8 = Fp8Projection(attn.qkv)
         if not fresh(attn.o_fp8):
-            attn.o_fp8 = Fp8Projection(attn.o_proj, kernels=kernels)
+            attn.o_fp8 = Fp8Projection(attn.o_proj)
         if not fresh(mlp.gate_up.fp8):
-            mlp.gate_up.fp8 = Fp8Projection(mlp.gate_up, kernels=kernels)
+            mlp.gate_up.fp8 = Fp8Projection(mlp.gate_up)
         if not fresh(mlp.down_fp8):
-            mlp.down_fp8 = Fp8Projection(mlp.down_proj, kernels=kernels)
+            mlp.down_fp8 = Fp8Projection(mlp.down_proj)
     return len(layers)
 
 

@@ -14,6 +14,9 @@ engine, a training step) may go through either library; both compute the same pr
 the last bits, the same kind of difference that different row counts already make (cuBLAS picks other kernels;
 docs/benchmarks.md reports the bf16 divergence from AR it causes). Autograd's backward runs after the forward
 returns, under the caller's own choice.
+
+Whether the rule applies is the caller's: ``KernelSet.blas_rule`` (``EngineConfig.blas_rule``; off for an A/B,
+``benchmarks/gpu.py --no-blas-rule``) reaches :func:`blas_for_rows` as ``rule``. Nothing here is a setting.
 """
 
 from __future__ import annotations
@@ -28,18 +31,18 @@ import torch
 # to 2048 the same).
 LT_MIN_ROWS = 32
 LT_MAX_ROWS = 192
-enabled = True  # benchmarks turn it off for an A/B (benchmarks/gpu.py --no-blas-rule)
 
 
 def prefers_lt(rows: int, device: torch.device) -> bool:
     """Whether a forward of ``rows`` token rows on ``device`` runs its matmuls through cuBLASLt."""
-    return enabled and device.type == "cuda" and LT_MIN_ROWS <= rows <= LT_MAX_ROWS
+    return device.type == "cuda" and LT_MIN_ROWS <= rows <= LT_MAX_ROWS
 
 
 @contextmanager
-def blas_for_rows(rows: int, device: torch.device) -> Iterator[None]:
-    """Run the body's matmuls through the front end :func:`prefers_lt` picks for ``rows`` token rows."""
-    if not prefers_lt(rows, device):
+def blas_for_rows(rows: int, device: torch.device, *, rule: bool = True) -> Iterator[None]:
+    """Run the body's matmuls through the front end :func:`prefers_lt` picks for ``rows`` token rows; with
+    ``rule=False`` (``KernelSet.blas_rule`` off) under torch's current choice, untouched."""
+    if not (rule and prefers_lt(rows, device)):
         yield
         return
     before = torch.backends.cuda.preferred_blas_library()

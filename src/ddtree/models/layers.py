@@ -10,10 +10,15 @@ the single SDPA call with a boolean mask, so swapping in flex_attention or a Tri
 
 Fused inference path (:func:`fuse_projections`): q/k/v share one weight matrix and gate/up another, so a layer runs
 two matmuls where it ran five; the per-projection parameters become views of the fused matrices, so names, loading
-and memory stay as they were. Fused with ``kernels=True`` (the caller's choice, stored on the fused modules), a layer
-also replaces its RMSNorms, q/k-norm + RoPE, residual add and SwiGLU activation with the Triton kernels of
-:mod:`ddtree.models.fused_ops` wherever they can run (:func:`ddtree.triton_runtime.can_run`: CUDA): ~10 kernels per
-layer instead of ~75. Without fusion, or while autograd needs the separate parameters, the eager code runs unchanged.
+and memory stay as they were. A fused layer's forward given ``kernels=True`` (the caller's choice for that call:
+the engine passes ``KernelSet.fused_ops``, :mod:`ddtree.engine.kernels`) also replaces its RMSNorms, q/k-norm + RoPE,
+residual add and SwiGLU activation with the Triton kernels of :mod:`ddtree.models.fused_ops` wherever they can run
+(:func:`ddtree.triton_runtime.can_run`: CUDA): ~10 kernels per layer instead of ~75. Without fusion, or while
+autograd needs the separate parameters, the eager code runs unchanged.
+
+Why the choice is an argument and not module state: a module that remembers it makes two engines over one model
+(or a test and an engine) silently share it, and a reader cannot see at the call which code runs. Fusing only
+changes the weights' layout; every forward says which kernels it wants.
 """
 
 from __future__ import annotations
@@ -107,13 +112,13 @@ class FusedLinear:
         return self.intact() and not grad_needed(x, *(lin.weight for lin in self.linears),
                                                   *(lin.bias for lin in self.linears))
 
-    def __call__(self, x: Tensor, start: int = 0) -> Tensor:
+    def __call__(self, x: Tensor, start: int = 0, *, kernels: bool = False) -> Tensor:
         """x [..., in] -> [..., sum(out) - start]: the fused projection from output row ``start`` on (a view of the
         weight, so projecting only k and v of q/k/v costs no copy). The whole projection goes through fp8 where
-        an fp8 copy is attached and takes the call."""
+        an fp8 copy is attached and takes the call (``kernels``: its input quantised by the Triton kernel)."""
         bias = None if self.bias is None else self.bias[start:]
         if self.fp8 is not None and start == 0:
-            return self.fp8(x, lambda: F.linear(x, self.weight, bias))
+            return self.fp8(x, lambda: F.linear(x, self.weight, bias), kernel=kernels)
         return F.linear(x, self.weight[start:], bias)
 
 
@@ -126,40 +131,37 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.gate_up: FusedLinear | None = None
-        self.use_kernels = False  # set by fuse(): the fused path's SwiGLU runs the Triton kernel where it can
         self.down_fp8 = None  # an fp8 copy of down_proj (ddtree.models.fp8.quantize_drafter), or None
 
-    def fuse(self, *, kernels: bool = True) -> None:
-        """Back gate_proj and up_proj with one [2I, hidden] matrix (idempotent; re-fuses after ``.to()``) and
-        record whether the fused path may use the Triton kernel (a re-fuse records the new choice)."""
+    def fuse(self) -> None:
+        """Back gate_proj and up_proj with one [2I, hidden] matrix (idempotent; re-fuses after ``.to()``)."""
         if self.gate_up is None or not self.gate_up.intact():
             self.gate_up = FusedLinear.fuse((self.gate_proj, self.up_proj))
-        self.use_kernels = kernels
 
     def fused_gate_up(self, x: Tensor) -> FusedLinear | None:
         """The fused gate/up projection when it may serve this call (see :meth:`FusedLinear.usable`)."""
         return self.gate_up if self.gate_up is not None and self.gate_up.usable(x) else None
 
-    def forward(self, x: Tensor, *, kernels: bool | None = None) -> Tensor:
-        """x [..., hidden] -> [..., hidden]. Fused: one matmul for gate and up, and with ``kernels`` (default: the
-        choice given to :meth:`fuse`, where :func:`~ddtree.triton_runtime.can_run` accepts ``x``) one Triton kernel
-        for ``silu(gate) * up``."""
+    def forward(self, x: Tensor, *, kernels: bool = False) -> Tensor:
+        """x [..., hidden] -> [..., hidden]. Fused: one matmul for gate and up, and with ``kernels`` (the caller's
+        choice; used where :func:`~ddtree.triton_runtime.can_run` accepts ``x``) one Triton kernel for
+        ``silu(gate) * up``."""
         fused = self.fused_gate_up(x)
         if fused is None:
             return self.down(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate_up = fused(x)  # [..., 2I]
-        if kernels is None:
-            kernels = self.use_kernels and can_run(x)
+        kernels = kernels and can_run(x)
+        gate_up = fused(x, kernels=kernels)  # [..., 2I]
         if kernels:
-            return self.down(fused_ops.silu_mul(gate_up))
+            return self.down(fused_ops.silu_mul(gate_up), kernels=True)
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down(F.silu(gate) * up)
 
-    def down(self, x: Tensor) -> Tensor:
-        """``down_proj(x)``, through the fp8 copy where one is attached and takes the call."""
+    def down(self, x: Tensor, *, kernels: bool = False) -> Tensor:
+        """``down_proj(x)``, through the fp8 copy where one is attached and takes the call (``kernels``: its input
+        quantised by the Triton kernel)."""
         if self.down_fp8 is None:
             return self.down_proj(x)
-        return self.down_fp8(x, lambda: self.down_proj(x))
+        return self.down_fp8(x, lambda: self.down_proj(x), kernel=kernels)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> Tensor:
@@ -273,41 +275,41 @@ class SelfAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.qkv: FusedLinear | None = None
-        self.use_kernels = False  # set by fuse(): the fused path's q/k norm + RoPE runs the Triton kernel where it can
         self.o_fp8 = None  # an fp8 copy of o_proj (ddtree.models.fp8.quantize_drafter), or None
 
-    def fuse(self, *, kernels: bool = True) -> None:
+    def fuse(self) -> None:
         """Back q_proj, k_proj and v_proj with one [(H + 2 * KV) * D, hidden] matrix (idempotent; re-fuses after
-        ``.to()`` or an assigning load) and record whether the fused path may use the Triton kernels."""
+        ``.to()`` or an assigning load)."""
         if self.qkv is None or not self.qkv.intact():
             self.qkv = FusedLinear.fuse((self.q_proj, self.k_proj, self.v_proj))
-        self.use_kernels = kernels
 
     def fused_qkv(self, x: Tensor) -> FusedLinear | None:
         """The fused projection when it may serve this call (see :meth:`FusedLinear.usable`)."""
         return self.qkv if self.qkv is not None and self.qkv.usable(x) else None
 
-    def _kernels_for(self, x: Tensor) -> bool:
-        """The fused path's default: kernels chosen at :meth:`fuse`, able to run on ``x``, and autograd needs
-        neither ``x`` nor the q/k norm weights (the kernels have no backward)."""
+    def kernels_for(self, x: Tensor, kernels: bool) -> bool:
+        """Whether the fused path runs the Triton kernels on ``x``: the caller chose them (``kernels``), they can
+        run on ``x``, and autograd needs neither ``x`` nor the q/k norm weights (the kernels have no backward)."""
         weights = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
-        return self.use_kernels and can_run(x) and not grad_needed(x, *weights)
+        return kernels and can_run(x) and not grad_needed(x, *weights)
 
     def project_qkv(self, x: Tensor, cos: Tensor, sin: Tensor, *,
-                    kernels: bool | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                    kernels: bool = False) -> tuple[Tensor, Tensor, Tensor]:
         """x [R, T, hidden] -> q [R, H, T, D], k, v [R, KV, T, D] (q, k normed and rotated). Fused: one matmul,
-        and with ``kernels`` (default: see :meth:`_kernels_for`) one Triton kernel for norms and RoPE."""
+        and with ``kernels`` (where :meth:`kernels_for` allows) one Triton kernel for norms and RoPE."""
         fused = self.fused_qkv(x)
         if fused is None:
             k, v = self.project_kv(x, cos, sin)
             return self.project_q(x, cos, sin), k, v
-        return self._norm_rope(fused(x), cos, sin, self.num_heads, kernels)
+        kernels = self.kernels_for(x, kernels)
+        return self._norm_rope(fused(x, kernels=kernels), cos, sin, self.num_heads, kernels)
 
-    def project_out(self, x: Tensor) -> Tensor:
-        """``o_proj(x)``, through the fp8 copy where one is attached and takes the call."""
+    def project_out(self, x: Tensor, *, kernels: bool = False) -> Tensor:
+        """``o_proj(x)``, through the fp8 copy where one is attached and takes the call (``kernels``: its input
+        quantised by the Triton kernel)."""
         if self.o_fp8 is None:
             return self.o_proj(x)
-        return self.o_fp8(x, lambda: self.o_proj(x))
+        return self.o_fp8(x, lambda: self.o_proj(x), kernel=kernels)
 
     def project_q(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """x [R, T, hidden] -> q [R, H, T, D] (normed, rotated)."""
@@ -317,11 +319,13 @@ class SelfAttention(nn.Module):
         return apply_rope(q, cos, sin).transpose(1, 2)
 
     def project_kv(self, x: Tensor, cos: Tensor, sin: Tensor, *,
-                   kernels: bool | None = None) -> tuple[Tensor, Tensor]:
+                   kernels: bool = False) -> tuple[Tensor, Tensor]:
         """x [R, T, hidden] -> k, v [R, KV, T, D] (k normed and rotated). Fused: one matmul over the k/v rows
-        of the fused weight (the drafter's context path projects no q)."""
+        of the fused weight (the drafter's context path projects no q), and with ``kernels`` (where
+        :meth:`kernels_for` allows) one Triton kernel for the k norm and RoPE."""
         fused = self.fused_qkv(x)
         if fused is not None:
+            kernels = self.kernels_for(x, kernels)
             _, k, v = self._norm_rope(fused(x, self.num_heads * self.head_dim), cos, sin, 0, kernels)
             return k, v
         k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
@@ -331,10 +335,9 @@ class SelfAttention(nn.Module):
         return apply_rope(k, cos, sin).transpose(1, 2), v.transpose(1, 2)
 
     def _norm_rope(self, qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int,
-                   kernels: bool | None) -> tuple[Tensor, Tensor, Tensor]:
-        """qkv [R, T, (num_heads + 2 * KV) * D] -> q [R, num_heads, T, D], k, v [R, KV, T, D]."""
-        if kernels is None:
-            kernels = self._kernels_for(qkv)
+                   kernels: bool) -> tuple[Tensor, Tensor, Tensor]:
+        """qkv [R, T, (num_heads + 2 * KV) * D] -> q [R, num_heads, T, D], k, v [R, KV, T, D]; ``kernels``
+        already checked (:meth:`kernels_for`)."""
         kv, d = self.num_kv_heads, self.head_dim
         if kernels:
             q_w = None if self.q_norm is None else self.q_norm.weight
@@ -360,16 +363,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
 
-    def fuse_projections(self, *, kernels: bool = True) -> None:
-        """Fuse q/k/v and gate/up (see :class:`FusedLinear`) and record whether the fused path may run the Triton
-        element-wise kernels; idempotent."""
-        self.self_attn.fuse(kernels=kernels)
-        self.mlp.fuse(kernels=kernels)
+    def fuse_projections(self) -> None:
+        """Fuse q/k/v and gate/up (see :class:`FusedLinear`); idempotent."""
+        self.self_attn.fuse()
+        self.mlp.fuse()
 
-    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
-        """h [R, T, hidden], cos/sin [R, T, D] -> [R, T, hidden]."""
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, attend: Attend, *, kernels: bool = False) -> Tensor:
+        """h [R, T, hidden], cos/sin [R, T, D] -> [R, T, hidden]. kernels: a fused layer runs the Triton
+        element-wise kernels where they can run (``KernelSet.fused_ops``); an unfused one ignores it (nothing to
+        fuse into: the eager code is the reference)."""
         if self.self_attn.fused_qkv(h) is not None and self.mlp.fused_gate_up(h) is not None:
-            return self._forward_fused(h, cos, sin, attend)
+            return self._forward_fused(h, cos, sin, attend, kernels)
         x = self.input_layernorm(h)
         q = self.self_attn.project_q(x, cos, sin)
         k, v = self.self_attn.project_kv(x, cos, sin)
@@ -377,16 +381,15 @@ class DecoderLayer(nn.Module):
         h = h + self.self_attn.project_out(out.transpose(1, 2).flatten(-2))
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def _forward_fused(self, h: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
+    def _forward_fused(self, h: Tensor, cos: Tensor, sin: Tensor, attend: Attend, kernels: bool) -> Tensor:
         """The same maths with fused projections; with kernels: norm, qkv matmul, q/k norm + RoPE, attention,
         o_proj, residual add + norm, gate/up matmul, SwiGLU, down_proj, residual add."""
         attn, norm_in, norm_post = self.self_attn, self.input_layernorm, self.post_attention_layernorm
-        kernels = (attn._kernels_for(h) and self.mlp.use_kernels
-                   and not grad_needed(h, norm_in.weight, norm_post.weight))
+        kernels = attn.kernels_for(h, kernels) and not grad_needed(h, norm_in.weight, norm_post.weight)
         x = fused_ops.rms_norm(h, norm_in.weight, norm_in.eps) if kernels else norm_in(h)
         q, k, v = attn.project_qkv(x, cos, sin, kernels=kernels)
         out = attend(self.index, q, k, v)  # [R, H, T, D]
-        o = attn.project_out(out.transpose(1, 2).flatten(-2))
+        o = attn.project_out(out.transpose(1, 2).flatten(-2), kernels=kernels)
         if kernels:
             h, x = fused_ops.add_rms_norm(h, o, norm_post.weight, norm_post.eps)
         else:
@@ -395,15 +398,15 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(x, kernels=kernels)
 
 
-def fuse_projections(model: nn.Module, *, kernels: bool = True) -> int:
+def fuse_projections(model: nn.Module) -> int:
     """Fuse the projections of every :class:`DecoderLayer` in ``model`` (a TargetModel, a DFlashDrafter, or
     anything holding layers) -> the number of layers fused. Call it after the model is loaded and placed: moving
     it afterwards (``.to()``) un-fuses it until this is called again.
 
-    kernels: whether the fused layers run the Triton element-wise kernels (:mod:`ddtree.models.fused_ops`) on
-    inputs they can run on (:func:`ddtree.triton_runtime.can_run`: CUDA) while autograd is not needed; False
-    keeps the fused matmuls with the eager element-wise code (the engine passes ``EngineConfig.gpu_kernels``)."""
+    Only the weights' layout changes: whether a fused layer also runs the Triton element-wise kernels
+    (:mod:`ddtree.models.fused_ops`) is each forward's ``kernels`` argument (the engine passes
+    ``KernelSet.fused_ops``)."""
     layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
     for layer in layers:
-        layer.fuse_projections(kernels=kernels)
+        layer.fuse_projections()
     return len(layers)

@@ -3,7 +3,7 @@
 One forward serves every engine step: prefill chunks, plain decoding, chain and tree verification. The caller
 says, for each request row ``r`` and new token ``t``, which RoPE position it has (``positions``, a tree node's is
 ``start + depth``), where its K/V goes in the cache (``write_pos``) and which cache positions it may see
-(``attn_mask[r, t, s]``). New tokens are written into the cache *before* attention, so a token sees itself and any
+(``visibility``). New tokens are written into the cache *before* attention, so a token sees itself and any
 earlier new token through the cache like any committed token. Example: a prefix of 5 committed tokens and a tree
 root(0) -> a(1), root -> b(2), a -> c(3) written at cache indices 5..8 with positions 5, 6, 6, 7:
 
@@ -13,12 +13,18 @@ root(0) -> a(1), root -> b(2), a -> c(3) written at cache indices 5..8 with posi
     b         all          1  .  1  .
     c         all          1  1  .  1
 
-Instead of a dense mask the caller may pass ``attn_mask=None`` and ``tree=TreeVisibility(start, new_vis, kv_len)``
-when the new tokens sit at ``start + t`` (tree rounds and prefill chunks): if the target
-:meth:`~TargetModel.supports_tree_attention` (CUDA with Triton, a head dim the kernel takes) the layers then attend
-through :mod:`ddtree.models.tree_attention`, which reads K/V from the cache by slot and never builds the mask;
-otherwise the forward builds the dense mask from ``tree`` once. Passing a mask picks the dense path, which stays the
-reference: the choice is the caller's (the engine's ``gpu_kernels``).
+``visibility`` is one argument that names the attention path by its type, never by a ``None``:
+
+- a dense bool mask ``attn_mask[r, t, s]`` over cache positions (a ``Tensor``): the dense path, the reference;
+- a :class:`~ddtree.speculative.attention.TreeVisibility` ``(start, new_vis, kv_len)`` when the new tokens sit at
+  ``start + t`` (tree rounds and prefill chunks): the layers attend through :mod:`ddtree.models.tree_attention`,
+  which reads K/V from the cache by slot and never builds the mask, where the target
+  :meth:`~TargetModel.supports_tree_attention` (CUDA with Triton, a head dim the kernel takes); otherwise the
+  forward builds the dense mask from it once.
+
+Which one to pass is the caller's choice (the engine's ``KernelSet.tree_attention``). The other per-op choices of a
+forward, the layers' element-wise kernels (``fused_ops``) and the cuBLAS front end (``blas_rule``), come with the
+``kernels`` argument (the engine's :class:`~ddtree.engine.kernels.KernelSet`); the model keeps no choice of its own.
 
 Returns logits only at ``logits_at`` and the hidden states after the decoder layers in ``hidden_layers``
 (DFlash context features) without keeping every layer's output.
@@ -26,7 +32,7 @@ Returns logits only at ``logits_at`` and the hidden states after the decoder lay
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -37,27 +43,29 @@ from ddtree.models.config import TargetConfig
 from ddtree.models.gemm_backend import blas_for_rows
 from ddtree.models.kv_cache import KVCache
 from ddtree.models.layers import DecoderLayer, RMSNorm, Rotary, masked_attention
-from ddtree.models.tree_attention import TreeVisibility
-from ddtree.speculative.attention import build_attention_mask
+from ddtree.speculative.attention import TreeVisibility, build_attention_mask
 from ddtree.triton_runtime import can_run
+
+if TYPE_CHECKING:
+    from ddtree.engine.kernels import KernelSet
 
 
 def attend_over_cache(cache: KVCache, layer: int, q: Tensor, k: Tensor, v: Tensor, slots: Tensor,
-                      write_pos: Tensor, attn_mask: Tensor | None, tree: TreeVisibility | None = None) -> Tensor:
+                      write_pos: Tensor, visibility: Tensor | TreeVisibility) -> Tensor:
     """Write the new tokens' K/V (k, v [R, KV, T, D]) at ``write_pos`` [R, T] of ``slots`` [R], then attend
     q [R, H, T, D] over the cache -> [R, H, T, D].
 
-    With ``attn_mask`` [R, T, S] the dense reference path runs (gather positions ``0 .. S - 1`` of the slots,
-    one masked SDPA/matmul call). With ``attn_mask=None`` the Triton tree-attention kernel runs on ``tree``
-    (``write_pos`` must then be ``tree.start + arange(T)``); :meth:`TargetModel.forward` picks the path once.
-    The only place the target touches cache layout and visibility; the kernel path also writes the K/V with one
-    kernel (:func:`ddtree.models.tree_attention.write_kv`) instead of ``KVCache.write``'s two indexing kernels."""
-    if attn_mask is None:
-        if tree is None:
-            raise ConfigError("attend_over_cache needs attn_mask or tree; pass one of them")
+    ``visibility`` a dense mask [R, T, S]: the reference path (gather positions ``0 .. S - 1`` of the slots, one
+    masked SDPA/matmul call). A :class:`TreeVisibility`: the Triton tree-attention kernel (``write_pos`` must then
+    be ``start + arange(T)``); :meth:`TargetModel.forward` picks the path once. The only place the target touches
+    cache layout and visibility; the kernel path also writes the K/V with one kernel
+    (:func:`ddtree.models.tree_attention.write_kv`) instead of ``KVCache.write``'s two indexing kernels."""
+    if isinstance(visibility, TreeVisibility):
+        tree = visibility
         tree_attention.write_kv(cache.k[layer], cache.v[layer], slots, write_pos, k, v)
         return tree_attention.tree_attention(q, cache.k[layer], cache.v[layer], slots, tree.start, tree.new_vis,
                                              tree.kv_len, packed=tree.packed)
+    attn_mask = visibility
     cache.write(layer, slots, write_pos, k, v)
     k_all, v_all = cache.read(layer, slots, attn_mask.shape[-1])
     return masked_attention(q, k_all.to(q.dtype), v_all.to(q.dtype), attn_mask[:, None])
@@ -116,41 +124,46 @@ class TargetModel(nn.Module):
                 )
 
     def supports_tree_attention(self) -> bool:
-        """Whether a forward given ``attn_mask=None, tree=...`` attends through the Triton kernel: it can run on
-        this model's weights (:func:`ddtree.triton_runtime.can_run`) and takes its head dim. Otherwise such a
-        forward builds the dense mask from ``tree``."""
+        """Whether a forward given a :class:`TreeVisibility` attends through the Triton kernel: it can run on this
+        model's weights (:func:`ddtree.triton_runtime.can_run`) and takes its head dim. Otherwise such a forward
+        builds the dense mask from it."""
         return can_run(self.embed_tokens.weight) and tree_attention.supports_head_dim(self.config.head_dim)
 
     def forward(self, input_ids: Tensor, positions: Tensor, cache: KVCache, slots: Tensor, write_pos: Tensor,
-                attn_mask: Tensor | None, *, tree: TreeVisibility | None = None, logits_at: Tensor | None = None,
-                hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
+                visibility: Tensor | TreeVisibility, *, kernels: KernelSet | None = None,
+                logits_at: Tensor | None = None, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
         """One step for a batch of requests.
 
         input_ids [R, T]; positions [R, T] (RoPE); slots [R] (padding rows: ``cache.scratch_slot``);
-        write_pos [R, T] cache index of each new token; attn_mask [R, T, S] bool over cache positions
-        ``0..S-1`` (True = attend; each row must allow at least one position, its own included): when given the
-        dense path runs and ``tree`` is ignored; None needs ``tree``: ``TreeVisibility(start [R],
-        new_vis [R, T, T], kv_len)`` describing the same visibility as ``build_attention_mask(start, write_pos,
-        new_vis, kv_len)``, valid only when ``write_pos == start + arange(T)``; the Triton kernel then runs if
-        :meth:`supports_tree_attention`, otherwise the dense mask is built once from ``tree``;
+        write_pos [R, T] cache index of each new token; visibility, which also picks the attention path:
+        either a dense mask [R, T, S] bool over cache positions ``0..S-1`` (True = attend; each row must allow at
+        least one position, its own included), or ``TreeVisibility(start [R], new_vis [R, T, T], kv_len)``
+        describing the same visibility as ``build_attention_mask(start, write_pos, new_vis, kv_len)``, valid only
+        when ``write_pos == start + arange(T)`` (the Triton kernel runs where :meth:`supports_tree_attention`,
+        otherwise the dense mask is built once from it);
+        kernels: the engine's :class:`~ddtree.engine.kernels.KernelSet`, of which this forward reads ``fused_ops``
+        (the fused layers' element-wise Triton kernels) and ``blas_rule`` (:mod:`ddtree.models.gemm_backend`);
+        None = no Triton kernel in the layers and the BLAS rule on (a plain forward, as tests and tools run it);
         logits_at [R, N] indices into T (None = all T, ``[R, 0]`` = none); hidden_layers: decoder layer ids
         whose outputs are returned concatenated (after layer i = transformers' ``hidden_states[i + 1]``, which
         for the last layer is the final-normed state)."""
         self._check_hidden_layers(hidden_layers)
-        if attn_mask is not None:
-            tree = None  # the caller chose the dense path
-        elif tree is None:
-            raise ConfigError("TargetModel.forward needs attn_mask or tree=TreeVisibility(...); pass one")
-        elif not self.supports_tree_attention():
-            attn_mask = build_attention_mask(tree.start, write_pos, tree.new_vis, tree.kv_len)
-        else:
-            tree = tree.with_packed()  # once here, not in each layer's kernel call
+        if isinstance(visibility, TreeVisibility):
+            if self.supports_tree_attention():
+                visibility = visibility.with_packed()  # once here, not in each layer's kernel call
+            else:
+                visibility = build_attention_mask(visibility.start, write_pos, visibility.new_vis, visibility.kv_len)
+        elif not isinstance(visibility, Tensor):
+            raise ConfigError(f"TargetModel.forward takes a dense mask tensor or a TreeVisibility as visibility, "
+                              f"got {type(visibility).__name__}")
+        fused = kernels is not None and kernels.fused_ops
+        rule = kernels is None or kernels.blas_rule
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            return attend_over_cache(cache, layer, q, k, v, slots, write_pos, attn_mask, tree)
+            return attend_over_cache(cache, layer, q, k, v, slots, write_pos, visibility)
 
-        with blas_for_rows(input_ids.numel(), input_ids.device):
-            return self._run(input_ids, positions, attend, logits_at, hidden_layers)
+        with blas_for_rows(input_ids.numel(), input_ids.device, rule=rule):
+            return self._run(input_ids, positions, attend, logits_at, hidden_layers, fused)
 
     def forward_train(self, input_ids: Tensor, hidden_layers: tuple[int, ...] = (), *,
                       with_logits: bool = True) -> TargetOutput:
@@ -163,17 +176,19 @@ class TargetModel(nn.Module):
             return masked_attention(q, k, v, None, causal=True)
 
         none = input_ids.new_zeros((input_ids.shape[0], 0))
-        return self._run(input_ids, positions, attend, None if with_logits else none, hidden_layers)
+        return self._run(input_ids, positions, attend, None if with_logits else none, hidden_layers, False)
 
     def _run(self, input_ids: Tensor, positions: Tensor, attend, logits_at: Tensor | None,
-             hidden_layers: tuple[int, ...]) -> TargetOutput:
+             hidden_layers: tuple[int, ...], kernels: bool) -> TargetOutput:
+        """The layers, then the final norm and the head at ``logits_at``; kernels: the layers' element-wise Triton
+        kernels (``KernelSet.fused_ops``)."""
         h = self.embed(input_ids)  # [R, T, H]
         cos, sin = self.rotary(positions, h.dtype)
         wanted = set(hidden_layers)
         kept: dict[int, Tensor] = {}
         last = self.config.num_layers - 1
         for layer in self.layers:
-            h = layer(h, cos, sin, attend)
+            h = layer(h, cos, sin, attend, kernels=kernels)
             if layer.index in wanted and layer.index != last:
                 kept[layer.index] = h
         if last in wanted:

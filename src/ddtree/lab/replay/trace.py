@@ -26,6 +26,7 @@ The file is safetensors (tensors below) with the metadata as JSON in the header:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Sequence
@@ -173,6 +174,8 @@ def _drafter_marginals(
     drafter cache; each anchor's block then sees exactly the positions before it, as in the engine's rounds.
     Returns (top_ids [A, L, M] int32, top_logprobs [A, L, M] float32)."""
     target, drafter = engine.target, engine.drafter
+    # the engine's element-wise kernels and BLAS rule; attention on the dense path (the mask below)
+    kernels = dataclasses.replace(engine.runner.kernels, tree_attention=False, draft_attention=False)
     device = next(target.parameters()).device
     n = len(ids)
     slot0 = torch.zeros(1, dtype=torch.long, device=device)
@@ -186,9 +189,9 @@ def _drafter_marginals(
         speculative.causal_visibility(n, torch.tensor([n], device=device)),
         n,
     )
-    out = target(x, positions, tcache, slot0, positions, mask, logits_at=x.new_zeros((1, 0)),
+    out = target(x, positions, tcache, slot0, positions, mask, kernels=kernels, logits_at=x.new_zeros((1, 0)),
                  hidden_layers=tuple(drafter.config.target_layer_ids))
-    drafter.append_context(out.hidden, positions, dcache, slot0, positions)
+    drafter.append_context(out.hidden, positions, dcache, slot0, positions, kernels=kernels)
     all_ids, all_lp = [], []
     for part in anchors.to(device).split(chunk):
         rows = part.shape[0]
@@ -202,6 +205,7 @@ def _drafter_marginals(
             block_len=torch.full((rows,), block_size, device=device),
             window=torch.full((rows,), window or _NO_WINDOW, device=device),
             kv_len=n,
+            kernels=kernels,
         )  # [rows, L, V]
         logp = torch.log_softmax(logits.float(), dim=-1)
         vals, idx = torch.topk(logp, min(top_m, logp.shape[-1]), dim=-1)
