@@ -24,6 +24,7 @@ import dataclasses
 import json
 import logging
 import os
+import tempfile
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -226,13 +227,61 @@ class ResolvedLimits:
         return dataclasses.asdict(self)
 
 
+SPOOL_BYTES = 512 * 1024  # a body's bytes kept in memory while it is read; the rest waits on disk
+
+
+class BodyBuffer:
+    """A request body as it arrives: chunks in a list up to ``spool_bytes``, then appended to an unnamed temporary
+    file (``tempfile.TemporaryFile``: unlinked at once, so nothing is left behind, also if the process dies).
+
+    Why not all in memory: the body limit must admit a body of exactly the limit, so a refusal can only come once
+    the limit is in hand; held in memory, that (plus the server's read buffers) is more resident memory than the
+    limit itself for every refused upload. The file's pages live in the page cache, not in the process's resident
+    set. Writes are page-cache copies of at most one read (~256 KiB), short enough to stay on the event loop."""
+
+    def __init__(self, spool_bytes: int = SPOOL_BYTES) -> None:
+        self.spool_bytes = spool_bytes
+        self.size = 0
+        self._parts: list[bytes] = []
+        self._file: Any = None
+
+    def add(self, chunk: bytes) -> None:
+        self.size += len(chunk)
+        if self._file is None and self.size > self.spool_bytes:
+            self._file = tempfile.TemporaryFile()
+            for part in self._parts:
+                self._file.write(part)
+            self._parts.clear()
+        if self._file is not None:
+            self._file.write(chunk)
+        else:
+            self._parts.append(chunk)
+
+    def read(self) -> bytes:
+        """The whole body (one copy), and the buffer emptied."""
+        if self._file is None:
+            data = b"".join(self._parts)
+            self._parts.clear()
+            return data
+        self._file.seek(0)
+        return self._file.read()
+
+    def close(self) -> None:
+        self._parts.clear()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
 class BodyLimitMiddleware:
     """Reads each HTTP request body itself, at most ``limit_fn()`` bytes, then hands it to ``app`` in one message.
 
     A declared ``Content-Length`` over the limit is refused before reading; an undeclared (chunked) body is
-    refused at the first chunk that passes the limit. Chunks are kept in a list and joined once, only for a body
-    within the limit (a growing ``bytearray`` over-allocates: 6.2 MiB peak and 5.8 MiB left resident after 50
-    refused 25 MiB bodies, against 3.0 and 1.8 MiB with the list; docs/benchmarks.md). The 413 carries
+    refused at the first chunk that passes the limit. What has been read waits in a :class:`BodyBuffer` (memory up
+    to ``SPOOL_BYTES``, then an unnamed temporary file), so a refused upload never holds the limit in resident
+    memory: uvicorn's own read buffers (~1.2 MiB for a fast sender) plus at most ``SPOOL_BYTES`` (a growing
+    ``bytearray`` over-allocates: 6.2 MiB peak and 5.8 MiB left resident after 50 refused 25 MiB bodies; chunks
+    held in a list, 3.4 MiB peak against the 2.5 MiB limit; docs/benchmarks.md). The 413 carries
     ``Connection: close``: uvicorn (h11) then closes the connection after the answer; kept alive, it would read
     and drop every byte of the rest of the upload (each h11 ``Data`` event until the end of the message) before
     the next request (a 150 MB body: 150 MB read for nothing). The client reads the
@@ -254,23 +303,22 @@ class BodyLimitMiddleware:
         if declared is not None and declared > limit:
             await self._refuse(scope, send, limit, f"Content-Length {declared}")
             return
-        parts: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client left while sending: nothing to answer
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                parts.clear()
-                await self._refuse(scope, send, limit, f"more than {limit} bytes")
-                return
-            parts.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body = [b"".join(parts)]
-        parts.clear()
+        buffer = BodyBuffer(SPOOL_BYTES)
+        try:
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":  # the client left while sending: nothing to answer
+                    return
+                chunk = message.get("body", b"")
+                if buffer.size + len(chunk) > limit:
+                    await self._refuse(scope, send, limit, f"more than {limit} bytes")
+                    return
+                buffer.add(chunk)
+                if not message.get("more_body", False):
+                    break
+            body = [buffer.read()]
+        finally:
+            buffer.close()
 
         async def replay() -> Any:
             if body:
