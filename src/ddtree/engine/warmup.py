@@ -294,7 +294,11 @@ class Warmup:
     dropped: int = 0  # keys left out for memory (before the run) or whose capture failed
     seconds: float = 0.0
     estimated_bytes: int = 0
-    graph_bytes: int | None = None  # measured: device memory the run took (CUDA only)
+    graph_bytes: int | None = None  # measured: device memory the run took from the driver (CUDA only)
+    # measured: torch's allocated and reserved bytes the run added (CUDA only). Why both and the driver's figure:
+    # on the H200 run of 2026-12-01 the driver's free memory did not move (graph_bytes 0) although peak memory
+    # left ~4 GB beyond weights and KV; torch's own counters say where the pools' blocks came from.
+    torch_deltas: tuple[int, int] | None = None
     compiles: CompileCounter = field(default_factory=CompileCounter)
     compiles_during: tuple[int, int] = (0, 0)  # (compiled, disk hits) during the run
     listening: bool = False
@@ -325,6 +329,7 @@ class Warmup:
         self.listening = self.compiles.install()
         before = (self.compiles.compiled, self.compiles.disk_hits)
         free0 = free_bytes() if free_bytes is not None else None
+        torch0 = _torch_memory(self.device) if free0 is not None else None
         if free0 is not None and self.dims is not None:
             plan, dropped = fit_plan(self.plan, self.dims, max(0, free0 - reserve_bytes))
             if dropped:
@@ -349,6 +354,8 @@ class Warmup:
         self.seconds = time.perf_counter() - t0
         if free0 is not None and free_bytes is not None:
             self.graph_bytes = max(0, free0 - free_bytes())
+            torch1 = _torch_memory(self.device)
+            self.torch_deltas = (torch1[0] - torch0[0], torch1[1] - torch0[1])
         self.compiles_during = (self.compiles.compiled - before[0], self.compiles.disk_hits - before[1])
         self._captures_after = self._captures()
         self._compiles_after = self.compiles.total
@@ -368,7 +375,10 @@ class Warmup:
             "round_keys": len(self.plan.rounds), "prefill_keys": len(self.plan.prefills),
             "eager_prefill_chunks": len(self.plan.eager_prefill_starts), "dropped": self.dropped,
             "seconds": round(self.seconds, 3), "estimated_graph_bytes": self.estimated_bytes,
-            "graph_bytes": self.graph_bytes, "compile_listener": self.listening,
+            "graph_bytes": self.graph_bytes,
+            "allocated_delta_bytes": None if self.torch_deltas is None else self.torch_deltas[0],
+            "reserved_delta_bytes": None if self.torch_deltas is None else self.torch_deltas[1],
+            "compile_listener": self.listening,
             "triton_compiled": self.compiles_during[0], "triton_disk_hits": self.compiles_during[1],
             "triton_cache_dir": _triton_cache_dir(),
         }
@@ -381,6 +391,13 @@ class Warmup:
 
     def close(self) -> None:
         self.compiles.uninstall()
+
+
+def _torch_memory(device) -> tuple[int, int]:
+    """(allocated, reserved) bytes of torch's caching allocator on ``device``."""
+    import torch
+
+    return int(torch.cuda.memory_allocated(device)), int(torch.cuda.memory_reserved(device))
 
 
 def _triton_cache_dir() -> str | None:
