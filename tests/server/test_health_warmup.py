@@ -18,7 +18,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from server_helpers import free_port
 
 SERVER = textwrap.dedent('''

@@ -21,7 +21,7 @@ Levels (``EngineConfig.warmup``; docs/architecture.md "Start-up warm-up" counts 
 - ``fast`` (the default): AR and the default tree, greedy, at every rows bucket and every length bucket; every
   prefill key; the eager continuation chunks of one longest prompt (their Triton variants).
 - ``full``: ``fast`` plus the DFlash chain and DDTree at every node bucket up to ``max_budget`` (default block
-  size), each greedy, sampled and sampled with a top-p / top-k filter.
+  size), and every one of these tree shapes (AR included) greedy, sampled and sampled with a top-p / top-k filter.
 - ``"4,15,31"`` (a comma-separated list of DDTree budgets): ``fast`` plus DDTree at those budgets' buckets, greedy.
 
 Worked example: ``max_batch=4, max_len=100, max_budget=8, prefill_chunk=16``, drafter of block 16, default tree
@@ -38,7 +38,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -486,17 +486,6 @@ def _eager_chunk(runner, start: int, chunk: int) -> None:
     runner.prefill(PrefillInputs(ids=torch.zeros((1, width), dtype=torch.long, device=dev), slots=one(scratch),
                                  start=one(start), valid_len=one(width), last_index=one(width - 1),
                                  kv_len=start + width))
-
-
-def disabled(level: str = "none") -> Warmup:
-    """A warm-up with nothing to do (an engine without graphs: the CPU, ``cuda_graphs=False``)."""
-    return Warmup(plan=WarmupPlan(level=level))
-
-
-def plan_summary(plans: Sequence[WarmupPlan]) -> list[dict[str, int | str]]:
-    """Sizes of plans, for the docs' table: level, round keys, prefill keys, eager chunks."""
-    return [{"level": p.level, "round_keys": len(p.rounds), "prefill_keys": len(p.prefills),
-             "eager_prefill_chunks": len(p.eager_prefill_starts)} for p in plans]
 
 
 def free_device_bytes(device) -> Callable[[], int] | None:
