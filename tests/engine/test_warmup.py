@@ -224,3 +224,43 @@ def test_round_shape_type_is_the_plan_key():
     key = graph_key(RoundShape(rows=3, max_budget=5, block_size=8, kv_len=70, draft_kv_len=64, greedy=True,
                                filtered=False, contiguous=False), max_rows=4, cache_len=500)
     assert (key.rows, key.max_budget, key.kv_len, key.draft_kv_len) == (4, 7, 128, 128)
+
+
+# ---- memory: KV sizing after the plan's graphs, and the cut before capture --------------------------------------
+def test_kv_slots_leave_room_for_the_plan_s_graphs(monkeypatch, tiny_pair):
+    from ddtree.engine import build
+
+    target, drafter = tiny_pair
+    monkeypatch.setattr(build, "_host_available_bytes", lambda: 1 << 30)
+    cfg = EngineConfig(max_len=256, kv_memory_fraction=0.5)
+    headroom = 100
+    tc, dc = target.config, drafter.config
+    per_slot = sum(2 * c.num_layers * c.num_kv_heads * c.head_dim * 4 for c in (tc, dc)) * (256 + headroom)  # fp32
+    device = next(target.parameters()).device
+    assert build._slots_from_memory(target, drafter, cfg, headroom, device) == (1 << 29) // per_slot
+    reserved = 10 * per_slot + 1
+    assert build._slots_from_memory(target, drafter, cfg, headroom, device, reserved=reserved) == (
+        ((1 << 29) - reserved) // per_slot)
+    with pytest.raises(ConfigError, match="warm-up's graphs"):
+        build._slots_from_memory(target, drafter, cfg, headroom, device, reserved=1 << 29)
+
+
+def test_run_cuts_the_plan_to_free_memory_largest_first(caplog):
+    from ddtree.engine.warmup import KeyStep
+
+    dims = GraphDims(vocab=1000, hidden=64, intermediate=128, features=128, elem=2)
+    plan = _plan(EngineConfig(max_batch=8, max_len=300, max_budget=16, prefill_chunk=32))
+    captured: list = []
+    steps = sorted([KeyStep(label=str(k), run=lambda k=k: captured.append(k), key=k, bytes=sum(round_bytes(k, dims)))
+                    for k in plan.rounds], key=lambda s: s.bytes)
+    warmup = Warmup(plan=replace_prefills(plan), steps=steps, dims=dims)
+    budget = plan_bytes(replace_prefills(plan), dims) // 3
+    warmup.run(free_bytes=lambda: budget, reserve_bytes=0)
+    assert 0 < len(captured) < len(plan.rounds) and warmup.dropped == len(plan.rounds) - len(captured)
+    assert "do not fit" in caplog.text
+    assert max(sum(round_bytes(k, dims)) for k in captured) <= min(
+        sum(round_bytes(k, dims)) for k in set(plan.rounds) - set(captured))
+
+
+def replace_prefills(plan: WarmupPlan) -> WarmupPlan:
+    return dataclasses.replace(plan, prefills=())
