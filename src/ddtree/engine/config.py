@@ -31,6 +31,10 @@ class EngineConfig:
     # The model forwards' matmuls through cuBLASLt at 32-192 token rows, cuBLAS otherwise (ddtree.models.gemm_backend,
     # measured on the H200); False = cuBLAS for every matmul, for an A/B of the rule (benchmarks/gpu.py --no-blas-rule).
     blas_rule: bool = True
+    # Exact mode: the target's forward computes every token row the same way whatever the rows beside it, the tree
+    # or the key-length bucket (ddtree.models.batch_invariant), so greedy speculative outputs are bit-identical to
+    # plain decoding in bf16 too. Costs speed (docs/benchmarks.md, "Exact mode"); needs Triton on CUDA.
+    exact: bool = False
     # The drafter's layer projections in fp8 (e4m3, ddtree.models.fp8): half the bytes a draft reads. Lossless still
     # (the target verifies every token); acceptance may move. Needs a GPU of compute capability >= 8.9 (or the CPU).
     draft_fp8: bool = False
@@ -59,6 +63,8 @@ class EngineConfig:
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if not isinstance(self.blas_rule, bool):
             raise ConfigError(f"blas_rule must be true or false, got {self.blas_rule!r}")
+        if not isinstance(self.exact, bool):
+            raise ConfigError(f"exact must be true or false, got {self.exact!r}")
         if not isinstance(self.draft_fp8, bool):
             raise ConfigError(f"draft_fp8 must be true or false, got {self.draft_fp8!r}")
         if self.kv_memory_fraction is not None and not (0.0 < self.kv_memory_fraction < 1.0):

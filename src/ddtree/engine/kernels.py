@@ -24,7 +24,7 @@ reader could not see in one place which ops of a round run which code.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -45,6 +45,10 @@ class KernelSet:
     # Not a Triton kernel: the model forwards' matmuls through cuBLASLt at the row counts where the H200 ran them
     # faster (models.gemm_backend); False = torch's default cuBLAS for every matmul (an A/B of the rule).
     blas_rule: bool = True
+    # Exact mode (EngineConfig.exact): the target's forward runs models.exact_forward (fixed-order matmuls and
+    # attention, models.batch_invariant) from the tree visibility, so tree_attention is on too (no dense mask); Triton
+    # kernels where they can run, else the one-row-at-a-time torch path. The drafter is unaffected.
+    exact: bool = False
 
     @classmethod
     def torch(cls, *, blas_rule: bool = True) -> KernelSet:
@@ -55,6 +59,12 @@ class KernelSet:
     def resolve(cls, config: EngineConfig, target, drafter) -> KernelSet:
         """The set an engine runs: ``config.gpu_kernels`` narrowed to what the models take (the tree-attention
         kernel's head dims and, for the drafter, layers that see their whole block), and ``config.blas_rule``."""
+        if config.exact:
+            return replace(cls._resolve(config, target, drafter), tree_attention=True, exact=True)
+        return cls._resolve(config, target, drafter)
+
+    @classmethod
+    def _resolve(cls, config: EngineConfig, target, drafter) -> KernelSet:
         if not config.gpu_kernels:
             return cls.torch(blas_rule=config.blas_rule)
         return cls(

@@ -44,6 +44,8 @@ HELP: dict[str, str] = {
     "prefill_graphs": "With CUDA graphs: also graph prefill chunks that start a prompt (up to 1024 tokens).",
     "gpu_kernels": "Triton kernels on CUDA (fused layer ops, tree attention, vocabulary top-k, walk, compaction).",
     "blas_rule": "Matmuls through cuBLASLt at 32-192 token rows, cuBLAS otherwise (measured on the H200); off: cuBLAS.",
+    "exact": "Exact mode: the target computes every token the same way in any batch, chain or tree, so greedy "
+             "speculative outputs equal plain decoding bit for bit (slower; needs Triton on CUDA).",
     "draft_fp8": "Run the drafter's layer projections in fp8 (half the bytes a draft reads; lossless, acceptance "
                  "may move; needs a GPU of compute capability >= 8.9).",
     "overlap_rounds": "Queue round n + 1 before reading round n while the batch is unchanged (default: on for CUDA).",

@@ -133,6 +133,9 @@ def forward(target, input_ids: Tensor, positions: Tensor, cache: KVCache, slots:
         raise ConfigError(f"exact mode's Triton attention takes head_dim in {bi.SUPPORTED_HEAD_DIMS} and at most "
                           f"{bi.ATTN_BLOCK_M} query heads per KV head; this target has head_dim "
                           f"{target.config.head_dim}, {target.config.num_heads // target.config.num_kv_heads}")
+    if not triton and input_ids.is_cuda:
+        raise ConfigError("exact mode on CUDA needs Triton (its one-row-at-a-time torch path reads indices on the "
+                          "host, which CUDA graphs cannot capture); install Triton or turn exact mode off")
     ops = _Ops(triton)
     start, kv_len = visibility.start, visibility.kv_len
     anc, chain = bi.ancestor_map(start, positions, visibility.new_vis)

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from ddtree.errors import ConfigError
-from ddtree.models import tree_attention
+from ddtree.models import exact_forward, tree_attention
 from ddtree.models.config import TargetConfig
 from ddtree.models.gemm_backend import blas_for_rows
 from ddtree.models.kv_cache import KVCache
@@ -141,13 +141,17 @@ class TargetModel(nn.Module):
         describing the same visibility as ``build_attention_mask(start, write_pos, new_vis, kv_len)``, valid only
         when ``write_pos == start + arange(T)`` (the Triton kernel runs where :meth:`supports_tree_attention`,
         otherwise the dense mask is built once from it);
-        kernels: the engine's :class:`~ddtree.engine.kernels.KernelSet`, of which this forward reads ``fused_ops``
+        kernels: the engine's :class:`~ddtree.engine.kernels.KernelSet` (``exact``: the whole forward is
+        :func:`ddtree.models.exact_forward.forward`, which needs a TreeVisibility), of which this forward reads ``fused_ops``
         (the fused layers' element-wise Triton kernels) and ``blas_rule`` (:mod:`ddtree.models.gemm_backend`);
         None = no Triton kernel in the layers and the BLAS rule on (a plain forward, as tests and tools run it);
         logits_at [R, N] indices into T (None = all T, ``[R, 0]`` = none); hidden_layers: decoder layer ids
         whose outputs are returned concatenated (after layer i = transformers' ``hidden_states[i + 1]``, which
         for the last layer is the final-normed state)."""
         self._check_hidden_layers(hidden_layers)
+        if kernels is not None and kernels.exact:  # exact mode: its own forward (ddtree.models.exact_forward)
+            return TargetOutput(*exact_forward.forward(self, input_ids, positions, cache, slots, write_pos, visibility,
+                                                       logits_at, hidden_layers, triton=can_run(input_ids)))
         if isinstance(visibility, TreeVisibility):
             if self.supports_tree_attention():
                 visibility = visibility.with_packed()  # once here, not in each layer's kernel call
