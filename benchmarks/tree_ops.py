@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ddtree import triton_runtime
+from ddtree import triton_runtime, tuning
 from ddtree.speculative import build_trees, vocab_topk, walk_trees
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -112,7 +112,7 @@ def measure(rows: int, budget: int, args: argparse.Namespace, device: torch.devi
     # The engine's choice on CUDA (EngineConfig.gpu_kernels); on CPU the kernel cannot run and the torch path does.
     fast_default = device.type == "cuda"
     record: dict = {"rows": rows, "budget": budget,
-                    "triton": fast_default and vocab_topk.kernel_takes(rows * args.depths, min(budget, args.vocab))
+                    "triton": fast_default and tuning.kernel_takes(rows * args.depths, min(budget, args.vocab))
                     and vocab_topk.available(logits)}
     variants = [("", fast_default)] + ([("torch_", False)] if args.no_triton else [])
     for prefix, fast_topk in variants:
@@ -207,11 +207,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--count-ops", action="store_true",
                         help="count GPU kernels (CUDA) or aten ops (CPU) of one build and one walk")
     parser.add_argument("--fast-max-k", type=int, default=None,
-                        help="widest vocabulary pass the Triton kernel takes, at any row count (vocab_topk.FAST_MAX_K, "
+                        help="widest vocabulary pass the Triton kernel takes, at any row count (tuning.FAST_MAX_K, "
                              "and no FAST_MAX_WORK limit: to time wider ones against torch's)")
     args = parser.parse_args(argv)
     if args.fast_max_k is not None:
-        vocab_topk.FAST_MAX_K, vocab_topk.FAST_MAX_WORK = args.fast_max_k, 1 << 62
+        tuning.FAST_MAX_K, tuning.FAST_MAX_WORK = args.fast_max_k, 1 << 62
     device = torch.device(args.device)
     if args.cuda_graph and device.type != "cuda":
         parser.error("--cuda-graph needs --device cuda")

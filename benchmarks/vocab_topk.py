@@ -16,6 +16,7 @@ import math
 
 import torch
 
+from ddtree import tuning
 from ddtree.engine.cuda_graphs import warm_up
 from ddtree.speculative import vocab_topk
 
@@ -89,7 +90,7 @@ def sweep_table(args: argparse.Namespace) -> None:
         reference = torch_path(x, k)
         for chunk in args.chunks:
             for warps in args.warps or [None]:
-                w = warps or min(8, max(1, chunk // vocab_topk.RUNNING_ENTRIES_PER_WARP))
+                w = warps or min(8, max(1, chunk // tuning.RUNNING_ENTRIES_PER_WARP))
                 pieces = -(-args.vocab // chunk)
                 auto = vocab_topk.default_splits(rows, pieces, w, sm_count)
                 for splits in args.splits:

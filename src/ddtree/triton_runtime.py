@@ -2,9 +2,10 @@
 
 Why: ddtree's kernels (:mod:`ddtree.models.fused_ops`, :mod:`ddtree.models.tree_attention`,
 :mod:`ddtree.speculative.vocab_topk`) are optional speed-ups with torch fallbacks. Whether to *use* them is the caller's
-explicit choice (``fuse_projections(..., kernels=)``, a target forward given ``attn_mask=None``,
-``build_trees(..., fast_topk=)``); this module only answers whether they *can* run, the same way for all three,
-so no kernel module reads settings of its own.
+explicit choice (the engine's ``KernelSet``, :mod:`ddtree.engine.kernels`, passed down: a forward's ``kernels=``,
+a target forward given a ``TreeVisibility``, ``build_trees(..., fast_topk=)``); this module only answers whether they
+*can* run, the same way for all three, so no kernel module reads settings of its own. How they launch on a given
+device (tile and split tables measured on the H200) is :mod:`ddtree.tuning`.
 
 Usage::
 

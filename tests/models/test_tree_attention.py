@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 
 from model_helpers import random_target, rel_err  # noqa: E402
 
-from ddtree import speculative, triton_runtime  # noqa: E402
+from ddtree import speculative, triton_runtime, tuning  # noqa: E402
 from ddtree.errors import ConfigError  # noqa: E402
 from ddtree.models import tree_attention as ta  # noqa: E402
 from ddtree.models.layers import masked_attention  # noqa: E402
@@ -331,22 +331,22 @@ def test_target_supports_tree_attention_where_the_kernel_can_run():
 def test_splits_at_batch_one_are_as_many_as_the_context_allows(kv_len):
     """Qwen3-8B decoding at batch 1 (8 KV heads x 1 row tile): split the keys towards ~2 programs per SM, but never
     below MIN_BLOCKS_PER_SPLIT key blocks per split nor above AUTO_MAX_SPLITS."""
-    splits = ta.choose_splits(row_programs=8, kv_len=kv_len, block_n=64, sm_count=132)
+    splits = tuning.choose_splits(row_programs=8, kv_len=kv_len, block_n=64, sm_count=132)
     blocks = kv_len // 64
-    assert splits == min(max(1, blocks // ta.MIN_BLOCKS_PER_SPLIT), ta.AUTO_MAX_SPLITS, 33)
-    assert splits * ta.MIN_BLOCKS_PER_SPLIT <= max(blocks, ta.MIN_BLOCKS_PER_SPLIT)
+    assert splits == min(max(1, blocks // tuning.MIN_BLOCKS_PER_SPLIT), tuning.AUTO_MAX_SPLITS, 33)
+    assert splits * tuning.MIN_BLOCKS_PER_SPLIT <= max(blocks, tuning.MIN_BLOCKS_PER_SPLIT)
 
 
 @pytest.mark.parametrize("requests,t,kv_len,d", [(1, 1, 1024, 128), (1, 17, 2048, 128), (1, 129, 1024, 128),
                                                   (1, 65, 8192, 128), (64, 9, 1024, 128), (1, 17, 1024, 256)])
 def test_chosen_tiles_are_launchable(requests, t, kv_len, d):
     """Whatever the regime, the automatic tiles are ones the kernel accepts (and 32-key tiles for D = 256)."""
-    tiles = ta.choose_tiles(requests, 4 * t, kv_len, d)
+    tiles = tuning.choose_tiles(requests, 4 * t, kv_len, d)
     assert tiles.block_m >= 16 and tiles.block_m & (tiles.block_m - 1) == 0
     assert tiles.block_n in ta.SUPPORTED_BLOCK_N and (d <= 128 or tiles.block_n == 32)
     assert tiles.num_stages >= 2 and tiles.min_blocks_per_split >= 1
     # fp32 keeps the untuned tiles (64 rows, 64 keys, two stages): the tuned ones overflow shared memory
-    wide = ta.choose_tiles(requests, 4 * t, kv_len, d, elem_bytes=4)
+    wide = tuning.choose_tiles(requests, 4 * t, kv_len, d, elem_bytes=4)
     assert wide.block_m <= 64 and wide.block_n <= 64 and wide.num_stages == 2
 
 
@@ -358,7 +358,7 @@ def test_output_is_laid_out_for_the_output_projection():
 
 
 def test_large_batches_do_not_split():
-    assert ta.choose_splits(row_programs=64 * 8 * 3, kv_len=4096, block_n=64, sm_count=132) == 1
+    assert tuning.choose_splits(row_programs=64 * 8 * 3, kv_len=4096, block_n=64, sm_count=132) == 1
 
 
 @pytest.mark.parametrize("row_programs,kv_len,splits", [
@@ -370,14 +370,14 @@ def test_large_batches_do_not_split():
     (64, 4095, 5),  # below LONG_CONTEXT: the waves alone
 ])
 def test_long_contexts_split_at_least_eight_ways_while_row_programs_leave_sms_idle(row_programs, kv_len, splits):
-    assert ta.choose_splits(row_programs=row_programs, kv_len=kv_len, block_n=64, sm_count=132,
+    assert tuning.choose_splits(row_programs=row_programs, kv_len=kv_len, block_n=64, sm_count=132,
                             multi_token=True) == splits
 
 
 def test_plain_decoding_keeps_the_waves_split_count():
     """One new token a row lost with the floor on the H200 (run 28), so it keeps the waves' count."""
-    assert ta.choose_splits(row_programs=64, kv_len=8192, block_n=64, sm_count=132) == 5
-    assert ta.choose_splits(row_programs=64, kv_len=8192, block_n=64, sm_count=132, multi_token=False) == 5
+    assert tuning.choose_splits(row_programs=64, kv_len=8192, block_n=64, sm_count=132) == 5
+    assert tuning.choose_splits(row_programs=64, kv_len=8192, block_n=64, sm_count=132, multi_token=False) == 5
 
 
 @pytest.mark.parametrize("t,multi", [(1, False), (3, True)])

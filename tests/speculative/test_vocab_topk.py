@@ -14,12 +14,12 @@ import pytest
 import torch
 from spec_oracles import best_prefixes, random_tree_batch, tree_prefixes
 
-from ddtree import triton_runtime
+from ddtree import triton_runtime, tuning
 from ddtree.errors import ConfigError
 from ddtree.speculative import Trees, build_trees, vocab_topk
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-SHIPPED_LIMITS = {"FAST_MAX_K": vocab_topk.FAST_MAX_K, "FAST_MAX_WORK": vocab_topk.FAST_MAX_WORK}  # before fixtures
+SHIPPED_LIMITS = {"FAST_MAX_K": tuning.FAST_MAX_K, "FAST_MAX_WORK": tuning.FAST_MAX_WORK}  # before fixtures
 
 pytestmark = pytest.mark.skipif(
     triton_runtime.triton is None or (DEVICE == "cpu" and not triton_runtime.INTERPRETED),
@@ -31,15 +31,15 @@ pytestmark = pytest.mark.skipif(
 def _kernel_allowed(monkeypatch, triton_kernels_on_cpu):
     """Let the kernel run on CPU tensors through the interpreter (a no-op on a GPU machine); the conftest fixture
     also lets the interpreter take the running strategy's data-dependent loop bounds."""
-    monkeypatch.setattr(vocab_topk, "FAST_MAX_K", 1 << 20)  # the trees below use the kernel at every width
-    monkeypatch.setattr(vocab_topk, "FAST_MAX_WORK", 1 << 62)  # and row count
+    monkeypatch.setattr(tuning, "FAST_MAX_K", 1 << 20)  # the trees below use the kernel at every width
+    monkeypatch.setattr(tuning, "FAST_MAX_WORK", 1 << 62)  # and row count
 
 
 def test_build_trees_uses_the_kernel_only_when_asked_and_up_to_fast_max_k(monkeypatch):
     calls = []
     real = vocab_topk.topk_logsumexp
     monkeypatch.setattr(vocab_topk, "topk_logsumexp", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
-    monkeypatch.setattr(vocab_topk, "FAST_MAX_K", 8)
+    monkeypatch.setattr(tuning, "FAST_MAX_K", 8)
     logits = torch.randn(2, 3, 300, generator=torch.Generator().manual_seed(0)).to(DEVICE)
     narrow, wide = build_trees(logits, 8, fast_topk=True), build_trees(logits, 9, fast_topk=True)
     assert calls == [8]  # width 9 > FAST_MAX_K went to torch.topk
@@ -53,8 +53,8 @@ def test_wide_lists_use_the_kernel_only_for_few_rows(monkeypatch):
     calls = []
     real = vocab_topk.topk_logsumexp
     monkeypatch.setattr(vocab_topk, "topk_logsumexp", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
-    monkeypatch.setattr(vocab_topk, "FAST_MAX_K", 128)
-    monkeypatch.setattr(vocab_topk, "FAST_MAX_WORK", 6 * 20)
+    monkeypatch.setattr(tuning, "FAST_MAX_K", 128)
+    monkeypatch.setattr(tuning, "FAST_MAX_WORK", 6 * 20)
     gen = torch.Generator().manual_seed(1)
     few, many = torch.randn(2, 3, 300, generator=gen).to(DEVICE), torch.randn(3, 3, 300, generator=gen).to(DEVICE)
     fast_few, fast_many = build_trees(few, 20, fast_topk=True), build_trees(many, 20, fast_topk=True)
@@ -69,8 +69,8 @@ def test_kernel_limits_follow_the_h200_measurements(monkeypatch):
     """The shipped limits, at the shapes of run 32 (15 rows a request): kept where the kernel won, not where it
     lost."""
     for name, value in SHIPPED_LIMITS.items():
-        monkeypatch.setattr(vocab_topk, name, value)
-    takes = vocab_topk.kernel_takes
+        monkeypatch.setattr(tuning, name, value)
+    takes = tuning.kernel_takes
     assert takes(15, 128) and takes(8 * 15, 128) and takes(32 * 15, 64) and takes(64 * 15, 32)
     assert not takes(32 * 15, 128) and not takes(64 * 15, 64) and not takes(15, 129)
     assert takes(64 * 15, 16) and takes(10**6, 8)
@@ -336,7 +336,7 @@ def test_kernel_trees_equal_torch_path_trees(monkeypatch, max_budget, first_stag
     """Real-valued logits (no ties): the same nodes in the same order; scores agree to float32 rounding of the
     normaliser (the kernel and torch.logsumexp sum in different orders). Width 24 takes the "sort" first stage,
     width 16 the running list, here over pieces of 16 in 3 splits per row (not one piece of 512)."""
-    monkeypatch.setattr(vocab_topk, "RUNNING_CHUNK", 16)
+    monkeypatch.setattr(tuning, "RUNNING_CHUNK", 16)
     monkeypatch.setattr(vocab_topk, "MAX_SPLITS", 3)
     monkeypatch.setattr(vocab_topk, "_sm_count", lambda device: 132)  # as on an H200: MAX_SPLITS splits
     gen = torch.Generator().manual_seed(2)

@@ -46,6 +46,7 @@ from ddtree.models.gemm_backend import blas_for_rows
 from ddtree.models.kv_cache import KVCache
 from ddtree.models.layers import Attend, DecoderLayer, RMSNorm, Rotary, grad_needed, masked_attention
 from ddtree.models.target import TargetModel
+from ddtree.speculative.attention import pack_visibility
 from ddtree.triton_runtime import can_run
 
 if TYPE_CHECKING:
@@ -293,7 +294,7 @@ class DFlashDrafter(nn.Module):
             new_vis = ~(hidden_key & live_query)
         first = None if window is None else (ctx_len - window).clamp(min=0)
         kv_len = min(length + block_size, cache.max_len)  # ctx_len + block_size <= the engine's cache length
-        packed = tree_attention.pack_visibility(new_vis)  # once for all layers
+        packed = pack_visibility(new_vis)  # once for all layers
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             tree_attention.write_kv(cache.k[layer], cache.v[layer], slots, positions, k, v)

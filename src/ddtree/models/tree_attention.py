@@ -36,84 +36,30 @@ single program does both parts, normalises and writes the output itself. Keeping
 the prefix loop lets the prefix stream at full speed and runs the tree part beside it instead of after it. Every
 size (grid, splits, scratch) comes from host ints (R, T, kv_len), so calls are CUDA-graph capturable.
 
-When it runs: :meth:`ddtree.models.target.TargetModel.forward` given ``attn_mask=None`` and ``tree=`` calls it
+When it runs: :meth:`ddtree.models.target.TargetModel.forward` given a
+:class:`~ddtree.speculative.attention.TreeVisibility` (the visibility contract, which lives with the core) calls it
 when the target :meth:`~ddtree.models.target.TargetModel.supports_tree_attention` (:func:`ddtree.triton_runtime.can_run`
-on its weights and a head dim in ``SUPPORTED_HEAD_DIMS``); passing a mask is how a caller picks the dense path.
+on its weights and a head dim in ``SUPPORTED_HEAD_DIMS``); passing a dense mask is how a caller picks the dense path.
+Launch shapes (tiles, splits) come from the device tuning tables of :mod:`ddtree.tuning`.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from ddtree.errors import ConfigError
-
-# The visibility contract lives with the core (ddtree.speculative.attention); re-exported here for callers of the kernel.
-from ddtree.speculative.attention import PackedVisibility, TreeVisibility, pack_visibility  # noqa: F401
+from ddtree.speculative.attention import PackedVisibility, pack_visibility
 from ddtree.triton_runtime import INTERPRETED, tl, triton
+from ddtree.tuning import choose_splits, choose_tiles, sm_count
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_BLOCK_N = (16, 32, 64, 128)
-_FALLBACK_SM_COUNT = 132  # H100/H200; only used to size splits when the device cannot be asked (interpreter)
-_WAVES = 2  # aim for this many programs per SM when splitting the context
-# ...but give every split at least this many key blocks and make at most AUTO_MAX_SPLITS: a split of one block
-# costs a program launch and a partial's round trip for ~1 us of work, and the combine unrolls over the splits.
-# Measured on the H200 at one decode token, 1k context: 16 one-block splits spent 0.70 ms per step in attention over
-# 36 layers.
-MIN_BLOCKS_PER_SPLIT = 4
-AUTO_MAX_SPLITS = 16  # what choose_splits picks at most
 MAX_SPLITS = 32  # the most a caller may ask for (the tile sweep; the combine unrolls over splits + 1 partials)
-# Calls of several new tokens a row (T > 1: verifies, the drafter's blocks) over long contexts (at least
-# LONG_CONTEXT keys) whose row programs are at most one per SM get at least LONG_CONTEXT_MIN_SPLITS splits even
-# where _WAVES asks fewer (session 8, run 28, K/V beyond L2: T = 129 at 8k 85.3 -> 79.4 us, T = 65 at 4k 36.4 ->
-# 34.2, 8 rows of T = 9 at 8k 103.2 -> 89.0, of T = 17 127.1 -> 120.5). Plain decoding (T = 1) lost with it (8 rows
-# at 8k: 74.8 -> 81.1 us) and keeps _WAVES (run 29).
-LONG_CONTEXT = 4096
-LONG_CONTEXT_MIN_SPLITS = 8
-# A single request with a short context is latency-bound: a handful of programs with little work each. There,
-# smaller row tiles and splits of two key blocks won (H200 sweep, run 10: T = 17 at 1k, 13.4 -> 10.3 us a layer).
-LATENCY_BOUND_KV_LEN = 2048
-
-
-class Tiles(NamedTuple):
-    """One launch configuration of the split kernel."""
-
-    block_m: int  # folded query rows per program
-    block_n: int  # prefix keys per tile
-    num_warps: int
-    num_stages: int
-    min_blocks_per_split: int
-
-
-def choose_tiles(requests: int, rows: int, kv_len: int, head_dim: int, elem_bytes: int = 2) -> Tiles:
-    """Tiles for ``requests`` rows of ``rows = G * T`` folded queries over ``kv_len`` keys, from the H200 sweep of
-    ``benchmarks/tree_attention.py`` (run 10, docs/benchmarks/gpu/run10_tree_attention_sweep.json):
-
-    - one request, short context (latency-bound): 16-row tiles and two-block splits; past 128 folded rows (T > 32
-      with Qwen3-8B's G = 4) 128-row tiles of 128 keys with 8 warps and splits of 512 keys;
-    - otherwise one tile per 64 rows; three pipeline stages from 4k keys on (T = 129 at 8k: 98.9 -> 85.1 us);
-    - plain decoding at one request (16 rows or fewer): 128-key tiles.
-
-    The sweep ran bf16. Wider elements (fp32, ``elem_bytes`` 4) and head dims above 128 keep the untuned tiles:
-    the tuned ones need more shared memory than an H200 has (fp32 with 128 x 128 tiles asked for 256 KiB)."""
-    one_tile = min(64, max(16, _next_power_of_2(rows)))  # one row tile per 64 folded rows, at least 16
-    if head_dim > 128 or elem_bytes > 2:
-        return Tiles(one_tile, 64 if head_dim <= 128 else 32, 4, 2, MIN_BLOCKS_PER_SPLIT)
-    if requests == 1 and kv_len <= LATENCY_BOUND_KV_LEN:
-        if rows > 128:
-            return Tiles(128, 128, 8, 2, 4)
-        return Tiles(16, 64, 4, 2, 2)
-    stages = 3 if kv_len >= 4096 else 2
-    if requests == 1 and rows <= 16:
-        return Tiles(16, 128, 4, stages, 2)
-    return Tiles(one_tile, 64, 4, stages, MIN_BLOCKS_PER_SPLIT)
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
+# The launch shapes chosen among these (tiles per regime, splits of the context) are the H200's tuning tables in
+# ddtree.tuning (choose_tiles, choose_splits), not this file's.
 
 
 def supports_head_dim(head_dim: int) -> bool:
@@ -356,32 +302,6 @@ def write_kv(k_cache: Tensor, v_cache: Tensor, slots: Tensor, write_pos: Tensor,
     )
 
 
-_SM_COUNTS: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (cached: a host query, harmless during graph capture)."""
-    if device.type != "cuda":
-        return _FALLBACK_SM_COUNT
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNTS:
-        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNTS[index]
-
-
-def choose_splits(row_programs: int, kv_len: int, block_n: int, sm_count: int,
-                  min_blocks: int = MIN_BLOCKS_PER_SPLIT, multi_token: bool = False) -> int:
-    """Context splits per (row, KV head, row tile) so that about ``_WAVES * sm_count`` programs run (for a
-    ``multi_token`` call, T > 1, at least ``LONG_CONTEXT_MIN_SPLITS`` at long contexts when the row programs are at
-    most one per SM), with at least ``min_blocks`` of ``kv_len``'s key blocks per split and at most
-    ``AUTO_MAX_SPLITS``. Host ints only: the same shapes always launch the same grid."""
-    blocks = max(1, math.ceil(kv_len / block_n))
-    wanted = max(1, math.ceil(_WAVES * sm_count / row_programs))
-    if multi_token and kv_len >= LONG_CONTEXT and row_programs <= sm_count:
-        wanted = max(wanted, LONG_CONTEXT_MIN_SPLITS)
-    return max(1, min(wanted, blocks // min_blocks, AUTO_MAX_SPLITS))
-
-
 def _check_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start: Tensor, new_vis: Tensor,
                   kv_len: int) -> None:
     if q.dim() != 4:
@@ -443,7 +363,7 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, s
         raise ConfigError(f"tree_attention: block_m must be a power of two >= 16, got {block_m}")
     row_tiles = math.ceil(rows / block_m)
     if splits is None:
-        splits = choose_splits(r * kv * row_tiles, kv_len, block_n, _sm_count(q.device), tiles.min_blocks_per_split,
+        splits = choose_splits(r * kv * row_tiles, kv_len, block_n, sm_count(q.device), tiles.min_blocks_per_split,
                                multi_token=t > 1)
     if not 1 <= splits <= MAX_SPLITS:
         raise ConfigError(f"tree_attention: splits must be in [1, {MAX_SPLITS}], got {splits}")

@@ -66,6 +66,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ddtree import tuning
 from ddtree.errors import ConfigError
 from ddtree.speculative import tree_select, vocab_topk
 
@@ -157,14 +158,14 @@ def depth_candidates(draft_logits: Tensor, width: int, fast_topk: bool = False) 
 
     draft_logits: [R, L, V] logits or log-probs. Returns (log_probs [R, L, width] float32, tokens [R, L, width]).
     The only work proportional to V. With ``fast_topk``, a width and row count the kernel is faster for
-    (:func:`ddtree.speculative.vocab_topk.kernel_takes`: up to ``FAST_MAX_K``, wide lists only for few rows) and a tensor
+    (:func:`ddtree.tuning.kernel_takes`: up to ``FAST_MAX_K``, wide lists only for few rows) and a tensor
     it can read (:func:`ddtree.speculative.vocab_topk.available`: CUDA), one Triton pass over each row gives the top
     ``width`` already in canonical order and the float32 logsumexp; otherwise (the default and the reference,
     wider candidate lists, CPU) ``torch.topk``, two re-ranking sorts and ``torch.logsumexp``. Both give the same
     tokens in the same order; log-probs agree to float32 rounding of the normaliser.
     """
     rows, depths, vocab = draft_logits.shape
-    if fast_topk and vocab_topk.kernel_takes(rows * depths, width) and vocab_topk.available(draft_logits):
+    if fast_topk and tuning.kernel_takes(rows * depths, width) and vocab_topk.available(draft_logits):
         top, tok, log_norm = vocab_topk.topk_logsumexp(draft_logits.reshape(rows * depths, vocab), width)
         top, tok, log_norm = top.view(rows, depths, width), tok.view(rows, depths, width), log_norm.view(rows, depths)
     else:

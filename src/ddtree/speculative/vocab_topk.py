@@ -16,7 +16,7 @@ at the k-th value the lowest ids enter. -0.0 is read as +0.0 (the two compare eq
 
 First-stage strategies
 ----------------------
-``"running"`` (the default up to :data:`RUNNING_MAX_K`): program (row, split) walks its contiguous range of
+``"running"`` (the default up to :data:`ddtree.tuning.RUNNING_MAX_K`): program (row, split) walks its contiguous range of
 ``chunk``-sized pieces of the row in one loop and keeps a running top list of K_PAD keys (K_PAD = k rounded up to a
 power of two), an online logsumexp partial, and nothing else. Per piece it takes the piece's maximum (one block
 reduction, which is also the logsumexp's running-max update); only when that maximum reaches the list's smallest
@@ -40,14 +40,14 @@ exp when the running max moves) and reduced once at the end, so it adds no reduc
 insertions cheap (each is a reduction over one piece) and allow a small program (one warp for 512 entries: its
 reductions are warp shuffles, with no shared-memory barrier); pieces c + 1 and c + 2 are loading while piece c is
 processed, so each program keeps two loads in flight. ``splits`` programs per row (chosen from the row count so
-that the whole GPU holds about :data:`RUNNING_WARPS_PER_SM` warps per multiprocessor, at most :data:`MAX_SPLITS`)
+that the whole GPU holds about :data:`ddtree.tuning.RUNNING_WARPS_PER_SM` warps per multiprocessor, at most :data:`MAX_SPLITS`)
 give small batches enough parallelism; each split costs one more K_PAD-long warm-up and K_PAD more keys to merge. Worst cases stay
 exact, only slower: an ascending row inserts K_PAD keys per piece (the old cost), an all-equal row builds keys for
 every piece (equal values from later ids never enter).
 
 ``"extract"`` and ``"sort"``: one program per 4096-entry chunk, which takes its chunk's top K_PAD by K_PAD
 repeated maximums or by ``tl.topk``'s bitonic network (about log2(k)^2 / 2 compare-exchange stages per element);
-``"sort"`` is the default above :data:`RUNNING_MAX_K` (of the two, the faster above k = 16 on the H200).
+``"sort"`` is the default above :data:`ddtree.tuning.RUNNING_MAX_K` (of the two, the faster above k = 16 on the H200).
 
 The logsumexp is float32 even for half-precision input, as ``torch.logsumexp(x.float())``; the two are not bit
 equal (different summation order, and on a GPU ``tl.exp2`` is the hardware's approximate exp2): measured on the
@@ -56,7 +56,8 @@ with one program summing a whole row in 256-entry pieces. Every log-prob of a de
 depth's ranking never changes; only scores across depths move by that much.
 
 When it runs: ``build_trees(..., fast_topk=True)`` (the caller's choice) uses it for widths up to
-:data:`FAST_MAX_K`, wide lists only for few enough rows (:func:`kernel_takes`), when :func:`available` -
+:data:`ddtree.tuning.FAST_MAX_K`, wide lists only for few enough rows (:func:`ddtree.tuning.kernel_takes`: the
+H200's tuning table), when :func:`available` -
 :func:`ddtree.triton_runtime.can_run` (a CUDA tensor; a CPU tensor only under Triton's interpreter inside
 ``triton_runtime.cpu_interpreter()``, which tests use) and a supported dtype.
 """
@@ -68,41 +69,21 @@ import functools
 import torch
 from torch import Tensor
 
+from ddtree import tuning
 from ddtree.errors import ConfigError
 from ddtree.triton_runtime import can_run, masked_if, tl, triton
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# build_trees uses the kernel (see kernel_takes) up to FAST_MAX_K candidates per depth, and above RUNNING_MAX_K only
-# while rows x width stays within FAST_MAX_WORK. Measured on the H200 (CUDA graphs, L = 15 depths, so a request is
-# 15 rows; build + walk against torch.topk + logsumexp): widths 8 and 16 win at R = 1 and 64 requests (V = 151936,
-# R = 64, B = 16: 2.72 vs 3.07 ms, docs/benchmarks/gpu/run4_tree_ops.md); widths 31-128 win at R = 1 and 8 (0.08-0.80
-# against 0.41-1.12 ms, run 31) and at V = 8192 up to R = 64, B = 128 (0.37 vs 0.93 ms, run 32). At V = 151936 the
-# "sort" strategy's per-chunk sorts grow with rows x width: R = 32 wins at B = 32 and 64 (1.42 vs 1.87, 1.80 vs
-# 2.04 ms) and loses at 128 (2.68 vs 2.07); R = 64 wins at 32 (2.70 vs 3.05) and loses at 64 (3.47 vs 3.24).
-# Width 512 loses (R = 64: 10.8 vs 3.6 ms).
-FAST_MAX_K = 128
-FAST_MAX_WORK = 32768  # rows x width above RUNNING_MAX_K: 480 x 64 won, 960 x 64 and 480 x 128 lost (run 32)
 STRATEGIES = ("running", "extract", "sort")
-RUNNING_MAX_K = 16  # strategy=None: "running" up to this k, "sort" above (larger k: not yet timed on the H200)
-DEFAULT_CHUNK = 4096  # "extract" / "sort": vocabulary entries per first-stage program (38 per row at V = 151936)
-# "running", to be tuned on the H200 with benchmarks/vocab_topk.py: entries per loop step (smaller pieces make each
-# insertion cheaper and let more pieces be skipped; larger ones amortise the per-step reduction), a warp per this
-# many entries (16 per lane: two 16-byte bf16 loads), and the warps per multiprocessor the splits aim for.
-RUNNING_CHUNK = 512
-RUNNING_ENTRIES_PER_WARP = 512
-RUNNING_WARPS_PER_SM = 16
+# The H200's tuning tables (when build_trees uses the kernel: tuning.kernel_takes with FAST_MAX_K and FAST_MAX_WORK;
+# the default strategy's threshold RUNNING_MAX_K; the "running" strategy's piece size, warps and occupancy target)
+# live in ddtree.tuning; below are the kernel's own limits.
 MAX_SPLITS = 32  # at most this many programs per row (each adds a warm-up and K_PAD keys to the final merge)
 # The split rule's multiprocessor count off CUDA: Triton's interpreter runs programs one after another, so there is
 # nothing to fill, and every extra split only adds a warm-up (tests force splits explicitly).
 FALLBACK_SM_COUNT = 1
 MERGE_BLOCK = 8192  # candidate keys one merge program selects from (bounds its registers)
 MAX_VOCAB = 2**30  # token ids and chunk offsets stay far from int32 overflow
-
-
-def kernel_takes(rows: int, k: int) -> bool:
-    """Whether :func:`ddtree.speculative.tree.depth_candidates` should use this kernel for ``rows`` rows of top ``k``
-    (host ints: graph capturable). The H200 measurements behind the limits are at :data:`FAST_MAX_K`."""
-    return k <= FAST_MAX_K and (k <= RUNNING_MAX_K or rows * k <= FAST_MAX_WORK)
 
 
 def available(t: Tensor) -> bool:
@@ -135,7 +116,7 @@ def default_splits(rows: int, chunks: int, warps: int, sm_count: int) -> int:
     960 rows (64 requests x 15 depths) -> 2 (1920 programs, ~15 per SM, fewer than fit at once: a program of
     512-entry pieces takes ~108 registers a lane, so ~18 one-warp programs fit on a multiprocessor; rounding the
     count up instead would leave a second, mostly empty wave). Host ints only: it can run during graph capture."""
-    wanted = RUNNING_WARPS_PER_SM * sm_count // (max(rows, 1) * warps)  # rounded down: all resident at once
+    wanted = tuning.RUNNING_WARPS_PER_SM * sm_count // (max(rows, 1) * warps)  # rounded down: all resident at once
     return max(1, min(chunks, MAX_SPLITS, wanted))
 
 
@@ -185,19 +166,19 @@ def topk_logsumexp(
         raise ConfigError(f"vocab {vocab} is too large: token ids must stay below 2**30")
     k_pad = _next_pow2(k)
     if strategy is None:
-        strategy = "running" if k_pad <= RUNNING_MAX_K else "sort"
+        strategy = "running" if k_pad <= tuning.RUNNING_MAX_K else "sort"
     if strategy not in STRATEGIES:
         raise ConfigError(f"strategy must be one of {', '.join(STRATEGIES)} (or None), got {strategy!r}")
     running = strategy == "running"
     if chunk is None:
-        chunk = max(k_pad, min(RUNNING_CHUNK if running else DEFAULT_CHUNK, _next_pow2(vocab)))
+        chunk = max(k_pad, min(tuning.RUNNING_CHUNK if running else tuning.DEFAULT_CHUNK, _next_pow2(vocab)))
     if not _is_pow2(chunk) or not k_pad <= chunk <= 65536:
         raise ConfigError(f"chunk must be a power of two >= {k_pad} (k rounded up to a power of two) and <= 65536, "
                           f"got {chunk!r}")
     if not _is_pow2(merge_block) or merge_block < 2 * k_pad:
         raise ConfigError(f"merge_block must be a power of two >= {2 * k_pad} (twice k rounded up), got {merge_block!r}")
     if warps is None:
-        warps = min(8, max(1, chunk // RUNNING_ENTRIES_PER_WARP)) if running else (8 if chunk >= 4096 else 4)
+        warps = min(8, max(1, chunk // tuning.RUNNING_ENTRIES_PER_WARP)) if running else (8 if chunk >= 4096 else 4)
     if isinstance(warps, bool) or not isinstance(warps, int) or warps not in (1, 2, 4, 8, 16):
         raise ConfigError(f"warps must be 1, 2, 4, 8 or 16, got {warps!r}")
     chunks = triton.cdiv(vocab, chunk)
