@@ -5,6 +5,8 @@ inference engineer halfway through a sweep, not the author of the code.
 
     DDTreeError
     ├── ConfigError          a setting (CLI flag, config file, engine option) is out of range or inconsistent
+    ├── ShapeError           a tensor breaks the contract of the call it is passed to (wrong rank, sizes that
+    │                        disagree, the wrong device or dtype): a caller's bug, not a setting
     ├── CheckpointError      a model directory is missing, malformed, or does not match its config
     ├── InvalidRequestError  one request is unacceptable (empty prompt, too long, bad tree settings);
     │                        it fails alone, before taking a KV slot
@@ -20,6 +22,13 @@ class DDTreeError(Exception):
 
 class ConfigError(DDTreeError, ValueError):
     """A configuration value is invalid; the message names the field and the accepted range."""
+
+
+class ShapeError(DDTreeError, ValueError):
+    """A tensor argument breaks its call's contract: wrong rank, sizes that disagree with each other or with the
+    model, a tensor on the wrong device or of a dtype the call does not take. The message names the argument, the
+    shape it has and the one expected. A ``ValueError`` (as ``ConfigError`` is), so callers that catch bad values
+    keep working; distinct from ``ConfigError`` because no setting can fix it: the calling code must."""
 
 
 class CheckpointError(DDTreeError):

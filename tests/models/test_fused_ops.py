@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 
 from ddtree import triton_runtime  # noqa: E402
 from ddtree.engine.kernels import KernelSet  # noqa: E402
-from ddtree.errors import ConfigError  # noqa: E402
+from ddtree.errors import ShapeError  # noqa: E402
 from ddtree.models import fused_ops, load_target, save_target  # noqa: E402
 from ddtree.models.layers import (  # noqa: E402
     DecoderLayer,
@@ -180,16 +180,16 @@ def test_empty_inputs_launch_nothing():
 
 def test_bad_arguments_name_the_problem():
     x = torch.zeros(2, 3, 8, device=DEVICE)
-    with pytest.raises(ConfigError, match="last dim 8"):
+    with pytest.raises(ShapeError, match="last dim 8"):
         fused_ops.rms_norm(x, torch.ones(6, device=DEVICE), 1e-6)
-    with pytest.raises(ConfigError, match="float64"):
+    with pytest.raises(ShapeError, match="float64"):
         fused_ops.rms_norm(x.double(), torch.ones(8, device=DEVICE), 1e-6)
     cos = torch.zeros(2, 3, 4, device=DEVICE)
-    with pytest.raises(ConfigError, match="num_heads 2"):
+    with pytest.raises(ShapeError, match="num_heads 2"):
         fused_ops.qk_norm_rope(x, None, None, cos, cos, 2, 1, 4, 1e-6)
-    with pytest.raises(ConfigError, match="odd"):
+    with pytest.raises(ShapeError, match="odd"):
         fused_ops.qk_norm_rope(torch.zeros(2, 3, 9, device=DEVICE), None, None, cos, cos, 1, 1, 3, 1e-6)
-    with pytest.raises(ConfigError, match="even last dim"):
+    with pytest.raises(ShapeError, match="even last dim"):
         fused_ops.silu_mul(torch.zeros(2, 7, device=DEVICE))
 
 

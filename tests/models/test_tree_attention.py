@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 from model_helpers import random_target, rel_err  # noqa: E402
 
 from ddtree import speculative, triton_runtime, tuning  # noqa: E402
-from ddtree.errors import ConfigError  # noqa: E402
+from ddtree.errors import ConfigError, ShapeError  # noqa: E402
 from ddtree.models import tree_attention as ta  # noqa: E402
 from ddtree.models.layers import masked_attention  # noqa: E402
 from ddtree.speculative.attention import TreeVisibility  # noqa: E402
@@ -190,7 +190,7 @@ def test_trees_wider_than_one_visibility_word(vis, splits, block_n):
 
 def test_packed_visibility_of_another_shape_is_rejected():
     case = make_case(rows=1, t=3, kv_len=10, max_len=10, seed=2)
-    with pytest.raises(ConfigError, match="packed visibility"):
+    with pytest.raises(ShapeError, match="packed visibility"):
         ta.tree_attention(**case, packed=ta.pack_visibility(case["new_vis"][:, :2, :2]))
 
 
@@ -307,12 +307,12 @@ def test_non_contiguous_queries():
 
 def test_rejects_unsupported_shapes():
     case = make_case(rows=1, d=64, kv_len=10, max_len=10, seed=1)
-    with pytest.raises(ConfigError, match="head_dim"):
+    with pytest.raises(ShapeError, match="head_dim"):
         ta.tree_attention(**{**case, "q": case["q"][..., :48], "k_cache": case["k_cache"][..., :48],
                              "v_cache": case["v_cache"][..., :48]})
-    with pytest.raises(ConfigError, match="new_vis"):
+    with pytest.raises(ShapeError, match="new_vis"):
         ta.tree_attention(**{**case, "new_vis": case["new_vis"][:, :2]})
-    with pytest.raises(ConfigError, match="kv_len"):
+    with pytest.raises(ShapeError, match="kv_len"):
         ta.tree_attention(**{**case, "kv_len": 11})
     with pytest.raises(ConfigError, match="block_n"):
         ta.tree_attention(**case, block_n=8)
@@ -491,7 +491,7 @@ def test_target_forward_with_tree_builds_the_mask_when_the_kernel_cannot_run(mon
         tree = model(ids, positions, cache, slots, write_pos, TreeVisibility(start, new_vis, kv_len))
     assert calls == []
     assert torch.equal(tree.logits, dense.logits)
-    with pytest.raises(ConfigError, match="a dense mask tensor or a TreeVisibility"):
+    with pytest.raises(ShapeError, match="a dense mask tensor or a TreeVisibility"):
         model(ids, positions, cache, slots, write_pos, None)
 
 
@@ -564,10 +564,10 @@ def test_write_kv_matches_the_cache_write(dtype, t):
 def test_write_kv_rejects_mismatched_shapes():
     cache = torch.zeros(2, 2, 8, 64, device=DEVICE)
     k = torch.zeros(1, 2, 1, 64, device=DEVICE)
-    with pytest.raises(ConfigError, match="write_kv"):
+    with pytest.raises(ShapeError, match="write_kv"):
         ta.write_kv(cache, cache, torch.zeros(1, dtype=torch.long, device=DEVICE),
                     torch.zeros(1, 2, dtype=torch.long, device=DEVICE), k, k)
-    with pytest.raises(ConfigError, match="head_dim"):
+    with pytest.raises(ShapeError, match="head_dim"):
         small = torch.zeros(2, 2, 8, 48, device=DEVICE)
         ta.write_kv(small, small, torch.zeros(1, dtype=torch.long, device=DEVICE),
                     torch.zeros(1, 1, dtype=torch.long, device=DEVICE), k[..., :48], k[..., :48])

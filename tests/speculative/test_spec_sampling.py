@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from ddtree.errors import ConfigError
+from ddtree.errors import ShapeError
 from ddtree.speculative import build_trees, counter_uniform, sample_choices, walk_trees
 from ddtree.speculative.sampling import BLOCK
 
@@ -194,6 +194,6 @@ def test_counter_uniform_is_uniform_and_changes_with_every_input() -> None:
 
 
 def test_step_shape_is_checked() -> None:
-    with pytest.raises(ConfigError, match=r"step must have shape \[2\] or \[2, 3\]"):
+    with pytest.raises(ShapeError, match=r"step must have shape \[2\] or \[2, 3\]"):
         sample_choices(torch.zeros(2, 3, 4), torch.ones(2), torch.ones(2), torch.zeros(2, dtype=torch.long),
                        torch.zeros(2, dtype=torch.long), torch.zeros(3, dtype=torch.long))

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from spec_oracles import best_prefixes, depth_ranking, log_probs, random_tree_batch, tree_prefixes
 
-from ddtree.errors import ConfigError
+from ddtree.errors import ConfigError, ShapeError
 from ddtree.speculative import Trees, build_chain, build_trees
 from ddtree.speculative.tree import candidate_count, candidate_pairs
 
@@ -114,14 +114,29 @@ def test_large_budget_random_logits_match_oracle_scores() -> None:
 
 def test_rejects_bad_arguments_with_actionable_messages() -> None:
     logits = torch.randn(2, 3, 5)
-    with pytest.raises(ConfigError, match="draft_logits must be"):
+    with pytest.raises(ShapeError, match="draft_logits must be"):
         build_trees(logits[0], 4)
     with pytest.raises(ConfigError, match="budget 9 exceeds max_budget 4"):
         build_trees(logits, 9, max_budget=4)
-    with pytest.raises(ConfigError, match=r"topk must be a scalar or have shape \[2\]"):
+    with pytest.raises(ShapeError, match=r"topk must be a scalar or have shape \[2\]"):
         build_trees(logits, 4, torch.tensor([1, 2, 3]))
     with pytest.raises(ConfigError, match="max_budget for a chain"):
         build_chain(logits, max_budget=2)
+
+
+def test_a_shape_violation_is_a_shape_error_that_value_error_handlers_still_catch() -> None:
+    """Shapes are the calling code's bug, settings the user's: two classes, both ValueErrors (callers that catch
+    bad values keep working), neither a subclass of the other."""
+    from ddtree.errors import DDTreeError
+
+    logits = torch.randn(2, 3, 5)
+    with pytest.raises(ValueError) as shape:
+        build_trees(logits[0], 4)
+    with pytest.raises(ValueError) as setting:
+        build_trees(logits, 9, max_budget=4)
+    assert type(shape.value) is ShapeError and type(setting.value) is ConfigError
+    assert isinstance(shape.value, DDTreeError) and not isinstance(shape.value, ConfigError)
+    assert not isinstance(setting.value, ShapeError)
 
 
 @st.composite

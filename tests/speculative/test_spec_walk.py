@@ -6,7 +6,7 @@ import pytest
 import torch
 from spec_oracles import DEVICE, KERNEL, walk_reference
 
-from ddtree.errors import ConfigError
+from ddtree.errors import ShapeError
 from ddtree.speculative import Trees, build_chain, build_trees, walk_trees
 from ddtree.speculative.tree import ancestor_visibility
 
@@ -70,5 +70,5 @@ def test_walk_on_hand_made_tree_with_padding_that_would_match(kernel: bool) -> N
 
 def test_walk_rejects_mismatched_shapes() -> None:
     trees = build_trees(torch.randn(2, 3, 4), 3)
-    with pytest.raises(ConfigError, match="choices must have the trees' shape"):
+    with pytest.raises(ShapeError, match="choices must have the trees' shape"):
         walk_trees(trees, torch.zeros(2, 3, dtype=torch.long), 3)

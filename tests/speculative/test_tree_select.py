@@ -18,7 +18,7 @@ import torch
 from spec_oracles import best_prefixes, log_probs, random_tree_batch, tree_prefixes
 
 from ddtree import triton_runtime
-from ddtree.errors import ConfigError
+from ddtree.errors import ConfigError, ShapeError
 from ddtree.speculative import Trees, build_trees, tree, tree_select
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -217,17 +217,17 @@ def test_limits_follow_the_key_fields() -> None:
 def test_rejects_bad_arguments() -> None:
     lp = torch.zeros(2, 3, 4, device=DEVICE)
     budget = torch.tensor([4, 4], device=DEVICE)
-    with pytest.raises(ConfigError, match="float32"):
+    with pytest.raises(ShapeError, match="float32"):
         tree_select.select_nodes(lp.double(), budget, None, 4)
     with pytest.raises(ConfigError, match="max_budget"):
         tree_select.select_nodes(lp, budget, None, 0)
     with pytest.raises(ConfigError, match="max_budget"):
         tree_select.select_nodes(lp, budget, None, tree_select.MAX_BUDGET + 1)
-    with pytest.raises(ConfigError, match="width 4"):
+    with pytest.raises(ShapeError, match="width 4"):
         tree_select.select_nodes(lp, budget, None, 3)
-    with pytest.raises(ConfigError, match="budget must be a long tensor of shape \\[2\\]"):
+    with pytest.raises(ShapeError, match="budget must be a long tensor of shape \\[2\\]"):
         tree_select.select_nodes(lp, budget[:1], None, 4)
-    with pytest.raises(ConfigError, match="depth_limit"):
+    with pytest.raises(ShapeError, match="depth_limit"):
         tree_select.select_nodes(lp, budget, budget.int(), 4)
 
 

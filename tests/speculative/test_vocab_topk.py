@@ -15,7 +15,7 @@ import torch
 from spec_oracles import best_prefixes, random_tree_batch, tree_prefixes
 
 from ddtree import triton_runtime, tuning
-from ddtree.errors import ConfigError
+from ddtree.errors import ConfigError, ShapeError
 from ddtree.speculative import Trees, build_trees, vocab_topk
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -254,9 +254,9 @@ def test_rejects_bad_arguments() -> None:
         vocab_topk.topk_logsumexp(x, 11)
     with pytest.raises(ConfigError, match="k must be"):
         vocab_topk.topk_logsumexp(x, 0)
-    with pytest.raises(ConfigError, match="logits must be \\[rows, vocab\\]"):
+    with pytest.raises(ShapeError, match="logits must be \\[rows, vocab\\]"):
         vocab_topk.topk_logsumexp(x[0], 1)
-    with pytest.raises(ConfigError, match="float32, bfloat16 or float16"):
+    with pytest.raises(ShapeError, match="float32, bfloat16 or float16"):
         vocab_topk.topk_logsumexp(x.double(), 1)
     with pytest.raises(ConfigError, match="chunk must be a power of two >= 8"):
         vocab_topk.topk_logsumexp(x, 5, chunk=4)
@@ -272,7 +272,7 @@ def test_rejects_bad_arguments() -> None:
         vocab_topk.topk_logsumexp(x, 2, warps=3)
     with pytest.raises(ConfigError, match="and <= 65536, got 131072"):
         vocab_topk.topk_logsumexp(x, 2, chunk=131072)
-    with pytest.raises(ConfigError, match="out ids must be"):
+    with pytest.raises(ShapeError, match="out ids must be"):
         vocab_topk.topk_logsumexp(x, 2, out=(torch.empty(2, 2, device=DEVICE), torch.empty(2, 2, device=DEVICE),
                                              torch.empty(2, device=DEVICE)))
 

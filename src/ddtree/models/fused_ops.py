@@ -11,10 +11,11 @@ float, pow, mean, add, rsqrt, mul, cast, weight-mul). These kernels do each step
 Each kernel rounds where the eager PyTorch code rounds (a bf16 product is computed in fp32 and rounded once, as
 PyTorch's element-wise ops do), so bf16 results differ from eager only through the fp32 reduction order and rsqrt.
 
-When they run is decided outside this module: a layer fused with ``fuse_projections(model, kernels=True)`` calls
-them when :func:`ddtree.triton_runtime.can_run` accepts its input (CUDA; CPU tensors only under Triton's interpreter
+When they run is decided outside this module: a fused layer's forward given ``kernels=True`` (the engine's
+``KernelSet.fused_ops``) calls them when :func:`ddtree.triton_runtime.can_run` accepts its input (CUDA; CPU tensors only under Triton's interpreter
 inside ``triton_runtime.cpu_interpreter()``, which tests use). Without Triton the layers run their eager code and
-calling a kernel here raises :class:`~ddtree.errors.ConfigError`.
+calling a kernel here raises :class:`~ddtree.errors.ConfigError`; a tensor a kernel cannot take (shape, dtype)
+raises :class:`~ddtree.errors.ShapeError`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ddtree.errors import ConfigError
+from ddtree.errors import ConfigError, ShapeError
 from ddtree.triton_runtime import masked_if, tl, triton
 
 _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
@@ -133,7 +134,7 @@ def _need_triton() -> None:
 
 def _check_dtype(name: str, t: Tensor) -> None:
     if t.dtype not in _SUPPORTED:
-        raise ConfigError(f"{name} has dtype {t.dtype}; the fused kernels take float32, float16 or bfloat16")
+        raise ShapeError(f"{name} has dtype {t.dtype}; the fused kernels take float32, float16 or bfloat16")
 
 
 def _rows(x: Tensor, width: int) -> Tensor:
@@ -157,7 +158,7 @@ def add_rms_norm(residual: Tensor, x: Tensor, weight: Tensor, eps: float) -> tup
     """residual, x [..., D], weight [D] -> (h, rms_norm(h)), h = residual + x rounded to the promoted dtype."""
     _need_triton()
     if residual.shape != x.shape:
-        raise ConfigError(f"add_rms_norm: residual shape {tuple(residual.shape)} differs from x {tuple(x.shape)}")
+        raise ShapeError(f"add_rms_norm: residual shape {tuple(residual.shape)} differs from x {tuple(x.shape)}")
     h, out = _launch_norm(residual, x, weight, eps)
     assert h is not None
     return h, out
@@ -166,7 +167,7 @@ def add_rms_norm(residual: Tensor, x: Tensor, weight: Tensor, eps: float) -> tup
 def _launch_norm(residual: Tensor | None, x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor | None, Tensor]:
     width = x.shape[-1]
     if weight.shape != (width,):
-        raise ConfigError(f"norm weight shape {tuple(weight.shape)} does not match the last dim {width} of x")
+        raise ShapeError(f"norm weight shape {tuple(weight.shape)} does not match the last dim {width} of x")
     _check_dtype("x", x)
     _check_dtype("weight", weight)
     h_dtype = x.dtype if residual is None else torch.promote_types(residual.dtype, x.dtype)
@@ -201,15 +202,15 @@ def qk_norm_rope(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor | None, 
     r, t, width = qkv.shape
     d = head_dim
     if width != (num_heads + 2 * num_kv_heads) * d:
-        raise ConfigError(
+        raise ShapeError(
             f"qkv last dim {width} != (num_heads {num_heads} + 2 * num_kv_heads {num_kv_heads}) * head_dim {d}"
         )
     if d % 2:
-        raise ConfigError(f"head_dim {d} is odd; rotate_half RoPE needs an even head_dim")
+        raise ShapeError(f"head_dim {d} is odd; rotate_half RoPE needs an even head_dim")
     if (q_weight is None) != (k_weight is None):
-        raise ConfigError("qk_norm_rope takes both q_weight and k_weight (Qwen3) or neither (Qwen2/Llama)")
+        raise ShapeError("qk_norm_rope takes both q_weight and k_weight (Qwen3) or neither (Qwen2/Llama)")
     if cos.shape != (r, t, d) or sin.shape != (r, t, d):
-        raise ConfigError(f"cos/sin shapes {tuple(cos.shape)}/{tuple(sin.shape)}, expected {(r, t, d)}")
+        raise ShapeError(f"cos/sin shapes {tuple(cos.shape)}/{tuple(sin.shape)}, expected {(r, t, d)}")
     for name, tensor in (("qkv", qkv), ("cos", cos), ("sin", sin)):
         _check_dtype(name, tensor)
     has_norm = q_weight is not None
@@ -218,7 +219,7 @@ def qk_norm_rope(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor | None, 
         for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
             _check_dtype(name, w)
             if w.shape != (d,):
-                raise ConfigError(f"{name} shape {tuple(w.shape)}, expected ({d},)")
+                raise ShapeError(f"{name} shape {tuple(w.shape)}, expected ({d},)")
         norm_dtype = torch.promote_types(qkv.dtype, torch.promote_types(q_weight.dtype, k_weight.dtype))
     out_dtype = torch.promote_types(torch.promote_types(norm_dtype, cos.dtype), sin.dtype)
     q = torch.empty((r, num_heads, t, d), dtype=out_dtype, device=qkv.device)
@@ -247,7 +248,7 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     _check_dtype("gate_up", gate_up)
     width = gate_up.shape[-1]
     if width % 2:
-        raise ConfigError(f"silu_mul needs an even last dim (gate then up), got {width}")
+        raise ShapeError(f"silu_mul needs an even last dim (gate then up), got {width}")
     inter = width // 2
     out = torch.empty((*gate_up.shape[:-1], inter), dtype=gate_up.dtype, device=gate_up.device)
     if out.numel() == 0:

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ddtree.errors import ConfigError
+from ddtree.errors import ShapeError
 from ddtree.models import fused_ops
 from ddtree.triton_runtime import can_run
 
@@ -82,12 +82,12 @@ class FusedLinear:
         first = weights[0]
         for lin in linears:
             if lin.weight.dtype != first.dtype or lin.weight.device != first.device:
-                raise ConfigError(
+                raise ShapeError(
                     f"cannot fuse projections with weights of {lin.weight.dtype} on {lin.weight.device} and "
                     f"{first.dtype} on {first.device}; move the model to one dtype and device first"
                 )
             if (lin.bias is None) != (linears[0].bias is None):
-                raise ConfigError("cannot fuse projections where only some have a bias")
+                raise ShapeError("cannot fuse projections where only some have a bias")
         sizes = [w.shape[0] for w in weights]
         # never inference tensors (fusing inside inference_mode would leave parameters autograd refuses to train)
         with torch.inference_mode(False), torch.no_grad():

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from ddtree.errors import ConfigError
+from ddtree.errors import ConfigError, ShapeError
 from ddtree.models import exact_forward, tree_attention
 from ddtree.models.config import TargetConfig
 from ddtree.models.gemm_backend import blas_for_rows
@@ -158,8 +158,8 @@ class TargetModel(nn.Module):
             else:
                 visibility = build_attention_mask(visibility.start, write_pos, visibility.new_vis, visibility.kv_len)
         elif not isinstance(visibility, Tensor):
-            raise ConfigError(f"TargetModel.forward takes a dense mask tensor or a TreeVisibility as visibility, "
-                              f"got {type(visibility).__name__}")
+            raise ShapeError(f"TargetModel.forward takes a dense mask tensor or a TreeVisibility as visibility, "
+                             f"got {type(visibility).__name__}")
         fused = kernels is not None and kernels.fused_ops
         rule = kernels is None or kernels.blas_rule
 

@@ -50,7 +50,7 @@ import math
 import torch
 from torch import Tensor
 
-from ddtree.errors import ConfigError
+from ddtree.errors import ConfigError, ShapeError
 from ddtree.speculative.attention import PackedVisibility, pack_visibility
 from ddtree.triton_runtime import INTERPRETED, tl, triton
 from ddtree.tuning import choose_splits, choose_tiles, sm_count
@@ -278,13 +278,13 @@ def write_kv(k_cache: Tensor, v_cache: Tensor, slots: Tensor, write_pos: Tensor,
         raise ConfigError("write_kv needs Triton; use KVCache.write")
     r, kv, t, d = k.shape
     if v.shape != k.shape or k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
-        raise ConfigError(f"write_kv: k/v {tuple(k.shape)}/{tuple(v.shape)} and caches {tuple(k_cache.shape)}/"
-                          f"{tuple(v_cache.shape)} must match")
+        raise ShapeError(f"write_kv: k/v {tuple(k.shape)}/{tuple(v.shape)} and caches {tuple(k_cache.shape)}/"
+                         f"{tuple(v_cache.shape)} must match")
     if k_cache.shape[1] != kv or k_cache.shape[3] != d or write_pos.shape != (r, t) or slots.shape != (r,):
-        raise ConfigError(f"write_kv: k {tuple(k.shape)} does not fit cache {tuple(k_cache.shape)}, write_pos "
-                          f"{tuple(write_pos.shape)}, slots {tuple(slots.shape)}")
+        raise ShapeError(f"write_kv: k {tuple(k.shape)} does not fit cache {tuple(k_cache.shape)}, write_pos "
+                         f"{tuple(write_pos.shape)}, slots {tuple(slots.shape)}")
     if not supports_head_dim(d):
-        raise ConfigError(f"write_kv supports head_dim in {SUPPORTED_HEAD_DIMS}, got {d}; use KVCache.write")
+        raise ShapeError(f"write_kv supports head_dim in {SUPPORTED_HEAD_DIMS}, got {d}; use KVCache.write")
     if r == 0 or t == 0:
         return
     slots = slots.contiguous()  # the kernel reads slots[r] at unit stride (a no-op for the engine's inputs)
@@ -293,7 +293,7 @@ def write_kv(k_cache: Tensor, v_cache: Tensor, slots: Tensor, write_pos: Tensor,
     if v.stride(-1) != 1:
         v = v.contiguous()
     if k_cache.stride(-1) != 1 or write_pos.stride(-1) != 1:
-        raise ConfigError("write_kv: the caches and write_pos need unit stride over their last dim")
+        raise ShapeError("write_kv: the caches and write_pos need unit stride over their last dim")
     _write_kv_kernel[(r * t, kv)](
         k, v, k_cache, v_cache, slots, write_pos,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
@@ -305,26 +305,26 @@ def write_kv(k_cache: Tensor, v_cache: Tensor, slots: Tensor, write_pos: Tensor,
 def _check_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start: Tensor, new_vis: Tensor,
                   kv_len: int) -> None:
     if q.dim() != 4:
-        raise ConfigError(f"tree_attention: q must be [R, H, T, D], got shape {tuple(q.shape)}")
+        raise ShapeError(f"tree_attention: q must be [R, H, T, D], got shape {tuple(q.shape)}")
     r, h, t, d = q.shape
     if not supports_head_dim(d):
-        raise ConfigError(f"tree_attention supports head_dim in {SUPPORTED_HEAD_DIMS}, got {d}; "
-                          "use the dense masked path for this model")
+        raise ShapeError(f"tree_attention supports head_dim in {SUPPORTED_HEAD_DIMS}, got {d}; "
+                         "use the dense masked path for this model")
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ConfigError(f"tree_attention: q dtype must be float32, float16 or bfloat16, got {q.dtype}")
+        raise ShapeError(f"tree_attention: q dtype must be float32, float16 or bfloat16, got {q.dtype}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[-1] != d:
-        raise ConfigError(f"tree_attention: k/v cache must both be [slots, KV, max_len, {d}], got "
-                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+        raise ShapeError(f"tree_attention: k/v cache must both be [slots, KV, max_len, {d}], got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     kv = k_cache.shape[1]
     if h % kv != 0:
-        raise ConfigError(f"tree_attention: {h} query heads are not a multiple of {kv} KV heads")
+        raise ShapeError(f"tree_attention: {h} query heads are not a multiple of {kv} KV heads")
     if slots.shape != (r,) or start.shape != (r,):
-        raise ConfigError(f"tree_attention: slots and start must be [{r}], got {tuple(slots.shape)} and "
-                          f"{tuple(start.shape)}")
+        raise ShapeError(f"tree_attention: slots and start must be [{r}], got {tuple(slots.shape)} and "
+                         f"{tuple(start.shape)}")
     if new_vis.shape != (r, t, t):
-        raise ConfigError(f"tree_attention: new_vis must be [{r}, {t}, {t}], got {tuple(new_vis.shape)}")
+        raise ShapeError(f"tree_attention: new_vis must be [{r}, {t}, {t}], got {tuple(new_vis.shape)}")
     if not t <= kv_len <= k_cache.shape[2]:
-        raise ConfigError(f"tree_attention: kv_len={kv_len} must lie in [T={t}, cache max_len={k_cache.shape[2]}]")
+        raise ShapeError(f"tree_attention: kv_len={kv_len} must lie in [T={t}, cache max_len={k_cache.shape[2]}]")
 
 
 def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start: Tensor, new_vis: Tensor,
@@ -375,16 +375,16 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, s
     slots, start = slots.contiguous(), start.contiguous()
     if first is not None:
         if first.shape != (r,):
-            raise ConfigError(f"tree_attention: first must be [{r}], got {tuple(first.shape)}")
+            raise ShapeError(f"tree_attention: first must be [{r}], got {tuple(first.shape)}")
         first = first.contiguous()
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ConfigError("tree_attention: the KV cache must have unit stride over head_dim")
+        raise ShapeError("tree_attention: the KV cache must have unit stride over head_dim")
     if packed is None:
         packed = pack_visibility(new_vis)
     bits, last = packed.bits.contiguous(), packed.last.contiguous()
     if bits.shape != (r, t, -(-t // 64)) or last.shape != (r, t):
-        raise ConfigError(f"tree_attention: packed visibility {tuple(bits.shape)}/{tuple(last.shape)} does not "
-                          f"fit new_vis {tuple(new_vis.shape)}; use pack_visibility(new_vis)")
+        raise ShapeError(f"tree_attention: packed visibility {tuple(bits.shape)}/{tuple(last.shape)} does not "
+                         f"fit new_vis {tuple(new_vis.shape)}; use pack_visibility(new_vis)")
     # [R, H, T, D] as a view of [R, T, H, D] memory: the layers' ``out.transpose(1, 2).flatten(-2)`` for o_proj
     # is then free instead of a copy kernel per layer (0.1 ms of a 17-node verify on the H200).
     out = torch.empty((r, t, h, d), dtype=q.dtype, device=q.device).transpose(1, 2)

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ddtree.errors import ConfigError
+from ddtree.errors import ShapeError
 
 
 def tree_positions(start: Tensor, depths: Tensor) -> Tensor:
@@ -56,7 +56,7 @@ def build_attention_mask(prefix_len: Tensor, write_pos: Tensor, new_visibility: 
     """
     rows, t = write_pos.shape
     if new_visibility.shape != (rows, t, t):
-        raise ConfigError(f"new_visibility must be [{rows}, {t}, {t}], got {tuple(new_visibility.shape)}")
+        raise ShapeError(f"new_visibility must be [{rows}, {t}, {t}], got {tuple(new_visibility.shape)}")
     device = write_pos.device
     keys = torch.arange(kv_len, device=device)
     prefix = (keys.unsqueeze(0) < prefix_len.unsqueeze(1)).unsqueeze(1)  # [R, 1, kv_len]

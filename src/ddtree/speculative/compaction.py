@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ddtree.errors import ConfigError
+from ddtree.errors import ShapeError
 from ddtree.triton_runtime import can_run, tl, triton
 
 
@@ -37,10 +37,10 @@ def compact_cache(cache: Tensor, slots: Tensor, start: Tensor, path: Tensor, *, 
     if contiguous:
         return
     if cache.dim() != 5:
-        raise ConfigError(f"cache must be [layers, slots, heads, max_len, head_dim], got shape {tuple(cache.shape)}")
+        raise ShapeError(f"cache must be [layers, slots, heads, max_len, head_dim], got shape {tuple(cache.shape)}")
     rows = path.shape[0]
     if slots.shape != (rows,) or start.shape != (rows,) or path.dim() != 2:
-        raise ConfigError(
+        raise ShapeError(
             f"slots and start must be [R] and path [R, P] with the same R; got slots {tuple(slots.shape)}, "
             f"start {tuple(start.shape)}, path {tuple(path.shape)}"
         )
@@ -59,7 +59,7 @@ def compact_cache(cache: Tensor, slots: Tensor, start: Tensor, path: Tensor, *, 
 def _compact_kernel_launch(cache: Tensor, slots: Tensor, start: Tensor, path: Tensor) -> None:
     layers, _, heads, _, dim = cache.shape
     if cache.stride(-1) != 1 or dim & (dim - 1):
-        raise ConfigError(f"compact_cache(kernel=True) needs a unit-stride, power-of-two head dim, got {dim}")
+        raise ShapeError(f"compact_cache(kernel=True) needs a unit-stride, power-of-two head dim, got {dim}")
     rows, width = path.shape
     path = path.long().contiguous()
     _compact_kernel[(rows, layers, heads)](

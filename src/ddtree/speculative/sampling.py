@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ddtree.errors import ConfigError
+from ddtree.errors import ShapeError
 
 _MASK32 = 0xFFFFFFFF
 BLOCK = 1024  # tokens per block of the two-level inverse CDF (the whole vocabulary when it is smaller)
@@ -121,13 +121,13 @@ def sample_choices(
     For an all-greedy batch the caller can use ``logits.argmax(-1)`` directly (the same result).
     """
     if logits.dim() != 3:
-        raise ConfigError(f"logits must be [requests, nodes, vocab], got shape {tuple(logits.shape)}")
+        raise ShapeError(f"logits must be [requests, nodes, vocab], got shape {tuple(logits.shape)}")
     rows, nodes, vocab = logits.shape
     for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed)):
         if value.shape != (rows,):
-            raise ConfigError(f"{name} must have shape [{rows}] (one per request), got {tuple(value.shape)}")
+            raise ShapeError(f"{name} must have shape [{rows}] (one per request), got {tuple(value.shape)}")
     if step.shape not in ((rows,), (rows, nodes)):
-        raise ConfigError(f"step must have shape [{rows}] or [{rows}, {nodes}], got {tuple(step.shape)}")
+        raise ShapeError(f"step must have shape [{rows}] or [{rows}, {nodes}], got {tuple(step.shape)}")
     greedy = temperature <= 0  # [R]
     scale = torch.where(greedy, 1.0, temperature.float()).view(-1, 1, 1)
     scaled = logits.float() / scale

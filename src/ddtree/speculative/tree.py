@@ -67,7 +67,7 @@ import torch
 from torch import Tensor
 
 from ddtree import tuning
-from ddtree.errors import ConfigError
+from ddtree.errors import ConfigError, ShapeError
 from ddtree.speculative import tree_select, vocab_topk
 
 
@@ -113,7 +113,7 @@ def _as_row_tensor(value: int | Tensor | None, rows: int, device: torch.device, 
         if value.dim() == 0:
             return value.to(device=device, dtype=torch.long).expand(rows)
         if value.shape != (rows,):
-            raise ConfigError(f"{name} must be a scalar or have shape [{rows}] (one per request), got {tuple(value.shape)}")
+            raise ShapeError(f"{name} must be a scalar or have shape [{rows}] (one per request), got {tuple(value.shape)}")
         return value.to(device=device, dtype=torch.long)
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{name} must be an int or a tensor, got {value!r}")
@@ -138,18 +138,18 @@ def _resolve_max_budget(budget: int | Tensor, max_budget: int | None) -> int:
 
 def _check_logits(draft_logits: Tensor) -> None:
     if draft_logits.dim() != 3:
-        raise ConfigError(f"draft_logits must be [requests, depths, vocab], got shape {tuple(draft_logits.shape)}")
+        raise ShapeError(f"draft_logits must be [requests, depths, vocab], got shape {tuple(draft_logits.shape)}")
     if draft_logits.shape[2] < 1:
-        raise ConfigError("draft_logits has an empty vocabulary dimension")
+        raise ShapeError("draft_logits has an empty vocabulary dimension")
     if not draft_logits.is_floating_point():
-        raise ConfigError(f"draft_logits must be floating point, got {draft_logits.dtype}")
+        raise ShapeError(f"draft_logits must be floating point, got {draft_logits.dtype}")
 
 
 def _root_tokens(root_tokens: Tensor | None, rows: int, device: torch.device) -> Tensor:
     if root_tokens is None:
         return torch.zeros(rows, dtype=torch.long, device=device)
     if root_tokens.shape != (rows,):
-        raise ConfigError(f"root_tokens must have shape [{rows}], got {tuple(root_tokens.shape)}")
+        raise ShapeError(f"root_tokens must have shape [{rows}], got {tuple(root_tokens.shape)}")
     return root_tokens.to(device=device, dtype=torch.long)
 
 
@@ -254,7 +254,7 @@ def build_trees(
 
     if depth_limit is not None:
         if depth_limit.shape != (rows,):
-            raise ConfigError(f"depth_limit must have shape [{rows}], got {tuple(depth_limit.shape)}")
+            raise ShapeError(f"depth_limit must have shape [{rows}], got {tuple(depth_limit.shape)}")
         depth_limit = depth_limit.to(device=device, dtype=torch.long)
 
     log_probs, cand_tokens = depth_candidates(draft_logits, width, fast_topk)  # [R, L, K'] each
@@ -364,7 +364,7 @@ def build_chain(
     valid = torch.arange(n, device=device).expand(rows, n) <= depths
     if depth_limit is not None:
         if depth_limit.shape != (rows,):
-            raise ConfigError(f"depth_limit must have shape [{rows}], got {tuple(depth_limit.shape)}")
+            raise ShapeError(f"depth_limit must have shape [{rows}], got {tuple(depth_limit.shape)}")
         valid = valid & (node_depth <= depth_limit.to(device).unsqueeze(1))
     pad = n - 1 - depths
     tokens = torch.cat([_root_tokens(root_tokens, rows, device).unsqueeze(1),

@@ -55,7 +55,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ddtree.errors import ConfigError
+from ddtree.errors import ConfigError, ShapeError
 from ddtree.triton_runtime import can_run, masked_if, tl, triton
 
 MAX_BUDGET = 2048  # largest max_budget the kernel takes; build_trees keeps the torch loop above it
@@ -109,22 +109,22 @@ def select_nodes(
     if triton is None:
         raise ConfigError("select_nodes needs Triton; install it or build trees with fast_topk=False")
     if log_probs.dim() != 3 or log_probs.dtype != torch.float32:
-        raise ConfigError(f"log_probs must be a float32 [requests, depths, width] tensor, got {log_probs.dtype} "
-                          f"{list(log_probs.shape)}")
+        raise ShapeError(f"log_probs must be a float32 [requests, depths, width] tensor, got {log_probs.dtype} "
+                         f"{list(log_probs.shape)}")
     rows, depths, width = log_probs.shape
     if isinstance(max_budget, bool) or not isinstance(max_budget, int) or not 1 <= max_budget <= MAX_BUDGET:
         raise ConfigError(f"max_budget must be an int in [1, {MAX_BUDGET}], got {max_budget!r}; larger budgets "
                           "take the torch path (build_trees with fast_topk=False)")
     if not 1 <= width <= max_budget:
-        raise ConfigError(f"log_probs width {width} must be in [1, max_budget = {max_budget}] (min(budget, vocab))")
+        raise ShapeError(f"log_probs width {width} must be in [1, max_budget = {max_budget}] (min(budget, vocab))")
     if not 1 <= depths <= max_depths(max_budget):
-        raise ConfigError(f"{depths} draft depths exceed the kernel's {max_depths(max_budget)} at max_budget "
-                          f"{max_budget}; use fast_topk=False")
+        raise ShapeError(f"{depths} draft depths exceed the kernel's {max_depths(max_budget)} at max_budget "
+                         f"{max_budget}; use fast_topk=False")
     device = log_probs.device
     for name, t in (("budget", budget), ("depth_limit", depth_limit)):
         if t is not None and (t.shape != (rows,) or t.dtype != torch.long or t.device != device):
-            raise ConfigError(f"{name} must be a long tensor of shape [{rows}] on {device}, got {t.dtype} "
-                              f"{list(t.shape)} on {t.device}")
+            raise ShapeError(f"{name} must be a long tensor of shape [{rows}] on {device}, got {t.dtype} "
+                             f"{list(t.shape)} on {t.device}")
     if log_probs.stride(2) != 1:
         log_probs = log_probs.contiguous()
     b = max_budget

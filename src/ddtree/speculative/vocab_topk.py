@@ -70,7 +70,7 @@ import torch
 from torch import Tensor
 
 from ddtree import tuning
-from ddtree.errors import ConfigError
+from ddtree.errors import ConfigError, ShapeError
 from ddtree.triton_runtime import can_run, masked_if, tl, triton
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -156,14 +156,14 @@ def topk_logsumexp(
     if triton is None:
         raise ConfigError("topk_logsumexp needs Triton; install it or build trees with fast_topk=False")
     if logits.dim() != 2:
-        raise ConfigError(f"logits must be [rows, vocab], got shape {tuple(logits.shape)}")
+        raise ShapeError(f"logits must be [rows, vocab], got shape {tuple(logits.shape)}")
     if logits.dtype not in SUPPORTED_DTYPES:
-        raise ConfigError(f"logits must be float32, bfloat16 or float16, got {logits.dtype}")
+        raise ShapeError(f"logits must be float32, bfloat16 or float16, got {logits.dtype}")
     rows, vocab = logits.shape
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= vocab:
         raise ConfigError(f"k must be an int in [1, vocab = {vocab}], got {k!r}")
     if vocab > MAX_VOCAB:
-        raise ConfigError(f"vocab {vocab} is too large: token ids must stay below 2**30")
+        raise ShapeError(f"vocab {vocab} is too large: token ids must stay below 2**30")
     k_pad = _next_pow2(k)
     if strategy is None:
         strategy = "running" if k_pad <= tuning.RUNNING_MAX_K else "sort"
@@ -200,8 +200,8 @@ def topk_logsumexp(
     for name, t, shape, dtype in (("values", values, (rows, k), torch.float32), ("ids", ids, (rows, k), torch.long),
                                   ("lse", lse, (rows,), torch.float32)):
         if t.shape != shape or t.dtype != dtype or t.device != device or (t.dim() == 2 and t.stride(1) != 1):
-            raise ConfigError(f"out {name} must be a {dtype} tensor of shape {list(shape)} on {device} with a "
-                              f"contiguous last dim, got {t.dtype} {list(t.shape)} on {t.device}")
+            raise ShapeError(f"out {name} must be a {dtype} tensor of shape {list(shape)} on {device} with a "
+                             f"contiguous last dim, got {t.dtype} {list(t.shape)} on {t.device}")
     if rows == 0:
         return values, ids, lse
 

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ddtree.errors import ConfigError
+from ddtree.errors import ConfigError, ShapeError
 from ddtree.speculative.tree import Trees
 from ddtree.triton_runtime import can_run, tl, triton
 
@@ -58,7 +58,7 @@ def walk_trees(trees: Trees, choices: Tensor, max_depth: int, *, kernel: bool = 
         few. Same results (it steps down the tree instead of judging every node at once).
     """
     if choices.shape != trees.tokens.shape:
-        raise ConfigError(f"choices must have the trees' shape {tuple(trees.tokens.shape)}, got {tuple(choices.shape)}")
+        raise ShapeError(f"choices must have the trees' shape {tuple(trees.tokens.shape)}, got {tuple(choices.shape)}")
     if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < 0:
         raise ConfigError(f"max_depth must be an int >= 0 (the draft depth L), got {max_depth!r}")
     rows, n = trees.tokens.shape
