@@ -47,8 +47,8 @@ def plan(quick: bool, refs: int) -> list[tuple[str, int, int, int, int]]:
     cells += [("ddtree", b, 1, 1024, refs) for b in C1_BUDGETS]
     cells += [("ar", 0, 64, 1024, 64), ("dflash", 0, 64, 1024, 64)]
     cells += [("ddtree", b, 64, 1024, 64) for b in C64_BUDGETS]
-    cells += [("dflash", 0, 8, 1024, 16)] + [("ddtree", b, 8, 1024, 16) for b in C8_BUDGETS]
     cells += [("ar", 0, 1, 4096, 2), ("dflash", 0, 1, 4096, 2), ("ddtree", 32, 1, 4096, 2)]
+    cells += [("dflash", 0, 8, 1024, 16)] + [("ddtree", b, 8, 1024, 16) for b in C8_BUDGETS]
     return cells
 
 
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--refs", type=int, default=4, help="prompts of the C=1 cells (AR at C=1 is the reference)")
-    ap.add_argument("--modes", default="default,exact")
+    ap.add_argument("--modes", default="exact,default")
     ap.add_argument("--time-budget", type=float, default=300.0, help="seconds for the cells of all modes")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
@@ -125,10 +125,16 @@ def main(argv: list[str] | None = None) -> None:
     for i, mode in enumerate(modes):
         config = EngineConfig(max_batch=max(c[2] for c in cells), max_len=max_len, max_budget=64, max_queue=4096,
                               exact=mode == "exact")
-        engine = Engine(target, drafter, tokenizer, config, model_name=f"standin-{args.shape}-{mode}")
-        engine.start()
-        run_mode(mode, engine, stream, cells, args.new_tokens, t0 + per_mode * (i + 1), report, out)
-        engine.shutdown(drain_timeout=0)
+        engine = None
+        try:  # a mode that fails is recorded, and the other still runs
+            engine = Engine(target, drafter, tokenizer, config, model_name=f"standin-{args.shape}-{mode}")
+            engine.start()
+            run_mode(mode, engine, stream, cells, args.new_tokens, t0 + per_mode * (i + 1), report, out)
+        except Exception as exc:
+            report.setdefault("mode_errors", {})[mode] = f"{type(exc).__name__}: {exc}"[:2000]
+            print(f"mode {mode} failed: {exc}", flush=True)
+        if engine is not None:
+            engine.shutdown(drain_timeout=0)
         del engine
         gc.collect()
         if cuda:
