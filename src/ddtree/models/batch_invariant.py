@@ -280,7 +280,7 @@ if triton is not None:
             n_groups = tl.where(shared, 1, QT)
             # visibility of each row: positions up to its own, and above start only where it has an ancestor
             vis = j[None, :] <= pos_row[:, None]
-            if not shared:
+            if shared == 0:
                 anc_rc = tl.load(anc_base + t[:, None] * T + (j[None, :] - start),
                                  mask=row_ok[:, None] & (j[None, :] >= start) & vis, other=-1)
                 vis = vis & ((j[None, :] < start) | (anc_rc >= 0))
