@@ -103,6 +103,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="keep a timed cell that captured a graph or compiled a kernel (by default it runs again)")
     ap.add_argument("--no-blas-rule", action="store_true",
                     help="EngineConfig(blas_rule=False): cuBLAS for every matmul, for an A/B of the rule")
+    ap.add_argument("--engine-warmup", default="none",
+                    help="EngineConfig.warmup of the measured engine (none|fast|full|budgets); none by default: every "
+                         "cell warms itself up (--warm-up), as the runs recorded before the start-up plan did")
     args = ap.parse_args(argv)
     compiles = CompileLog()
     listening = compiles.install()
@@ -146,10 +149,10 @@ def _run(args: argparse.Namespace, compiles: CompileLog, listening: bool) -> Non
     config = EngineConfig(max_batch=max(concurrency), max_len=max_len, max_budget=max(*budgets, 32),
                           prefill_chunk=args.prefill_chunk, max_queue=4096, cuda_graphs=True, gpu_kernels=not args.no_kernels,
                           prefill_graphs=not args.no_prefill_graphs, draft_fp8=args.draft_fp8,
-                          blas_rule=not args.no_blas_rule)
+                          blas_rule=not args.no_blas_rule, warmup=args.engine_warmup)
     engine = Engine(target, drafter, tokenizer, config, model_name=f"standin-{args.shape}")
     engine.start()
-    eager = Engine(target, drafter, tokenizer, dataclasses.replace(config, cuda_graphs=False, max_batch=2),
+    eager = Engine(target, drafter, tokenizer, dataclasses.replace(config, cuda_graphs=False, max_batch=2, warmup="none"),
                    model_name="eager")
     eager.start()
     stream = held_out_token_stream(tokenizer, max(contexts) * 2 + 4096)
