@@ -15,7 +15,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from ddtree import triton_runtime  # noqa: E402
-from ddtree.errors import ConfigError  # noqa: E402
+from ddtree.errors import ShapeError  # noqa: E402
 from ddtree.models import batch_invariant as bi  # noqa: E402
 
 if not torch.cuda.is_available() and not triton_runtime.INTERPRETED:
@@ -72,7 +72,7 @@ def test_matmul_tiles_depend_on_the_weight_only():
 
 
 def test_linear_rejects_bad_shapes():
-    with pytest.raises(ConfigError, match="does not fit"):
+    with pytest.raises(ShapeError, match="does not fit"):
         bi.linear(torch.randn(2, 8, device=DEVICE), torch.randn(4, 9, device=DEVICE))
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from model_helpers import random_target
 
 from ddtree import speculative, triton_runtime

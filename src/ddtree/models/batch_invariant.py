@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ddtree.errors import ConfigError
+from ddtree.errors import ConfigError, ShapeError
 from ddtree.triton_runtime import INTERPRETED, tl, triton
 
 # ---- constants (changing one changes exact mode's bits, never its invariance) --------------------------------------
@@ -154,9 +154,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if triton is None:
         raise ConfigError("batch_invariant.linear needs Triton; use linear_rows")
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
-        raise ConfigError(f"batch_invariant.linear: x {tuple(x.shape)} does not fit weight {tuple(weight.shape)}")
+        raise ShapeError(f"batch_invariant.linear: x {tuple(x.shape)} does not fit weight {tuple(weight.shape)}")
     if bias is not None and bias.shape != (weight.shape[0],):
-        raise ConfigError(f"batch_invariant.linear: bias {tuple(bias.shape)} for weight {tuple(weight.shape)}")
+        raise ShapeError(f"batch_invariant.linear: bias {tuple(bias.shape)} for weight {tuple(weight.shape)}")
     n, k = weight.shape
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
@@ -350,15 +350,15 @@ if triton is not None:
 def _check_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start: Tensor, positions: Tensor,
                      anc: Tensor) -> None:
     if q.dim() != 4:
-        raise ConfigError(f"batch_invariant.attention: q must be [R, H, T, D], got {tuple(q.shape)}")
+        raise ShapeError(f"batch_invariant.attention: q must be [R, H, T, D], got {tuple(q.shape)}")
     r, h, t, d = q.shape
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[-1] != d:
-        raise ConfigError(f"batch_invariant.attention: k/v caches {tuple(k_cache.shape)}/{tuple(v_cache.shape)} "
+        raise ShapeError(f"batch_invariant.attention: k/v caches {tuple(k_cache.shape)}/{tuple(v_cache.shape)} "
                           f"must both be [slots, KV, max_len, {d}]")
     if h % k_cache.shape[1]:
-        raise ConfigError(f"batch_invariant.attention: {h} query heads are not a multiple of {k_cache.shape[1]}")
+        raise ShapeError(f"batch_invariant.attention: {h} query heads are not a multiple of {k_cache.shape[1]}")
     if slots.shape != (r,) or start.shape != (r,) or positions.shape != (r, t) or anc.shape != (r, t, t):
-        raise ConfigError(f"batch_invariant.attention: slots {tuple(slots.shape)}, start {tuple(start.shape)}, "
+        raise ShapeError(f"batch_invariant.attention: slots {tuple(slots.shape)}, start {tuple(start.shape)}, "
                           f"positions {tuple(positions.shape)}, anc {tuple(anc.shape)} do not fit q {tuple(q.shape)}")
 
 
@@ -384,7 +384,7 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start:
     if split_keys % ATTN_BLOCK_N:
         raise ConfigError(f"batch_invariant.attention: split_keys {split_keys} is not a multiple of {ATTN_BLOCK_N}")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ConfigError("batch_invariant.attention: the KV cache must have unit stride over head_dim")
+        raise ShapeError("batch_invariant.attention: the KV cache must have unit stride over head_dim")
     kv = k_cache.shape[1]
     g = h // kv
     if g > ATTN_BLOCK_M:
