@@ -2,7 +2,9 @@
 
 Reference: the same engine's AR decoding (and, in fp32, the plain full-recompute decoder). Run in bf16, where the
 rounding differences exact mode removes exist, on the CPU through the one-row-at-a-time torch path, with the oracle
-drafter so that trees accept deep paths and siblings.
+drafter so that trees accept deep paths and siblings. (On this CPU the default bf16 path happens to be row-invariant
+for the tiny pair too, so these tests guard exact mode's own path: a wrong ancestor, position or split breaks them;
+the divergence exact mode removes shows on the GPU, docs/benchmarks.md "Exact mode".)
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import copy
 import pytest
 import torch
 
-from conftest import OracleDrafter
 from ddtree.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, TreeSettings
 from ddtree.errors import ConfigError
 
@@ -27,9 +28,12 @@ N = 24
 
 
 @pytest.fixture(scope="module")
-def exact_engine(tiny_pair, tiny_tokenizer):
+def exact_engine(request, tiny_pair, tiny_tokenizer):
+    # tests/conftest.py's OracleDrafter (found among the loaded conftests: ``import conftest`` would name whichever
+    # directory's conftest was imported last)
+    oracle_cls = next(p.OracleDrafter for p in request.config.pluginmanager.get_plugins() if hasattr(p, "OracleDrafter"))
     target, drafter = (copy.deepcopy(m).to(torch.bfloat16) for m in tiny_pair)
-    oracle = OracleDrafter(drafter, target, noise=2.0)
+    oracle = oracle_cls(drafter, target, noise=2.0)
     engine = Engine(target, oracle, tiny_tokenizer, EngineConfig(max_batch=8, max_len=256, max_budget=32, exact=True),
                     model_name="tiny")
     oracle.attach(engine)
