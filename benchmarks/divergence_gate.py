@@ -90,9 +90,9 @@ def run_config(engine: Engine, prompts: list[list[int]], tree: TreeSettings, new
     return outputs, wall
 
 
-def shift_tree_position(node: int, shift: int) -> None:
+def shifted_tree_positions(node: int, shift: int):
     """The broken verify: ``ddtree.speculative.tree_positions`` with node ``node``'s position moved by ``shift``
-    (the engine's runner calls it through the module, so graphs captured afterwards carry the bug)."""
+    (tests/lab/humaneval/test_divergence_gate.py installs the same double through monkeypatch)."""
     from ddtree import speculative
 
     original = speculative.tree_positions
@@ -104,7 +104,15 @@ def shift_tree_position(node: int, shift: int) -> None:
             positions[:, node] += shift
         return positions
 
-    speculative.tree_positions = shifted
+    return shifted
+
+
+def shift_tree_position(node: int, shift: int) -> None:
+    """Install :func:`shifted_tree_positions` (the engine's runner calls it through the module, so graphs
+    captured afterwards carry the bug)."""
+    from ddtree import speculative
+
+    speculative.tree_positions = shifted_tree_positions(node, shift)
 
 
 def prefix_drift(base: TokenTrace, other: TokenTrace) -> float:
@@ -166,17 +174,12 @@ def main(argv: list[str] | None = None) -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    from ddtree.assets import demo_drafter_path, demo_target_path
-    from ddtree.models import load_drafter, load_target, load_tokenizer
+    from ddtree.models import load_tokenizer
+    from ddtree.models.standin import load_demo_benchmark_pair
 
     t0 = time.perf_counter()
-    tokenizer = load_tokenizer(demo_target_path())
-    target = load_target(demo_target_path(), dtype=dtype, device=device)
-    drafter = load_drafter(demo_drafter_path(), dtype=dtype, device=device)
-    if args.shape != "none":
-        from ddtree.models.standin import build_standin, standin_shape
-
-        target, drafter = build_standin(target, drafter, standin_shape(args.shape))
+    target, drafter, tokenizer_dir = load_demo_benchmark_pair(args.shape, device, dtype)
+    tokenizer = load_tokenizer(tokenizer_dir)
     max_budget = max([*budgets, args.broken_budget, 32])  # 32: room for the engine's default tree (budget 16)
     config = EngineConfig(max_batch=max(args.concurrency, 1), max_len=args.context + args.new_tokens + 64,
                           max_budget=max_budget, max_queue=max(64, args.prompts))

@@ -103,17 +103,12 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device)
     cuda = device.type == "cuda"
 
-    from ddtree.assets import demo_drafter_path, demo_target_path
-    from ddtree.models import load_drafter, load_target, load_tokenizer
+    from ddtree.models import load_tokenizer
+    from ddtree.models.standin import load_demo_benchmark_pair
 
-    tokenizer = load_tokenizer(demo_target_path())
     dtype = torch.bfloat16 if cuda else torch.float32
-    target = load_target(demo_target_path(), dtype=dtype, device=device)
-    drafter = load_drafter(demo_drafter_path(), dtype=dtype, device=device)
-    if args.shape != "none":
-        from ddtree.models.standin import build_standin, standin_shape
-
-        target, drafter = build_standin(target, drafter, standin_shape(args.shape))
+    target, drafter, tokenizer_dir = load_demo_benchmark_pair(args.shape, device, dtype)
+    tokenizer = load_tokenizer(tokenizer_dir)
     synchronize(device)
     cells = plan(args.quick, args.refs)
     stream = held_out_token_stream(tokenizer, 4096 * 2 + 4096)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -10,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -102,3 +104,16 @@ class ServerProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=30)
         self.log.close()
+
+
+@contextlib.contextmanager
+def healthy_server(model_dirs: tuple[Path, Path], flags: list[str], log_dir: Path) -> Iterator[ServerProcess]:
+    """``ddtree serve`` over the (target, drafter) directories with ``flags``, healthy, killed on exit (the module
+    fixtures of the real-process tests)."""
+    target, drafter = model_dirs
+    proc = ServerProcess(["--target", str(target), "--draft", str(drafter), *flags], log_dir / "server.log")
+    try:
+        proc.wait_healthy()
+        yield proc
+    finally:
+        proc.stop()

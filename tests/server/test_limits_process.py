@@ -12,7 +12,7 @@ import socket
 
 import httpx
 import pytest
-from server_helpers import ServerProcess
+from server_helpers import healthy_server
 
 pytestmark = pytest.mark.slow  # a server process takes a few seconds to import torch and load
 
@@ -25,14 +25,8 @@ JSON = {"content-type": "application/json"}
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dirs, tmp_path_factory):
-    target, drafter = tiny_model_dirs
-    proc = ServerProcess(["--target", str(target), "--draft", str(drafter), *FLAGS],
-                         tmp_path_factory.mktemp("server") / "server.log")
-    try:
-        proc.wait_healthy()
+    with healthy_server(tiny_model_dirs, FLAGS, tmp_path_factory.mktemp("server")) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def oversize(size: int) -> bytes:

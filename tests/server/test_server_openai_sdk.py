@@ -15,7 +15,7 @@ import openai
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
-from server_helpers import ServerProcess
+from server_helpers import healthy_server
 
 pytestmark = pytest.mark.slow  # the server process takes a few seconds to import torch and load
 
@@ -28,14 +28,8 @@ MESSAGES = [{"role": "user", "content": "Sort a list in Python."}]
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dirs, tmp_path_factory):
-    target, drafter = tiny_model_dirs
-    proc = ServerProcess(["--target", str(target), "--draft", str(drafter), *FLAGS],
-                         tmp_path_factory.mktemp("sdk") / "server.log")
-    try:
-        proc.wait_healthy()
+    with healthy_server(tiny_model_dirs, FLAGS, tmp_path_factory.mktemp("sdk")) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import threading
 
 import httpx
 import pytest
-from server_helpers import ServerProcess
+from server_helpers import healthy_server
 
 pytestmark = pytest.mark.slow  # a server process takes a few seconds to import torch and load
 
@@ -20,16 +20,10 @@ TEN_MB = 10 * 2**20
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dirs, tmp_path_factory, monkeypatch_module):
-    target, drafter = tiny_model_dirs
     monkeypatch_module.setenv("DDTREE_API_KEY", USER)  # keys from the environment, as a deployment passes them
     monkeypatch_module.setenv("DDTREE_ADMIN_API_KEY", ADMIN)
-    proc = ServerProcess(["--target", str(target), "--draft", str(drafter), *FLAGS],
-                         tmp_path_factory.mktemp("server") / "server.log")
-    try:
-        proc.wait_healthy()
+    with healthy_server(tiny_model_dirs, FLAGS, tmp_path_factory.mktemp("server")) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")

@@ -461,6 +461,23 @@ def load_standin(shape: StandinShape | str, target: str | Path | None = None, dr
     return big_target, big_drafter, small.target_dir
 
 
+def load_demo_benchmark_pair(shape: str, device: torch.device, dtype: torch.dtype
+                             ) -> tuple[TargetModel, DFlashDrafter, Path]:
+    """The pair the GPU benchmark scripts measure: the demo pair loaded in ``dtype`` on ``device`` and, unless
+    ``shape`` is ``"none"``, the stand-in of that shape built from it (:func:`build_standin` from the loaded
+    weights, as ``benchmarks/gpu.py`` has always built it; :func:`load_standin` builds from fp32 instead).
+
+    Returns (target, drafter, the demo target's directory: its tokenizer is the pair's)."""
+    from ddtree.assets import demo_drafter_path, demo_target_path
+    from ddtree.models.loading import load_drafter, load_target
+
+    target = load_target(demo_target_path(), dtype=dtype, device=device)
+    drafter = load_drafter(demo_drafter_path(), dtype=dtype, device=device)
+    if shape != "none":
+        target, drafter = build_standin(target, drafter, standin_shape(shape))
+    return target, drafter, Path(demo_target_path())
+
+
 @torch.inference_mode()
 def logit_agreement(small: TargetModel, big: TargetModel, input_ids: Tensor) -> dict[str, float]:
     """How closely ``big`` reproduces ``small`` on input_ids [B, T]: the largest logit difference relative to the

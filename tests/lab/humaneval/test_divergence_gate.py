@@ -9,7 +9,9 @@ the drift of the two runs' log-probs of the same tokens is what shows the broken
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,16 +42,12 @@ def demo_server():
 
 
 def _shift_node(node: int, shift: int):
-    original = speculative.tree_positions
-
-    def shifted(start: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
-        positions = original(start, depths)
-        if positions.shape[1] > node:
-            positions = positions.clone()
-            positions[:, node] += shift
-        return positions
-
-    return shifted
+    """benchmarks/divergence_gate.py's broken verify (a script, loaded by path)."""
+    path = Path(__file__).resolve().parents[3] / "benchmarks" / "divergence_gate.py"
+    spec = importlib.util.spec_from_file_location("divergence_gate", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.shifted_tree_positions(node, shift)
 
 
 def test_broken_verify_is_a_real_divergence_and_the_healthy_engine_is_identical(demo_server, tmp_path,
