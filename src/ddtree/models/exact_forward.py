@@ -144,24 +144,8 @@ def forward(target, input_ids: Tensor, positions: Tensor, cache: KVCache, slots:
         ops.write_kv(cache, layer, slots, write_pos, k, v)
         return ops.attention(q, cache.k[layer], cache.v[layer], slots, start, positions, anc, chain, kv_len)
 
-    h = target.embed(input_ids)  # [R, T, H]
-    cos, sin = target.rotary(positions, h.dtype)
-    wanted = set(hidden_layers)
-    kept: dict[int, Tensor] = {}
-    last = target.config.num_layers - 1
-    for layer in target.layers:
-        h = _layer(layer, h, cos, sin, ops, attend)
-        if layer.index in wanted and layer.index != last:
-            kept[layer.index] = h
-    if last in wanted:
-        kept[last] = ops.norm(h, target.norm)
-    hidden = torch.cat([kept[i] for i in hidden_layers], dim=-1) if hidden_layers else None
     head = target.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
-    if logits_at is None:
-        logits = ops.linear(ops.norm(h, target.norm), head)
-    elif logits_at.shape[1] == 0:
-        logits = None
-    else:
-        picked = torch.gather(h, 1, logits_at[..., None].expand(-1, -1, h.shape[-1]))  # [R, N, H]
-        logits = ops.linear(ops.norm(picked, target.norm), head)
-    return logits, hidden
+    out = target.run_layers(input_ids, positions, lambda layer, h, cos, sin: _layer(layer, h, cos, sin, ops, attend),
+                            lambda h: ops.norm(h, target.norm), lambda h: ops.linear(h, head), logits_at,
+                            hidden_layers)
+    return out.logits, out.hidden

@@ -32,6 +32,7 @@ Returns logits only at ``logits_at`` and the hidden states after the decoder lay
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -186,23 +187,34 @@ class TargetModel(nn.Module):
              hidden_layers: tuple[int, ...], kernels: bool) -> TargetOutput:
         """The layers, then the final norm and the head at ``logits_at``; kernels: the layers' element-wise Triton
         kernels (``KernelSet.fused_ops``)."""
+        return self.run_layers(input_ids, positions, lambda layer, h, cos, sin: layer(h, cos, sin, attend,
+                                                                                         kernels=kernels),
+                               self.norm, self.lm_logits, logits_at, hidden_layers)
+
+    def run_layers(self, input_ids: Tensor, positions: Tensor, step: Callable[..., Tensor],
+                   norm: Callable[[Tensor], Tensor], head: Callable[[Tensor], Tensor], logits_at: Tensor | None,
+                   hidden_layers: tuple[int, ...]) -> TargetOutput:
+        """The forward's skeleton, shared with exact mode (:mod:`ddtree.models.exact_forward`, which brings its own
+        layer step, norm and head): embed and rotate, ``step(layer, h, cos, sin) -> h`` per layer keeping the
+        hidden states asked for, then ``head(norm(h))`` at every position (``logits_at`` None), at the positions
+        ``logits_at`` [R, N] names, or nowhere (N = 0)."""
         h = self.embed(input_ids)  # [R, T, H]
         cos, sin = self.rotary(positions, h.dtype)
         wanted = set(hidden_layers)
         kept: dict[int, Tensor] = {}
         last = self.config.num_layers - 1
         for layer in self.layers:
-            h = layer(h, cos, sin, attend, kernels=kernels)
+            h = step(layer, h, cos, sin)
             if layer.index in wanted and layer.index != last:
                 kept[layer.index] = h
         if last in wanted:
-            kept[last] = self.norm(h)
+            kept[last] = norm(h)
         hidden = torch.cat([kept[i] for i in hidden_layers], dim=-1) if hidden_layers else None
         if logits_at is None:
-            logits = self.lm_logits(self.norm(h))
+            logits = head(norm(h))
         elif logits_at.shape[1] == 0:
             logits = None
         else:
             picked = torch.gather(h, 1, logits_at[..., None].expand(-1, -1, h.shape[-1]))  # [R, N, H]
-            logits = self.lm_logits(self.norm(picked))
+            logits = head(norm(picked))
         return TargetOutput(logits, hidden)
