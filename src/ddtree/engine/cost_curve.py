@@ -1,0 +1,266 @@
+"""The cost curve: one decode round's wall seconds as a function of rows, tree budget and context length.
+
+Terms:
+    rows     requests in the round (the batch; padding rows included: on CUDA a round pays its rows bucket).
+    budget   tree nodes past the root per request; 0 is AR (the root alone), a chain of depth d is budget d.
+    kv_len   the furthest committed length any row reads (the verify's key length), in tokens.
+    round seconds  wall time of one decode round for that many rows: draft + tree + verify + commit, as the engine's
+             ``StageTimer`` and round timing measure it (the one host sync included).
+
+A curve is a grid of measured points, ``seconds[r, b, k]`` for ``rows[r]``, ``budgets[b]``, ``kv_lens[k]``, stored
+flattened in that (C) order. Worked example: rows (1, 4), budgets (0, 8), kv_lens (64,) and seconds
+(0.010, 0.020, 0.016, 0.040) mean a 4-row b8 round at 64 tokens takes 40 ms; 2 rows b4 interpolates to
+``2/3 * (0.010 + 0.020) / 2 + 1/3 * (0.016 + 0.040) / 2`` = 19.3 ms (2 rows is 1/3 of the way from 1 to 4, b4 half
+the way from 0 to 8), and any kv_len reads the one kv_len point.
+
+Interpolation is piecewise-linear along each axis (trilinear on the grid cell): a round's cost is close to linear
+in the rows it verifies once the forward is past its bandwidth-bound knee (below it, extra rows ride almost free,
+and the measured points are that knee: a denser rows grid near it is the remedy, not a fancier curve), linear in
+the keys attention reads, and between two measured budgets linear in the tree's token rows. On CUDA the rows and
+budgets are bucketed (powers of two, ``2^k - 1`` node buckets), so a curve measured at bucket edges is exact there;
+a budget between two grid budgets gets the blend of their buckets, which is why the grid should hold exactly the
+budgets a chooser picks from.
+
+Extrapolation is capped: below an axis' first point the first point's value is used (a round never costs less than
+the smallest measured one); above its last point the last segment's slope (never negative) is followed for at most
+one more grid span, twice the last point at most, and held flat past that (:meth:`CostCurve.covers` says whether a
+point is inside the grid, so callers can tell an extrapolated answer).
+
+Curves are cached per device and model on disk as JSON (``<cache_dir>/<key>.json``, default
+``~/.cache/ddtree/cost_curves``), written atomically (a temporary file in the same directory, then ``os.replace``),
+so a crash leaves the old file or the new one, never half of one; a file that does not load is reported with a
+warning naming the problem and measured again (:func:`cached_curve`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ddtree.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+COST_CURVE_SCHEMA = "ddtree.cost_curve/1"
+
+
+class CostCurveError(ConfigError):
+    """A cost curve (a file, a JSON object or the values built into one) is malformed; the message names the field."""
+
+
+def default_cache_dir() -> Path:
+    """``~/.cache/ddtree/cost_curves``: the user cache directory (a parameter everywhere it is used, never an env var)."""
+    return Path.home() / ".cache" / "ddtree" / "cost_curves"
+
+
+def _axis(name: str, values: Any, lo: int) -> tuple[int, ...]:
+    if not isinstance(values, (list, tuple)) or not values:
+        raise CostCurveError(f"cost curve {name} must be a non-empty list of integers, got {values!r}")
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise CostCurveError(f"cost curve {name} must hold integers >= {lo}, got {v!r} in {list(values)}")
+    if any(b <= a for a, b in zip(values[:-1], values[1:], strict=True)):
+        raise CostCurveError(f"cost curve {name} must be strictly increasing, got {list(values)}")
+    return tuple(values)
+
+
+def _segment(axis: tuple[int, ...], x: float) -> tuple[int, int, float]:
+    """(i, j, w): ``x`` is ``(1 - w) * axis[i] + w * axis[j]`` with the capped extrapolation of the module doc."""
+    if len(axis) == 1 or x <= axis[0]:
+        return 0, 0, 0.0
+    if x >= axis[-1]:
+        i, j = len(axis) - 2, len(axis) - 1
+        span = axis[j] - axis[i]
+        x = min(x, axis[j] + span, 2 * axis[j])  # one more grid span at most, twice the last point at most
+        return i, j, (x - axis[i]) / span
+    j = bisect.bisect_right(axis, x)
+    i = j - 1
+    return i, j, (x - axis[i]) / (axis[j] - axis[i])
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """Measured round wall seconds on a rows x budgets x kv_lens grid, for one device and model (see module doc)."""
+
+    device: str  # e.g. "cpu" or "NVIDIA H200"
+    model: str  # the pair measured (target + drafter + dtype), free text
+    rows: tuple[int, ...]  # strictly increasing, >= 1
+    budgets: tuple[int, ...]  # strictly increasing, >= 0 (0 = AR)
+    kv_lens: tuple[int, ...]  # strictly increasing, >= 1
+    seconds: tuple[float, ...]  # flattened [len(rows), len(budgets), len(kv_lens)] round wall seconds, each > 0
+    repeats: int = 1  # rounds timed per point (the median is stored)
+    measure_seconds: float = 0.0  # wall seconds the whole measurement took (0 when unknown)
+
+    def __post_init__(self) -> None:
+        for name in ("device", "model"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise CostCurveError(f"cost curve {name} must be a non-empty string, got {getattr(self, name)!r}")
+        object.__setattr__(self, "rows", _axis("rows", self.rows, 1))
+        object.__setattr__(self, "budgets", _axis("budgets", self.budgets, 0))
+        object.__setattr__(self, "kv_lens", _axis("kv_lens", self.kv_lens, 1))
+        expected = len(self.rows) * len(self.budgets) * len(self.kv_lens)
+        if not isinstance(self.seconds, (list, tuple)) or len(self.seconds) != expected:
+            got = len(self.seconds) if isinstance(self.seconds, (list, tuple)) else type(self.seconds).__name__
+            raise CostCurveError(
+                f"cost curve seconds must hold len(rows) x len(budgets) x len(kv_lens) = {len(self.rows)} x "
+                f"{len(self.budgets)} x {len(self.kv_lens)} = {expected} values, got {got}"
+            )
+        for n, s in enumerate(self.seconds):
+            if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or s <= 0:
+                r, rest = divmod(n, len(self.budgets) * len(self.kv_lens))
+                b, k = divmod(rest, len(self.kv_lens))
+                raise CostCurveError(
+                    f"cost curve seconds must be finite and > 0, got {s!r} at rows {self.rows[r]}, budget "
+                    f"{self.budgets[b]}, kv_len {self.kv_lens[k]}; measure the curve again"
+                )
+        object.__setattr__(self, "seconds", tuple(float(s) for s in self.seconds))
+        if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
+            raise CostCurveError(f"cost curve repeats must be an integer >= 1, got {self.repeats!r}")
+        if (isinstance(self.measure_seconds, bool) or not isinstance(self.measure_seconds, (int, float))
+                or not math.isfinite(self.measure_seconds) or self.measure_seconds < 0):
+            raise CostCurveError(f"cost curve measure_seconds must be finite and >= 0, got {self.measure_seconds!r}")
+
+    def point(self, r: int, b: int, k: int) -> float:
+        """The measured seconds at grid indices (r, b, k)."""
+        return self.seconds[(r * len(self.budgets) + b) * len(self.kv_lens) + k]
+
+    def round_seconds(self, rows: int, budget: int, kv_len: int) -> float:
+        """One round's wall seconds for ``rows`` requests at ``budget`` reading ``kv_len`` keys (trilinear)."""
+        for name, v, lo in (("rows", rows, 1), ("budget", budget, 0), ("kv_len", kv_len, 0)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < lo:
+                raise CostCurveError(f"round_seconds: {name} must be a number >= {lo}, got {v!r}")
+        segments = (_segment(self.rows, rows), _segment(self.budgets, budget), _segment(self.kv_lens, kv_len))
+        inside = self._blend(tuple((i, j, min(w, 1.0)) for i, j, w in segments))
+        # past the grid's last point, follow the last segment only upwards: a slope that falls is held flat
+        return max(inside, self._blend(segments)) if any(w > 1.0 for _, _, w in segments) else inside
+
+    def _blend(self, segments: tuple[tuple[int, int, float], ...]) -> float:
+        (ri, rj, rw), (bi, bj, bw), (ki, kj, kw) = segments
+        total = 0.0
+        for r, wr in ((ri, 1.0 - rw), (rj, rw)):
+            for b, wb in ((bi, 1.0 - bw), (bj, bw)):
+                for k, wk in ((ki, 1.0 - kw), (kj, kw)):
+                    if wr * wb * wk:
+                        total += wr * wb * wk * self.point(r, b, k)
+        return total
+
+    def covers(self, rows: int, budget: int, kv_len: int) -> bool:
+        """Whether the point lies inside the measured grid (no extrapolation)."""
+        return (self.rows[0] <= rows <= self.rows[-1] and self.budgets[0] <= budget <= self.budgets[-1]
+                and self.kv_lens[0] <= kv_len <= self.kv_lens[-1])
+
+    def table(self) -> list[list[list[float]]]:
+        """The seconds as a nested ``[rows][budgets][kv_lens]`` list (e.g. ``torch.tensor(curve.table())``)."""
+        nb, nk = len(self.budgets), len(self.kv_lens)
+        return [[[self.point(r, b, k) for k in range(nk)] for b in range(nb)] for r in range(len(self.rows))]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": COST_CURVE_SCHEMA,
+            "device": self.device,
+            "model": self.model,
+            "rows": list(self.rows),
+            "budgets": list(self.budgets),
+            "kv_lens": list(self.kv_lens),
+            "seconds": list(self.seconds),
+            "repeats": self.repeats,
+            "measure_seconds": self.measure_seconds,
+        }
+
+    @classmethod
+    def from_json(cls, d: Any) -> CostCurve:
+        """A curve from :meth:`to_json`'s object; anything malformed raises :class:`CostCurveError` naming it."""
+        if not isinstance(d, Mapping):
+            raise CostCurveError(f"a cost curve must be a JSON object, got {type(d).__name__}")
+        if d.get("schema") != COST_CURVE_SCHEMA:
+            raise CostCurveError(f"cost curve schema must be {COST_CURVE_SCHEMA!r}, got {d.get('schema')!r}")
+        missing = [k for k in ("device", "model", "rows", "budgets", "kv_lens", "seconds") if k not in d]
+        if missing:
+            raise CostCurveError(f"cost curve lacks {', '.join(missing)}")
+        unknown = sorted(set(d) - {"schema", "device", "model", "rows", "budgets", "kv_lens", "seconds", "repeats",
+                                   "measure_seconds"})
+        if unknown:
+            raise CostCurveError(f"cost curve has unknown fields {unknown}")
+        return cls(device=d["device"], model=d["model"], rows=d["rows"], budgets=d["budgets"], kv_lens=d["kv_lens"],
+                   seconds=d["seconds"], repeats=d.get("repeats", 1), measure_seconds=d.get("measure_seconds", 0.0))
+
+
+def cache_key(device: str, model: str, **extra: Any) -> str:
+    """A file-name-safe key for one device and model: a readable slug plus a hash of everything that sets the costs
+    (``extra``: dtype, kernels, graphs, the grid...), so two configs never share a file."""
+    canonical = json.dumps({"device": device, "model": model, **extra}, sort_keys=True, default=str)
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", f"{device}_{model}").strip("-")[:80] or "curve"
+    return f"{slug}-{hashlib.sha256(canonical.encode()).hexdigest()[:12]}"
+
+
+def save_curve(curve: CostCurve, path: Path) -> Path:
+    """Write ``curve`` to ``path`` atomically: a temporary file beside it, flushed and synced, then ``os.replace``."""
+    path = Path(path)
+    text = json.dumps(curve.to_json(), indent=1)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load_curve(path: Path) -> CostCurve:
+    """Read a curve written by :func:`save_curve`; a missing, truncated or malformed file raises
+    :class:`CostCurveError` naming the file and the problem."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise CostCurveError(f"cost curve {path} cannot be read: {exc}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CostCurveError(f"cost curve {path} is not JSON (truncated or corrupt?): {exc}") from None
+    try:
+        return CostCurve.from_json(data)
+    except CostCurveError as exc:
+        raise CostCurveError(f"cost curve {path}: {exc}") from None
+
+
+def cached_curve(
+    key: str, measure: Callable[[], CostCurve], *, cache_dir: Path | None = None
+) -> tuple[CostCurve, Path, str]:
+    """The curve cached under ``key``, or ``measure()``'s result saved there. Returns (curve, path, source) with
+    source ``"cache"`` or ``"measured"``; a cached file that does not load is warned about and measured again."""
+    path = (default_cache_dir() if cache_dir is None else Path(cache_dir)) / f"{key}.json"
+    if path.exists():
+        try:
+            return load_curve(path), path, "cache"
+        except CostCurveError as exc:
+            log.warning("%s; measuring it again", exc)
+    curve = measure()
+    save_curve(curve, path)
+    return curve, path, "measured"
+
+
+def make_curve(device: str, model: str, rows: Sequence[int], budgets: Sequence[int], kv_lens: Sequence[int],
+               seconds: Callable[[int, int, int], float], **kwargs: Any) -> CostCurve:
+    """A curve from a function of (rows, budget, kv_len): fills the grid in storage order (tests, hand-made curves)."""
+    values = [seconds(r, b, k) for r in rows for b in budgets for k in kv_lens]
+    return CostCurve(device, model, tuple(rows), tuple(budgets), tuple(kv_lens), tuple(values), **kwargs)
+
+
+__all__ = ["COST_CURVE_SCHEMA", "CostCurve", "CostCurveError", "cache_key", "cached_curve", "default_cache_dir",
+           "load_curve", "make_curve", "save_curve"]
