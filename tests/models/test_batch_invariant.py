@@ -54,6 +54,36 @@ def test_linear_rows_bit_identical_to_one_row(dtype, shape):
         assert bi.matmul_tiles(n, k).split_k == 2  # the split-K path ran
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_launches_give_the_same_bits(dtype):
+    # split programs + the ordered sum kernel against fused programs that walk the segments themselves, and
+    # different row tiles: every row equal to its row alone under the default launch, with and without a bias
+    n, k = 40, 512
+    tiles = bi.MatmulTiles(block_k=64, split_k=4)
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(n, k, generator=gen).to(dtype).to(DEVICE)
+    b = torch.randn(n, generator=gen).to(dtype).to(DEVICE)
+    x = torch.randn(max(ROWS), k, generator=gen).to(dtype).to(DEVICE)
+    launches = [bi.MatmulLaunch(16, 32, 4, 2, fused=False), bi.MatmulLaunch(16, 32, 4, 2, fused=True),
+                bi.MatmulLaunch(32, 64, 4, 2, fused=True), bi.MatmulLaunch(64, 16, 4, 2, fused=False)]
+    for bias in (None, b):
+        alone = torch.cat([bi.linear(x[i:i + 1], w, bias, tiles=tiles, launch=launches[0]) for i in range(x.shape[0])])
+        for launch in launches:
+            for m in ROWS:
+                y = bi.linear(x[:m], w, bias, tiles=tiles, launch=launch)
+                assert torch.equal(y, alone[:m]), f"{launch} at {m} rows differs from the rows alone"
+    # and the split count does change the bits (so the test can tell the launches apart from the tiles)
+    other = bi.linear(x, w, None, tiles=bi.MatmulTiles(block_k=64, split_k=1))
+    assert not torch.equal(other, bi.linear(x, w, None, tiles=tiles))
+
+
+def test_matmul_launch_by_rows():
+    # decode: split programs; wide: fused programs in large tiles (the launch never changes matmul_tiles)
+    assert not bi.matmul_launch(4096, 12288, 1).fused
+    assert bi.matmul_launch(4096, 12288, 2048).fused
+    assert bi.matmul_launch(4096, 12288, 2048).block_m >= bi.matmul_launch(4096, 12288, 1).block_m
+
+
 def test_linear_no_bias_and_leading_dims():
     w = torch.randn(24, 32, device=DEVICE)
     x = torch.randn(3, 5, 32, device=DEVICE)

@@ -45,7 +45,6 @@ from ddtree.errors import ConfigError, ShapeError
 from ddtree.triton_runtime import INTERPRETED, tl, triton
 
 # ---- constants (changing one changes exact mode's bits, never its invariance) --------------------------------------
-MATMUL_BLOCK_M = 64  # rows per matmul tile, for every row count
 MATMUL_MAX_BLOCK_N = 128
 MATMUL_MAX_BLOCK_K = 64
 # Split-K is chosen from the weight's shape so that about this many programs stream a weight at one tile of rows
@@ -60,12 +59,25 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
 class MatmulTiles(NamedTuple):
+    """What fixes a weight's bits: BLOCK_K and the split count (the K segments, each summed from zero in
+    ascending K order, the segments added in ascending order, the bias last). A function of (N, K) only."""
+
+    block_k: int
+    split_k: int  # K blocks divided into this many equal segments per output element
+
+
+class MatmulLaunch(NamedTuple):
+    """How one call runs (free to depend on the row count M: it does not change a bit, see :func:`linear`).
+
+    ``fused``: one program per output tile walks all K segments itself (no partials in memory); else one program
+    per (tile, segment) writes an fp32 partial and a second kernel sums them in ascending order (more programs for
+    the few row tiles of a decode step)."""
+
     block_m: int
     block_n: int
-    block_k: int
-    split_k: int  # K blocks are divided among this many programs per output tile; partials summed in order
     num_warps: int
     num_stages: int
+    fused: bool
 
 
 def _pow2_at_least(n: int, lo: int) -> int:
@@ -73,7 +85,7 @@ def _pow2_at_least(n: int, lo: int) -> int:
 
 
 def matmul_tiles(n: int, k: int) -> MatmulTiles:
-    """The one tile configuration of a weight [n, k] (a function of the weight's shape only, never of the rows)."""
+    """The bit-fixing part of a weight [n, k]'s configuration (of the weight's shape only, never of the rows)."""
     block_n = min(MATMUL_MAX_BLOCK_N, _pow2_at_least(n, 16))
     block_k = min(MATMUL_MAX_BLOCK_K, _pow2_at_least(k, 16))
     n_tiles = -(-n // block_n)
@@ -82,7 +94,24 @@ def matmul_tiles(n: int, k: int) -> MatmulTiles:
     while (n_tiles * split < MATMUL_TARGET_PROGRAMS and split * 2 <= MATMUL_MAX_SPLIT_K
            and k_blocks % (split * 2) == 0 and k_blocks // (split * 2) >= MATMUL_MIN_K_BLOCKS_PER_SPLIT):
         split *= 2
-    return MatmulTiles(MATMUL_BLOCK_M, block_n, block_k, split, 4, 3)
+    return MatmulTiles(block_k, split)
+
+
+# Row-count thresholds of the launch table (benchmarks/exact_matmul_tune.py measured them on the H200).
+MATMUL_SPLIT_LAUNCH_MAX_ROWS = 64  # at most this many rows: split programs (decode); more: fused programs
+MATMUL_LARGE_TILE_ROWS = 256  # from this many rows: 128-row tiles with 8 warps
+
+
+def matmul_launch(n: int, k: int, m: int) -> MatmulLaunch:
+    """The launch of x [m, k] @ w [n, k]^T: small tiles and split programs for decode, large fused tiles for
+    prefill and wide verifies. Any choice here gives the same bits (tests/models/test_batch_invariant.py)."""
+    tiles = matmul_tiles(n, k)
+    block_n = min(MATMUL_MAX_BLOCK_N, _pow2_at_least(n, 16))
+    if m <= MATMUL_SPLIT_LAUNCH_MAX_ROWS or tiles.split_k == 1 and m < MATMUL_LARGE_TILE_ROWS:
+        return MatmulLaunch(64, block_n, 4, 3, fused=tiles.split_k == 1)
+    if m < MATMUL_LARGE_TILE_ROWS:
+        return MatmulLaunch(64, block_n, 4, 3, fused=True)
+    return MatmulLaunch(128, block_n, 8, 3, fused=True)
 
 
 if triton is not None:
@@ -92,43 +121,59 @@ if triton is not None:
         """acc + a @ b in fp32. EMULATE (Triton's interpreter only): an fp32 broadcast product summed over K with
         ``tl.sum``, because the interpreter's ``tl.dot`` is numpy's BLAS matmul, whose result for a row changes with
         the row's place in the tile (and whose bf16 dot multiplies raw bit patterns). On a GPU the tensor-core dot
-        runs; its rows are independent of each other for one instruction shape (one compiled kernel)."""
+        runs; its rows are independent of each other for one instruction K-step (tile shapes do not enter: the
+        GPU test compares them)."""
         if EMULATE:
             out = acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
         else:
             out = tl.dot(a, b, acc, input_precision=PRECISION)
         return out
 
-    @triton.jit(do_not_specialize=["M"])
-    def _matmul_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                       k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr, EMULATE: tl.constexpr,
-                       PRECISION: tl.constexpr):
-        """Program (row tile, column tile, K split): acc = sum over its K blocks in ascending order; DIRECT (one
-        split) adds the bias and stores; otherwise the fp32 partial goes to part[split, m, n]."""
-        pid_m = tl.program_id(0).to(tl.int64)
-        pid_n = tl.program_id(1).to(tl.int64)
-        pid_s = tl.program_id(2).to(tl.int64)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    @triton.jit
+    def _segment(x_ptr, w_ptr, rm, rn, m_ok, n_ok, K, stride_xm, stride_wn, k_lo, k_hi, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
+        """One K segment's fp32 sum from zero, its K blocks in ascending order: [BLOCK_M, BLOCK_N]."""
         rk = tl.arange(0, BLOCK_K)
-        m_ok = rm < M
-        n_ok = rn < N
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        k_lo = pid_s * k_per_split
-        k_hi = tl.minimum(k_lo + k_per_split, K)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             kk = k0 + rk
             k_ok = kk < K
             x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             acc = _dot(x, tl.trans(w), acc, EMULATE, PRECISION)
-        if DIRECT:
+        return acc
+
+    @triton.jit(do_not_specialize=["M"])
+    def _matmul_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                       k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SPLITS: tl.constexpr, FUSED: tl.constexpr, HAS_BIAS: tl.constexpr, EMULATE: tl.constexpr,
+                       PRECISION: tl.constexpr):
+        """FUSED (grid: row tiles x column tiles): total = ((seg_0 + seg_1) + ...) + seg_{S-1}, then the bias, and
+        store. Otherwise (grid x SPLITS): seg_{pid} -> part[split, m, n] in fp32 (:func:`_split_sum_kernel` adds
+        them in the same order), or with one split the bias and the store directly."""
+        pid_m = tl.program_id(0).to(tl.int64)
+        pid_n = tl.program_id(1).to(tl.int64)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_ok = rm < M
+        n_ok = rn < N
+        if FUSED or SPLITS == 1:
+            total = _segment(x_ptr, w_ptr, rm, rn, m_ok, n_ok, K, stride_xm, stride_wn, 0,
+                             tl.minimum(k_per_split, K), BLOCK_M, BLOCK_N, BLOCK_K, EMULATE, PRECISION)
+            for s in tl.static_range(1, SPLITS):
+                k_lo = s * k_per_split
+                total = total + _segment(x_ptr, w_ptr, rm, rn, m_ok, n_ok, K, stride_xm, stride_wn, k_lo,
+                                         tl.minimum(k_lo + k_per_split, K), BLOCK_M, BLOCK_N, BLOCK_K, EMULATE,
+                                         PRECISION)
             if HAS_BIAS:
-                acc = acc + tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+                total = total + tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], total.to(out_ptr.dtype.element_ty),
                      mask=m_ok[:, None] & n_ok[None, :])
         else:
+            pid_s = tl.program_id(2).to(tl.int64)
+            k_lo = pid_s * k_per_split
+            acc = _segment(x_ptr, w_ptr, rm, rn, m_ok, n_ok, K, stride_xm, stride_wn, k_lo,
+                           tl.minimum(k_lo + k_per_split, K), BLOCK_M, BLOCK_N, BLOCK_K, EMULATE, PRECISION)
             part = part_ptr + (pid_s * M + rm[:, None]) * N + rn[None, :]
             tl.store(part, acc, mask=m_ok[:, None] & n_ok[None, :])
 
@@ -148,9 +193,14 @@ if triton is not None:
         tl.store(out_ptr + m * stride_om + n, total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, tiles: MatmulTiles | None = None,
+           launch: MatmulLaunch | None = None) -> Tensor:
     """``F.linear(x, weight, bias)`` with a fixed reduction order per output element: x [..., K], weight [N, K],
-    bias [N] -> [..., N] in x's dtype (fp32 accumulation). Triton; CUDA tensors or the interpreter."""
+    bias [N] -> [..., N] in x's dtype (fp32 accumulation). Triton; CUDA tensors or the interpreter.
+
+    ``tiles`` (default :func:`matmul_tiles`) fixes the bits; ``launch`` (default :func:`matmul_launch` of the row
+    count) only how the programs are laid out: a segment's sum is the same in a split program or a fused one, and
+    0 + s == s, so a row's bits do not depend on M. Both overrides exist for the tuning script and the tests."""
     if triton is None:
         raise ConfigError("batch_invariant.linear needs Triton; use linear_rows")
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
@@ -168,19 +218,22 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*lead, n)
-    tiles = matmul_tiles(n, k)
+    tiles = tiles or matmul_tiles(n, k)
+    launch = launch or matmul_launch(n, k, m)
     k_blocks = -(-k // tiles.block_k)
+    if k_blocks % tiles.split_k:
+        raise ConfigError(f"batch_invariant.linear: {k_blocks} K blocks do not divide into {tiles.split_k} splits")
     k_per_split = (k_blocks // tiles.split_k) * tiles.block_k
-    direct = tiles.split_k == 1
-    part = out if direct else torch.empty((tiles.split_k, m, n), dtype=torch.float32, device=x.device)
+    fused = launch.fused or tiles.split_k == 1
+    part = out if fused else torch.empty((tiles.split_k, m, n), dtype=torch.float32, device=x.device)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    grid = (-(-m // tiles.block_m), -(-n // tiles.block_n), tiles.split_k)
+    grid = (-(-m // launch.block_m), -(-n // launch.block_n), 1 if fused else tiles.split_k)
     _matmul_kernel[grid](x2, weight, weight if bias is None else bias, out, part, m, n, k, x2.stride(0),
-                         weight.stride(0), out.stride(0), k if direct else k_per_split,
-                         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-                         HAS_BIAS=bias is not None, DIRECT=direct, EMULATE=INTERPRETED, PRECISION=precision,
-                         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-    if not direct:
+                         weight.stride(0), out.stride(0), k_per_split,
+                         BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=tiles.block_k,
+                         SPLITS=tiles.split_k, FUSED=fused, HAS_BIAS=bias is not None, EMULATE=INTERPRETED,
+                         PRECISION=precision, num_warps=launch.num_warps, num_stages=launch.num_stages)
+    if not fused:
         block = 1024
         _split_sum_kernel[(-(-(m * n) // block),)](part, weight if bias is None else bias, out, m, n, out.stride(0),
                                                     SPLITS=tiles.split_k, HAS_BIAS=bias is not None, BLOCK=block,

@@ -1,0 +1,143 @@
+"""Exact mode's matmul against cuBLAS on the Qwen3-8B stand-in's five weights, and which launches keep its bits.
+
+For each weight (q/k/v 4096->6144, o_proj 4096->4096, gate/up 4096->24576, down 12288->4096, LM head 4096->151936),
+bf16, random data, at 1, 8, 64, 320, 1024 and 2048 rows:
+
+- time (CUDA events, median, several weight copies rotated so the L2 does not hold the weight) of torch's cuBLAS
+  and of ``batch_invariant.linear`` under each split count S and each launch (split programs or fused, tile shape,
+  warps);
+- bits: every launch of one S against the default launch's rows computed at 2048 rows (so every row at every row
+  count and every launch), per S;
+- cuBLAS: every row of ``F.linear(x[:M])`` against that row computed alone, for every M in 1..2048 (the check
+  exact mode would need before trusting cuBLAS for a weight).
+
+Prints a small table; writes ``OUT/exact_matmul_tune.json``.
+
+    python benchmarks/exact_matmul_tune.py --out $OUT             # H200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ddtree.models import batch_invariant as bi
+
+WEIGHTS = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
+           "lm_head": (151936, 4096)}
+ROWS = (1, 8, 64, 320, 1024, 2048)
+LAUNCHES = {
+    "split64x128w4": bi.MatmulLaunch(64, 128, 4, 3, fused=False),
+    "split64x64w4": bi.MatmulLaunch(64, 64, 4, 4, fused=False),
+    "split16x128w4": bi.MatmulLaunch(16, 128, 4, 3, fused=False),
+    "fused64x128w4": bi.MatmulLaunch(64, 128, 4, 3, fused=True),
+    "fused128x128w8": bi.MatmulLaunch(128, 128, 8, 3, fused=True),
+    "fused128x256w8": bi.MatmulLaunch(128, 256, 8, 3, fused=True),
+    "fused128x128w4": bi.MatmulLaunch(128, 128, 4, 3, fused=True),
+    "fused64x256w4": bi.MatmulLaunch(64, 256, 4, 3, fused=True),
+}
+
+
+def _time(fn, reps: int = 20) -> float:
+    """Median ms of fn() over reps, CUDA events."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def _cublas_check(w: torch.Tensor, max_rows: int) -> list[int]:
+    """Row counts in 1..max_rows where some row of F.linear(x[:M]) differs from that row alone."""
+    x = torch.randn(max_rows, w.shape[1], device=w.device, dtype=w.dtype)
+    alone = torch.cat([F.linear(x[i:i + 1], w) for i in range(max_rows)])
+    bad = []
+    for m in range(1, max_rows + 1):
+        if not torch.equal(F.linear(x[:m], w), alone[:m]):
+            bad.append(m)
+    return bad
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--weights", default=",".join(WEIGHTS))
+    ap.add_argument("--splits", default="1,2,4,8")
+    ap.add_argument("--cublas-rows", type=int, default=2048)
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    report = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "rows": ROWS, "weights": {}}
+    t0 = time.perf_counter()
+    for name in args.weights.split(","):
+        n, k = WEIGHTS[name]
+        copies = max(1, -(-(256 << 20) // (n * k * 2)))  # >= 256 MiB of weights rotated: past the 60 MB L2
+        ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        x = torch.randn(max(ROWS), k, device=dev, dtype=torch.bfloat16)
+        entry = {"shape": [n, k], "default_tiles": bi.matmul_tiles(n, k)._asdict(), "cublas_ms": {}, "triton_ms": {},
+                 "bits": {}, "errors": {}}
+        for m in ROWS:
+            entry["cublas_ms"][m] = _time(lambda: [F.linear(x[:m], w) for w in ws]) / copies
+        k_blocks = -(-k // 64)
+        for s in (int(v) for v in args.splits.split(",")):
+            if k_blocks % s or k_blocks // s < 4:
+                continue
+            tiles = bi.MatmulTiles(64, s)
+            ref = bi.linear(x, ws[0], tiles=tiles, launch=LAUNCHES["split64x128w4"])
+            same = True
+            for lname, launch in LAUNCHES.items():
+                if launch.block_n > n:
+                    continue
+                key = f"S{s}/{lname}"
+                try:
+                    for m in ROWS:
+                        y = bi.linear(x[:m], ws[0], tiles=tiles, launch=launch)
+                        if not torch.equal(y, ref[:m]):
+                            same = False
+                            entry["bits"][f"{key}@{m}"] = "differs"
+                    entry["triton_ms"][key] = {
+                        m: _time(lambda: [bi.linear(x[:m], w, tiles=tiles, launch=launch) for w in ws]) / copies
+                        for m in ROWS}
+                except Exception as exc:  # a launch that does not compile (shared memory) is recorded
+                    entry["errors"][key] = f"{type(exc).__name__}: {exc}"[:300]
+            entry["bits"][f"S{s}"] = "all launches and row counts identical" if same else "DIFFER"
+            print(name, f"S{s}", entry["bits"][f"S{s}"], f"{time.perf_counter() - t0:.0f}s", flush=True)
+        if args.cublas_rows:
+            entry["cublas_rows_changing"] = _cublas_check(ws[0], args.cublas_rows)
+        report["weights"][name] = entry
+        (out / "exact_matmul_tune.json").write_text(json.dumps(report, indent=1))
+        del ws
+        torch.cuda.empty_cache()
+    report["total_s"] = time.perf_counter() - t0
+    (out / "exact_matmul_tune.json").write_text(json.dumps(report, indent=1))
+    print("| weight | rows | cuBLAS us | best Triton us (S/launch) | default S Triton us (best launch) | cuBLAS rows changing |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, e in report["weights"].items():
+        s_def = e["default_tiles"]["split_k"]
+        bad = e.get("cublas_rows_changing", [])
+        for m in ROWS:
+            cands = [(v[m], key) for key, v in e["triton_ms"].items()]
+            best = min(cands) if cands else (float("nan"), "-")
+            own = [(v[m], key) for key, v in e["triton_ms"].items() if key.startswith(f"S{s_def}/")]
+            ob = min(own) if own else (float("nan"), "-")
+            print(f"| {name} | {m} | {e['cublas_ms'][m] * 1e3:.0f} | {best[0] * 1e3:.0f} ({best[1]}) | "
+                  f"{ob[0] * 1e3:.0f} ({ob[1]}) | {len(bad)} from {bad[0] if bad else '-'} |")
+    for name, e in report["weights"].items():
+        print(name, {k: v for k, v in e["bits"].items() if "@" not in k}, "errors:", list(e["errors"]))
+
+
+if __name__ == "__main__":
+    main()
