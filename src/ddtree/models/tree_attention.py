@@ -46,6 +46,7 @@ Launch shapes (tiles, splits) come from the device tuning tables of :mod:`ddtree
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -131,7 +132,9 @@ if triton is not None:
                                                  DOT_PRECISION, DOT_UPCAST)
         return acc, m_i, l_i
 
-    @triton.jit
+    # num_splits is not specialised (Triton would give 16 splits a variant of its own, divisible by 16): the kernel
+    # only divides by it, and DIRECT already separates one split.
+    @triton.jit(do_not_specialize=["num_splits"])
     def _tree_attention_split_kernel(
         q_ptr, k_ptr, v_ptr, slots_ptr, start_ptr, first_ptr, bits_ptr, last_ptr, out_ptr, part_m_ptr, part_l_ptr,
         part_acc_ptr,
@@ -206,17 +209,19 @@ if triton is not None:
             tl.store(part_l_ptr + part, l_i)
             tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_parts"])
     def _tree_attention_combine_kernel(
         out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, stride_or, stride_oh, stride_ot,
-        T, G, num_kv, rows_padded,
-        SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+        T, G, num_kv, rows_padded, num_parts,
+        UNROLL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     ):
-        """Merge the splits' partials: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
+        """Merge the ``num_parts`` (splits + 1) partials: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
 
-        Program (row tile, row x KV head, head-dim block). The split loop is unrolled (SPLITS is a compile-time
-        constant) so the partials' loads are all in flight at once: a rolled loop waited for each split's load in
-        turn, ~13 us for 16 splits at one decode token (benchmarks/profile_step.py on the H200)."""
+        Program (row tile, row x KV head, head-dim block). The split loop is unrolled over UNROLL >= num_parts
+        slots (a compile-time constant) so the partials' loads are all in flight at once: a rolled loop waited for
+        each split's load in turn, ~13 us for 16 splits at one decode token (benchmarks/profile_step.py on the
+        H200). UNROLL is num_parts rounded up to a power of two, its slots past num_parts masked off (they weigh
+        0), so split counts 2..16 compile 4 variants instead of 15 (the start-up warm-up compiles each)."""
         pid_m = tl.program_id(0)
         pid_rk = tl.program_id(1)
         pid_d = tl.program_id(2)
@@ -227,19 +232,23 @@ if triton is not None:
         head = kv * G + rows // T
         t_idx = rows % T
         offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-        base = pid_rk * SPLITS * rows_padded + rows
+        base = pid_rk * num_parts * rows_padded + rows
 
         m_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        for s in tl.static_range(SPLITS):
-            m_max = tl.maximum(m_max, tl.load(part_m_ptr + base + s * rows_padded))
+        for s in tl.static_range(UNROLL):
+            m_max = tl.maximum(m_max, tl.load(part_m_ptr + base + s * rows_padded,
+                                              mask=rows * 0 + s < num_parts, other=float("-inf")))
         m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         l_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for s in tl.static_range(SPLITS):
+        for s in tl.static_range(UNROLL):
             part = base + s * rows_padded
-            w = tl.exp2(tl.load(part_m_ptr + part) - m_use)  # empty splits (m = -inf) weigh 0
-            l_sum += w * tl.load(part_l_ptr + part)
-            acc += w[:, None] * tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :])
+            live = rows * 0 + s < num_parts  # [BLOCK_M]
+            # empty splits (m = -inf) and the slots past num_parts weigh 0
+            w = tl.exp2(tl.load(part_m_ptr + part, mask=live, other=float("-inf")) - m_use)
+            l_sum += w * tl.load(part_l_ptr + part, mask=live, other=0.0)
+            acc += w[:, None] * tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+                                        mask=live[:, None], other=0.0)
         out = acc / tl.where(l_sum > 0.0, l_sum, 1.0)[:, None]
         out_ptrs = out_ptr + r * stride_or + head[:, None] * stride_oh + t_idx[:, None] * stride_ot + offs_d[None, :]
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -327,6 +336,67 @@ def _check_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, st
         raise ShapeError(f"tree_attention: kv_len={kv_len} must lie in [T={t}, cache max_len={k_cache.shape[2]}]")
 
 
+class Launch(NamedTuple):
+    """The launch of one :func:`tree_attention` call: everything Triton compiles a variant for, from host ints.
+
+    Why a value of its own: the engine's start-up warm-up (:mod:`ddtree.engine.warmup`) must know, without a
+    device, which kernel variants a shape needs, so that it can plan them and share one CUDA graph between keys
+    that launch identically (the key length reaches the kernels only through these numbers)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    splits: int  # context splits; 1 = direct (no combine)
+    row_tiles: int
+    combine_splits: int  # the combine's unrolled partial count (a power of two >= splits + 1; 0 when direct)
+
+
+def plan_launch(requests: int, heads: int, kv_heads: int, tokens: int, head_dim: int, kv_len: int,
+                elem_bytes: int, sms: int, *, block_n: int | None = None, splits: int | None = None,
+                block_m: int | None = None, num_warps: int | None = None,
+                num_stages: int | None = None) -> Launch:
+    """The tiles and splits :func:`tree_attention` launches for R = ``requests`` rows of T = ``tokens`` new
+    tokens over ``kv_len`` keys (``ddtree.tuning``'s tables unless overridden), validated. Pure (host ints)."""
+    rows = heads // kv_heads * tokens
+    tiles = choose_tiles(requests, rows, kv_len, head_dim, elem_bytes)
+    block_n = tiles.block_n if block_n is None else block_n
+    block_m = tiles.block_m if block_m is None else block_m
+    num_warps = tiles.num_warps if num_warps is None else num_warps
+    num_stages = tiles.num_stages if num_stages is None else num_stages
+    if block_n not in SUPPORTED_BLOCK_N:
+        raise ConfigError(f"tree_attention: block_n must be one of {SUPPORTED_BLOCK_N}, got {block_n}")
+    if block_m < 16 or block_m & (block_m - 1):
+        raise ConfigError(f"tree_attention: block_m must be a power of two >= 16, got {block_m}")
+    row_tiles = math.ceil(rows / block_m)
+    if splits is None:
+        splits = choose_splits(requests * kv_heads * row_tiles, kv_len, block_n, sms, tiles.min_blocks_per_split,
+                               multi_token=tokens > 1)
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ConfigError(f"tree_attention: splits must be in [1, {MAX_SPLITS}], got {splits}")
+    combine = 0 if splits == 1 else 1 << splits.bit_length()  # next power of two >= splits + 1
+    return Launch(block_m, block_n, num_warps, num_stages, splits, row_tiles, combine)
+
+
+def _int_class(value: int) -> str:
+    """How Triton (3.x) specialises an integer argument: equal to 1 (a constant), divisible by 16, or neither."""
+    return "1" if value == 1 else ("16" if value % 16 == 0 else "")
+
+
+def variants(launch: Launch, tokens: int, head_dim: int, *, has_first: bool) -> tuple[tuple, ...]:
+    """The Triton variants (one per kernel) a launch compiles, as hashable keys: its constexprs, warps and stages,
+    and the specialisation of the integer arguments that vary with the call (T and the visibility strides, which
+    follow T; the split count is ``do_not_specialize``: see the kernel). The other integer arguments are the
+    model's strides and head counts, fixed per engine; pointers and dtypes are fixed per engine too."""
+    words = -(-tokens // 64)
+    split = ("split", launch.block_m, launch.block_n, min(launch.block_n, 64), launch.splits == 1, has_first,
+             launch.num_warps, launch.num_stages, head_dim, _int_class(tokens), _int_class(tokens * words),
+             _int_class(words))
+    if launch.splits == 1:
+        return (split,)
+    return split, ("combine", launch.combine_splits, launch.block_m, head_dim, _int_class(tokens))
+
+
 def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start: Tensor, new_vis: Tensor,
                    kv_len: int, *, first: Tensor | None = None, packed: PackedVisibility | None = None,
                    block_n: int | None = None, splits: int | None = None, block_m: int | None = None,
@@ -351,22 +421,11 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, s
     r, h, t, d = q.shape
     kv = k_cache.shape[1]
     g = h // kv
+    launch = plan_launch(r, h, kv, t, d, kv_len, max(q.element_size(), k_cache.element_size()), sm_count(q.device),
+                         block_n=block_n, splits=splits, block_m=block_m, num_warps=num_warps,
+                         num_stages=num_stages)
+    block_m, block_n, num_warps, num_stages, splits, row_tiles = launch[:6]
     rows = g * t
-    tiles = choose_tiles(r, rows, kv_len, d, max(q.element_size(), k_cache.element_size()))
-    block_n = tiles.block_n if block_n is None else block_n
-    block_m = tiles.block_m if block_m is None else block_m
-    num_warps = tiles.num_warps if num_warps is None else num_warps
-    num_stages = tiles.num_stages if num_stages is None else num_stages
-    if block_n not in SUPPORTED_BLOCK_N:
-        raise ConfigError(f"tree_attention: block_n must be one of {SUPPORTED_BLOCK_N}, got {block_n}")
-    if block_m < 16 or block_m & (block_m - 1):
-        raise ConfigError(f"tree_attention: block_m must be a power of two >= 16, got {block_m}")
-    row_tiles = math.ceil(rows / block_m)
-    if splits is None:
-        splits = choose_splits(r * kv * row_tiles, kv_len, block_n, sm_count(q.device), tiles.min_blocks_per_split,
-                               multi_token=t > 1)
-    if not 1 <= splits <= MAX_SPLITS:
-        raise ConfigError(f"tree_attention: splits must be in [1, {MAX_SPLITS}], got {splits}")
 
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -415,6 +474,7 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, s
         block_d = min(d, 64)
         _tree_attention_combine_kernel[(row_tiles, r * kv, d // block_d)](
             out, part_m, part_l, part_acc, out.stride(0), out.stride(1), out.stride(2),
-            t, g, kv, rows_padded, SPLITS=splits + 1, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, num_warps=4,
+            t, g, kv, rows_padded, splits + 1, UNROLL=launch.combine_splits, HEAD_DIM=d, BLOCK_D=block_d,
+            BLOCK_M=block_m, num_warps=4,
         )
     return out
