@@ -425,8 +425,6 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, s
                          block_n=block_n, splits=splits, block_m=block_m, num_warps=num_warps,
                          num_stages=num_stages)
     block_m, block_n, num_warps, num_stages, splits, row_tiles = launch[:6]
-    rows = g * t
-
     if q.stride(-1) != 1:
         q = q.contiguous()
     # The kernel reads slots[r], start[r], first[r] at unit stride; views of a packed buffer need a copy (no-ops for
