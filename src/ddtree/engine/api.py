@@ -10,7 +10,9 @@ method
     ``ar`` (plain decoding: one token per target forward), ``dflash`` (the drafter's top-1 chain of depth
     ``block_size - 1``), ``ddtree`` (the ``budget`` most probable prefixes under the drafter's marginals).
 budget
-    Number of draft nodes verified per round, the root (the last committed token) not counted.
+    Number of draft nodes verified per round, the root (the last committed token) not counted; ``"auto"``: the
+    engine chooses it every round, for the most committed tokens per second of the whole batch, from the drafter's
+    own confidence and the engine's cost curve (:mod:`ddtree.engine.auto_budget`).
 topk
     Most candidates kept per draft depth; ``None`` means no cap (``min(budget, vocab)``), which keeps the tree
     optimal under the drafter's factorized surrogate.
@@ -40,6 +42,7 @@ MAX_LOGPROBS = 20  # the most top log-probs a request may ask for per position (
 # min_tokens: the token ids a round masks per row (EOS ids plus stop_token_ids) ride in the round's packed inputs
 # as this many fixed columns (a fixed width keeps one CUDA graph per shape)
 MAX_STOP_IDS = 16
+AUTO_BUDGET = "auto"  # TreeSettings.budget: the engine chooses the tree size per round (ddtree.engine.auto_budget)
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,7 @@ class TreeSettings:
     """How one request speculates. Every field may differ between requests that share a round."""
 
     method: Method = "ddtree"
-    budget: int = 16
+    budget: int | str = 16  # or AUTO_BUDGET ("auto")
     topk: int | None = None
     block_size: int | None = None
     draft_window: int | None = None
@@ -74,7 +77,11 @@ class TreeSettings:
             raise InvalidRequestError(
                 f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}", param="method"
             )
-        _check_int("budget", self.budget, 1, max_budget)
+        if isinstance(self.budget, str):
+            if self.budget != AUTO_BUDGET:
+                raise InvalidRequestError(f'budget must be an integer or "auto", got {self.budget!r}', param="budget")
+        else:
+            _check_int("budget", self.budget, 1, max_budget)
         if self.topk is not None:
             _check_int("topk", self.topk, 1, None)
         block = trained_block_size if self.block_size is None else self.block_size
@@ -82,6 +89,11 @@ class TreeSettings:
         if self.draft_window is not None:
             _check_int("draft_window", self.draft_window, block, None)
         return dataclasses.replace(self, block_size=block)
+
+    @property
+    def auto(self) -> bool:
+        """Whether the engine chooses this request's budget per round (``budget == "auto"``, method ddtree)."""
+        return self.method == "ddtree" and self.budget == AUTO_BUDGET
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -172,6 +184,8 @@ class RequestStats:
     stage_s: dict[str, float] = field(default_factory=dict)  # draft, tree, verify, commit, prefill
     finish_reason: FinishReason | None = None
     tree: dict[str, Any] = field(default_factory=dict)  # the resolved TreeSettings
+    # budget "auto": rounds per chosen budget ({budget: rounds}; empty for a fixed budget)
+    auto_budgets: dict[int, int] = field(default_factory=dict)
     # time.perf_counter() when submit accepted the request; ttft_s and latency_s count from it. This process's
     # clock: it places one engine's requests on one time line (a benchmark's closed loop), so to_dict leaves it out
     submitted_at: float | None = None
@@ -180,6 +194,12 @@ class RequestStats:
     def accept_length(self) -> float:
         """SGLang's ``spec_accept_length``: completion tokens per verify round (bonus included)."""
         return self.completion_tokens / self.verify_rounds if self.verify_rounds else 0.0
+
+    @property
+    def mean_auto_budget(self) -> float | None:
+        """The mean budget auto chose over this request's rounds (None for a fixed budget)."""
+        rounds = sum(self.auto_budgets.values())
+        return sum(b * n for b, n in self.auto_budgets.items()) / rounds if rounds else None
 
     @property
     def first_token_at(self) -> float | None:
@@ -195,6 +215,8 @@ class RequestStats:
         out = dataclasses.asdict(self)
         del out["submitted_at"]
         out["accept_length"] = self.accept_length
+        if self.auto_budgets:
+            out["mean_auto_budget"] = self.mean_auto_budget
         return out
 
 

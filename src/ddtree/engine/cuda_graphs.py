@@ -79,6 +79,7 @@ def graph_key(shape: RoundShape, *, max_rows: int, cache_len: int) -> RoundShape
         contiguous=shape.contiguous,
         logprobs=shape.logprobs,  # a log-prob round has its own graphs (a wider result: log-probs are captured)
         min_tokens=shape.min_tokens,  # so has a min_tokens round (the masking is captured)
+        auto_width=shape.auto_width,  # and an auto round (wider tree selection, expected lengths in the result)
     )
 
 

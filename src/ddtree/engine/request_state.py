@@ -57,6 +57,10 @@ class RequestState:
     # chunk and then dropped (None for the first prompt token, which nothing predicts)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     _prompt_logprobs_sent: bool = False
+    # budget "auto" (ddtree.engine.auto_budget): the budget of the round being built (the scheduler sets it), and the
+    # smoothed expected lengths E(1 .. W) of this request's recent trees (empty until its first auto round is read)
+    auto_budget: int = 0
+    auto_curve: tuple[float, ...] = ()
 
     # ---- derived positions -------------------------------------------------------------------------------
     @property
@@ -79,7 +83,9 @@ class RequestState:
             return 0
         if self.tree.method == "dflash":
             return self.depth_limit
-        return self.tree.budget
+        if self.tree.auto:
+            return self.auto_budget
+        return int(self.tree.budget)
 
     @property
     def topk(self) -> int:

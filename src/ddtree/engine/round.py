@@ -50,6 +50,9 @@ class RoundShape:
     # some row has min_tokens > 0: the verify masks each row's banned ids (RowInputs.banned) at the nodes whose
     # output index is below its min_tokens; rounds without skip the masking
     min_tokens: bool = False
+    # some row has budget "auto" (ddtree.engine.auto_budget): the tree stage selects this many nodes (>= max_budget),
+    # verifies the first max_budget and appends each row's expected lengths E(1 .. auto_width) to the result; 0: none
+    auto_width: int = 0
 
     @property
     def drafts(self) -> bool:
@@ -175,6 +178,7 @@ class TreeStage:
     # prefix + ancestors, in the form that picks the verify's attention path (KernelSet.tree_attention): the
     # TreeVisibility the tree-attention kernel reads, or the dense [R, N, kv_len] mask (built only then)
     visibility: TreeVisibility | Tensor
+    expected: Tensor | None = None  # [R, auto_width] float32 E(1 .. W) of rounds with RoundShape.auto_width
 
 
 @dataclass
@@ -194,5 +198,6 @@ class RoundWork:
     tree: TreeStage | None = None
     verify: VerifyStage | None = None
     # [R, 1 + (L + 1)]: tokens committed (bonus included), then the tokens; with RoundShape.logprobs followed by
-    # the log-prob columns of ddtree.engine.logprobs.pack_round_logprobs ((L + 1) * (1 + 2 * MAX_LOGPROBS))
+    # the log-prob columns of ddtree.engine.logprobs.pack_round_logprobs ((L + 1) * (1 + 2 * MAX_LOGPROBS)); with
+    # RoundShape.auto_width the last auto_width columns are TreeStage.expected (logprobs.float_bits)
     result: Tensor | None = None

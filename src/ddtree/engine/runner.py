@@ -35,10 +35,11 @@ from torch import Tensor
 
 from ddtree import speculative
 from ddtree.engine.kernels import KernelSet
-from ddtree.engine.logprobs import pack_round_logprobs
+from ddtree.engine.logprobs import float_bits, pack_round_logprobs
 from ddtree.engine.min_tokens import mask_min_tokens
 from ddtree.engine.round import RoundInputs, RoundWork, TreeStage, VerifyStage
 from ddtree.models import DFlashDrafter, KVCache, TargetModel
+from ddtree.speculative import tree_select
 from ddtree.speculative.attention import TreeVisibility
 
 __all__ = ["HostCopy", "ModelRunner", "PrefillInputs", "RoundInputs", "StageTimer", "root_only_trees", "to_host"]
@@ -200,17 +201,24 @@ class ModelRunner:
 
     def stage_tree(self, inp: RoundInputs, work: RoundWork) -> None:
         shape = inp.shape
+        expected = None
         if work.draft_logits is not None:
+            # an auto round selects auto_width nodes for every row (its expected lengths), then verifies the first
+            # max_budget, each row cut at its own budget: the same tree as a build at max_budget
+            wide = shape.auto_width > shape.max_budget
             trees = speculative.build_trees(
                 work.draft_logits,
-                inp.budget,
+                shape.auto_width if wide else inp.budget,
                 inp.topk,
-                max_budget=shape.max_budget,
+                max_budget=shape.auto_width if wide else shape.max_budget,
                 depth_limit=inp.depth_limit,
                 root_tokens=inp.root_token,
                 fast_topk=self.kernels.vocab_topk,
                 fast_select=self.kernels.tree_select,
             )
+            if shape.auto_width:
+                expected = tree_select.expected_lengths(trees.scores)
+                trees = tree_select.prefix_trees(trees, shape.max_budget + 1, inp.budget)
         else:
             trees = root_only_trees(inp.root_token)
         n = trees.tokens.shape[1]
@@ -222,7 +230,7 @@ class ModelRunner:
         else:
             seen = speculative.build_attention_mask(inp.start, write_pos, trees.visibility, shape.kv_len)
         work.tree = TreeStage(trees=trees, positions=speculative.tree_positions(inp.start, trees.depths),
-                              write_pos=write_pos, visibility=seen)
+                              write_pos=write_pos, visibility=seen, expected=expected)
 
     def stage_verify(self, inp: RoundInputs, work: RoundWork) -> None:
         tree = work.tree
@@ -265,6 +273,8 @@ class ModelRunner:
         parts = [walk.num_accepted[:, None], walk.new_tokens]
         if work.verify.logits is not None:
             parts.append(pack_round_logprobs(work.verify.logits, walk.path, walk.new_tokens))
+        if work.tree.expected is not None:
+            parts.append(float_bits(work.tree.expected))
         work.result = torch.cat(parts, 1)
 
     def _round_feature_layers(self, inp: RoundInputs) -> tuple[int, ...]:

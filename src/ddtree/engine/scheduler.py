@@ -28,9 +28,12 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ddtree.engine import auto_budget
 from ddtree.engine.api import MAX_LOGPROBS, MAX_STOP_IDS, StreamChunk, TokenLogprob
 from ddtree.engine.build import EngineParts
-from ddtree.engine.logprobs import device_logprobs, host_entries, unpack_logprobs
+from ddtree.engine.cost_curve import CostCurve
+from ddtree.engine.cuda_graphs import bucket_nodes, bucket_rows
+from ddtree.engine.logprobs import bits_to_floats, device_logprobs, host_entries, unpack_logprobs
 from ddtree.engine.request_state import Phase, RequestState
 from ddtree.engine.round import NO_WINDOW, PackedRows, RoundInputs, RoundShape, RowInputs
 from ddtree.engine.runner import HostCopy, PrefillInputs, StageTimer, to_host
@@ -89,6 +92,11 @@ class Scheduler:
         self._counters = _Counters()
         self._lock = threading.Lock()  # guards counters and queue sizes read by snapshot()
         self._stopping = False
+        # budget "auto" (ddtree.engine.auto_budget): round seconds by (rows, budget, kv_len); None = measured on this
+        # engine at the first auto round (logged), unless a caller sets one first
+        self.cost_curve: CostCurve | None = None
+        self._auto_candidates = auto_budget.candidates(parts.config.max_budget)
+        self._auto_previous: int | None = None  # the budget of the last auto round launched
 
     # ---- the inbox (any thread) --------------------------------------------------------------------------------
     def _enqueue(self, state: RequestState) -> None:
@@ -296,7 +304,16 @@ class Scheduler:
         is exact for every row that does not finish on them (rows that do are dropped when this round is read)."""
         drafting = [s for s in states if s.tree.method != "ar"]
         block = max((int(s.tree.block_size) for s in drafting), default=1) if self.drafter is not None else 1
+        auto_width = 0
+        if block > 1 and any(s.tree.auto for s in states):
+            chosen = self._auto_choice(states, pending)
+            for s in states:
+                if s.tree.auto:
+                    s.auto_budget = chosen
+            self._auto_previous = chosen
         max_budget = max(s.budget for s in states) if block > 1 else 0
+        if block > 1 and any(s.tree.auto for s in states):
+            auto_width = auto_budget.curve_width(bucket_nodes(max_budget), self._auto_candidates)
         rows = []
         for s in states:
             extra = pending.get(s.request_id, ())
@@ -318,6 +335,7 @@ class Scheduler:
             contiguous=all(s.tree.method != "ddtree" for s in states),
             logprobs=any(s.sampling.logprobs is not None for s in states),
             min_tokens=any(s.banned_ids for s in states),
+            auto_width=auto_width,
         )
         # One host tensor per dtype: one copy each to the device instead of one per field.
         return self._queue(states, PackedRows.pack(rows), shape)
@@ -346,6 +364,8 @@ class Scheduler:
         # The next round's roots lie at most a block past the states' positions; from there it writes its tree
         # (nodes) into the target cache and its block into the drafter's.
         block, nodes = flight.shape.block_size, flight.shape.max_budget + 1
+        if flight.shape.auto_width and self._auto_choice(flight.states, {}) != flight.shape.max_budget:
+            return False  # auto chose another size: the next round is launched from the host with it
         return max(s.root_position for s in flight.states) + block + max(nodes, block) + 1 <= self.cache_len
 
     def _follow_up(self, flight: _Flight) -> _Flight | None:
@@ -380,6 +400,12 @@ class Scheduler:
             st.accept_hist[n] += 1
             for name, secs in stages.items():
                 st.stage_s[name] = st.stage_s.get(name, 0.0) + secs
+            if flight.shape.auto_width and flight.shape.drafts:
+                width = flight.shape.auto_width  # the last columns: this row's E(1 .. W) (auto_budget)
+                state.auto_curve = auto_budget.smoothed(state.auto_curve, bits_to_floats(row[-width:]))
+                if state.tree.auto:
+                    b = flight.shape.max_budget
+                    st.auto_budgets[b] = st.auto_budgets.get(b, 0) + 1
             with self._lock:
                 c = self._counters
                 if state.counted:
@@ -394,6 +420,60 @@ class Scheduler:
                 logprobs = unpack_logprobs(row[1 + width :], tokens, width, MAX_LOGPROBS, state.sampling.logprobs)
             out.append((state, tokens, logprobs))
         return out
+
+    # ---- budget "auto" ---------------------------------------------------------------------------------------------
+    def _auto_choice(self, states: list[RequestState], pending: dict[str, list[int]]) -> int:
+        """The budget of the next round of ``states`` (some with budget "auto"): the argmax over the declared
+        candidates above the fixed rows' floor of the batch's expected committed tokens per second (auto_budget).
+
+        Auto rows without a curve yet take the mean of those that have one; fixed rows count their own expected
+        length (their curve, else their measured acceptance) at their own budget."""
+        auto = [s for s in states if s.tree.auto]
+        fixed = [s for s in states if not s.tree.auto]
+        floor = max((s.budget for s in fixed), default=0)
+        opts = auto_budget.options(self._auto_candidates, floor)
+        prior = auto_budget.mean_curve([s.auto_curve for s in auto])
+        if not prior:
+            first = auto_budget.initial_budget(self._auto_candidates)
+            return first if first in opts else opts[0]
+        rows = [auto_budget.RowCurve(s.auto_curve or prior) for s in auto]
+        for s in fixed:
+            if s.tree.method == "ar":
+                rows.append(auto_budget.RowCurve((), cap=0))
+            elif s.auto_curve:
+                rows.append(auto_budget.RowCurve(s.auto_curve, cap=s.budget))
+            else:
+                rows.append(auto_budget.RowCurve((s.stats.accept_length or 1.0,), cap=s.budget))
+        curve = self._auto_cost()
+        n = bucket_rows(len(states), self.config.max_batch) if self.graphs is not None else len(states)
+        reach = max(s.root_position + len(pending.get(s.request_id, ())) for s in states)
+        return auto_budget.choose_budget(
+            rows, opts, lambda b: curve.round_seconds(n, b, reach + b + 1),
+            previous=self._auto_previous, margin=auto_budget.MARGIN)
+
+    def _auto_cost(self) -> CostCurve:
+        """The cost curve auto divides by: the one set on the engine, else one measured now on this engine over
+        the candidates (logged: it stalls the loop once, for a few seconds on a CPU)."""
+        if self.cost_curve is None:
+            rows = auto_budget.grid_rows(self.config.max_batch)
+            kv = auto_budget.grid_kv_lens(self.cache_len)
+            log.warning("budget auto: no cost curve set on the engine; measuring one now (%d rows x %d budgets x %d "
+                        "lengths, greedy rounds in the scratch slot)", len(rows), len(self._auto_candidates), len(kv))
+            block = max(2, int(self.trained_block_size))
+            scratch = self.runner.target_cache.scratch_slot
+
+            def run(packed: PackedRows, shape: RoundShape) -> torch.Tensor:
+                timer = StageTimer(self.device)
+                if self.graphs is not None and self.graphs.can_run(packed.rows):
+                    return self.graphs.run(packed, shape, timer)[0]
+                return self.runner.round(RoundInputs.from_packed(packed.to(self.device), shape), timer)
+
+            self.cost_curve = auto_budget.measure_cost_curve(
+                lambda r, b, k: auto_budget.time_round(run, scratch=scratch, block_size=block, rows=r, budget=b,
+                                                       kv_len=k),
+                device=str(self.device), model=self.model_name, rows=rows, budgets=self._auto_candidates, kv_lens=kv)
+            log.warning("budget auto: cost curve measured in %.1f s", self.cost_curve.measure_seconds)
+        return self.cost_curve
 
     def _collect_guarded(self, flight: _Flight) -> list[RowResult]:
         """:meth:`_collect`; if reading the round fails (a device fault surfaces at the sync), its rows fail."""

@@ -42,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ddtree.engine import auto_budget
 from ddtree.engine.api import TreeSettings
 from ddtree.engine.config import EngineConfig, parse_warmup
 from ddtree.engine.cuda_graphs import PrefillKey, bucket_length, bucket_nodes, bucket_rows, prefill_key
@@ -95,6 +96,8 @@ def tree_shapes(level: str, budgets: tuple[int, ...], *, drafts: bool, block_siz
     chain: TreeShape = (block_size, bucket_nodes(block_size - 1), True)
     if default.method == "dflash":
         shapes.add(chain)
+    elif default.auto:  # budget "auto" chooses among declared candidates: plan every one's bucket
+        shapes.update((block_size, bucket_nodes(b), False) for b in auto_budget.candidates(max_budget))
     elif default.method == "ddtree":
         shapes.add((block_size, bucket_nodes(default.budget), False))
     if level == "full":
@@ -129,6 +132,12 @@ def plan_warmup(config: EngineConfig, *, cache_len: int, drafts: bool, block_siz
     if level == "none":
         return WarmupPlan(level=config.warmup)
     sampling = SAMPLING_ALL if level == "full" else SAMPLING_GREEDY
+
+    def auto_width(nodes: int, contiguous: bool) -> int:  # a default tree of budget "auto": its trees are auto rounds
+        if not config.default_tree.auto or contiguous or not drafts:
+            return 0
+        return auto_budget.curve_width(nodes, auto_budget.candidates(config.max_budget))
+
     rounds: list[RoundShape] = []
     for block, nodes, contiguous in tree_shapes(level, budgets, drafts=drafts, block_size=block_size,
                                                 default=config.default_tree, max_budget=config.max_budget):
@@ -137,7 +146,7 @@ def plan_warmup(config: EngineConfig, *, cache_len: int, drafts: bool, block_siz
                 for greedy, filtered in sampling:
                     rounds.append(RoundShape(rows=rows, max_budget=nodes, block_size=block, kv_len=length,
                                              draft_kv_len=length, greedy=greedy, filtered=filtered,
-                                             contiguous=contiguous))
+                                             contiguous=contiguous, auto_width=auto_width(nodes, contiguous)))
     prefills = [] if prefill_max_width is None else prefill_keys(
         max_batch=config.max_batch, prefill_chunk=config.prefill_chunk, max_width=prefill_max_width,
         max_len=config.max_len)

@@ -52,6 +52,9 @@ depths (:func:`max_depths`: the tie bits; 8191 at B = 512, 511 at 2048). The lau
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -282,3 +285,29 @@ if triton is not None:
         tl.store(out_parent_ptr + out, parent.to(tl.int64), mask=inside)
         tl.store(out_rank_ptr + out, (pair & 0xFFFF).to(tl.int64), mask=inside)
 
+
+# ---- a selection's prefixes and expected lengths (budget "auto": ddtree.engine.auto_budget) -------------------------
+# The best tree of n nodes is the first n nodes of the best tree of any larger size (nodes come best-first and a
+# parent precedes its children), so one selection at the largest size a round may want gives both the tree it
+# verifies and the expected accepted length of every smaller one.
+
+def expected_lengths(scores: Tensor) -> Tensor:
+    """``scores [R, W + 1]`` (a tree's float32 cumulative log-probs in node order, root first, padding -inf) ->
+    ``E [R, W]`` float32: ``E[:, n - 1]`` = 1 + the sum of the first ``n`` node probabilities, the expected tokens
+    a round of the best ``n``-node tree commits under the drafter's factorised surrogate. No host sync."""
+    probs = torch.exp(scores[:, 1:].float())  # exp(-inf) = 0: invalid nodes add nothing
+    return 1.0 + torch.cumsum(probs, dim=1)
+
+
+def prefix_trees(trees: Any, n: int, budget: Tensor) -> Any:
+    """The first ``n`` nodes of ``trees`` (a :class:`ddtree.speculative.tree.Trees` built at a larger budget), nodes
+    past each row's ``budget [R]`` made padding exactly as ``build_trees`` at ``max_budget = n - 1`` marks them
+    (token 0, parent 0, depth 0, score -inf, no visibility). A valid node's ancestors precede it, so they stay."""
+    rows = trees.tokens.shape[0]
+    node = torch.arange(n, device=budget.device).expand(rows, n)
+    valid = trees.valid[:, :n] & (node <= budget.unsqueeze(1))
+    body = torch.where(valid, torch.stack([trees.tokens[:, :n], trees.parents[:, :n], trees.depths[:, :n]]), 0)
+    tokens, parents, depths = body.unbind(0)
+    scores = torch.where(valid, trees.scores[:, :n], -math.inf)
+    vis = trees.visibility[:, :n, :n] & valid.unsqueeze(2) & valid.unsqueeze(1)
+    return trees._replace(tokens=tokens, parents=parents, depths=depths, valid=valid, visibility=vis, scores=scores)

@@ -1,0 +1,189 @@
+"""``budget: "auto"``: the tree size of each round chosen for the most committed tokens per second of the batch.
+
+Terms
+-----
+candidates
+    The declared, finite set of budgets auto may choose: ``2^k - 1`` up to the engine's ``max_budget``
+    (1, 3, 7, 15, 31, 63 for 64). ``2^k - 1`` verifies exactly ``2^k`` rows with the root (a GEMM and tree-attention
+    tile boundary; on the H200 it beat ``2^k`` in every cell measured), and a finite set is what a warm-up plan can
+    capture (``ddtree.engine.warmup`` plans these buckets when the default tree is auto).
+expected length ``E(n)``
+    The expected tokens a round commits with the best tree of ``n`` draft nodes under the drafter's factorised
+    surrogate: ``1 + sum of the n largest node probabilities``. DDTree's nodes come in descending-score order, so
+    ``E(n) = 1 + cumsum(exp(scores))[n]`` gives it for every ``n`` at once (:func:`expected_lengths`). ``E(0) = 1``.
+curve width ``W``
+    How many sizes an auto round reports: the next candidate above the round's node bucket (its own size at the
+    top). The tree stage then selects ``W`` nodes, verifies the first ``N - 1`` (the best tree of ``N - 1`` nodes is
+    the first ``N - 1`` of the best ``W``: best-first order is prefix-closed) and returns ``E(1 .. W)`` per row in the
+    round's result, so auto can look one candidate further than it verified (a round at b7 learns ``E`` up to 15).
+
+The device side (the tree stage of an auto round: the expected lengths and the verified prefix of the wider
+selection) is :func:`ddtree.speculative.tree_select.expected_lengths` / :func:`~ddtree.speculative.tree_select.prefix_trees`;
+this module is the host side: candidates, the choice, smoothing, and the fallback cost curve.
+
+The choice, per round (the verify is padded to one node count ``N`` for all rows, so a row gains nothing from
+fewer nodes than the round verifies: every auto row takes the round's whole budget)::
+
+    B* = argmax over B in {floor} + {c in candidates: c > floor} of  sum_i E_i(min(B, cap_i)) / T(R, B, kv(B))
+
+``floor``: the largest budget of a fixed row (its tree, or a chain's depth, sets the round's width anyway);
+``cap_i``: a fixed row's own budget (its ``E`` stops growing there), none for auto rows; ``E_i`` beyond the sizes a
+row has reported is held at its last value (a lower bound: ``E`` never decreases), so unexplored sizes are never
+favoured. ``T`` is the cost curve (:mod:`ddtree.engine.cost_curve`). Worked example: one auto row with
+``E = (1.8, 2.4, 2.6)`` at b1, b3, b7 (so 1 + p1 = 1.8, ...) and ``T = 10, 12, 20`` ms: 180, 200, 130 tokens/s: b3.
+
+Smoothing: a row's reported curve is averaged with its previous one (weight :data:`SMOOTHING` on the newest), over
+the sizes both cover. A row that has not reported yet (its first round) takes the mean curve of the round's rows
+that have; a round where no row has takes :func:`initial_budget`. Hysteresis: the round keeps the size of the
+previous round unless another beats it by :data:`MARGIN`, so near-ties do not break the overlap of rounds.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from torch import Tensor
+
+from ddtree.engine.round import PackedRows, RoundShape, RowInputs
+
+if TYPE_CHECKING:  # the runner imports this module for the tree stage, and the cost curve module measures rounds
+    from ddtree.engine.cost_curve import CostCurve
+
+log = logging.getLogger("ddtree.engine")
+
+AUTO = "auto"  # TreeSettings.budget of a request whose tree size the engine chooses per round
+SMOOTHING = 0.5  # weight of a row's newest curve against its running one
+MARGIN = 0.02  # another size must beat the previous round's by this fraction to replace it
+
+
+def candidates(max_budget: int) -> tuple[int, ...]:
+    """The budgets auto may choose: ``2^k - 1 <= max_budget`` (at least ``(1,)``)."""
+    out = tuple((1 << k) - 1 for k in range(1, 63) if (1 << k) - 1 <= max_budget)
+    return out or (1,)
+
+
+def initial_budget(cands: Sequence[int]) -> int:
+    """A round's budget when none of its rows has a curve yet: the largest candidate up to 15 (the H200's best
+    fixed budget at one request was 31-63, at 64 in flight 4; 15 sits between and its curve reaches 31)."""
+    small = [c for c in cands if c <= 15]
+    return max(small) if small else min(cands)
+
+
+def curve_width(nodes: int, cands: Sequence[int]) -> int:
+    """Sizes an auto round whose node bucket is ``nodes`` reports: the next candidate above it, else ``nodes``."""
+    above = [c for c in cands if c > nodes]
+    return min(above) if above else nodes
+
+
+# ---- the host side: the choice ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RowCurve:
+    """One row's part in the choice: its expected lengths and, for a fixed row, the budget its tree stops at."""
+
+    curve: tuple[float, ...]  # [n - 1] = E(n), n = 1 .. len; empty: E = 1 at every size (AR)
+    cap: int | None = None  # None: an auto row (takes the round's budget)
+
+    def expected(self, budget: int) -> float:
+        b = budget if self.cap is None else min(budget, self.cap)
+        if b <= 0 or not self.curve:
+            return 1.0
+        return self.curve[min(b, len(self.curve)) - 1]
+
+
+def options(cands: Sequence[int], floor: int) -> tuple[int, ...]:
+    """The budgets a round may take: the fixed rows' floor (when above 0) and every candidate above it."""
+    return tuple(sorted(({floor} if floor > 0 else set()) | {c for c in cands if c > floor}))
+
+
+def objective(rows: Sequence[RowCurve], budget: int, cost: Callable[[int], float]) -> float:
+    """Expected committed tokens per second of the round at ``budget``."""
+    return sum(r.expected(budget) for r in rows) / cost(budget)
+
+
+def choose_budget(rows: Sequence[RowCurve], opts: Sequence[int], cost: Callable[[int], float], *,
+                  previous: int | None = None, margin: float = 0.0) -> int:
+    """The argmax of :func:`objective` over ``opts`` (ties: the smaller budget); with ``previous`` in ``opts``, it is
+    kept unless the best beats it by more than ``margin`` (a fraction)."""
+    if not opts:
+        raise ValueError("choose_budget needs at least one option")
+    values = {b: objective(rows, b, cost) for b in opts}
+    best = max(opts, key=lambda b: (values[b], -b))
+    if previous is not None and previous in values and values[best] <= values[previous] * (1.0 + margin):
+        return previous
+    return best
+
+
+def smoothed(old: Sequence[float] | None, new: Sequence[float], weight: float = SMOOTHING) -> tuple[float, ...]:
+    """A row's running curve after a round that reported ``new``: the weighted mean where both cover a size, the
+    new values past the old; sizes the new round did not report are dropped (they were measured on older trees)."""
+    if not old:
+        return tuple(float(v) for v in new)
+    k = min(len(old), len(new))
+    return tuple(weight * float(new[i]) + (1.0 - weight) * float(old[i]) for i in range(k)) + tuple(
+        float(v) for v in new[k:])
+
+
+def mean_curve(curves: Sequence[Sequence[float]]) -> tuple[float, ...]:
+    """The elementwise mean over the sizes every curve covers (the prior of a row without one)."""
+    curves = [c for c in curves if c]
+    if not curves:
+        return ()
+    k = min(len(c) for c in curves)
+    return tuple(sum(c[i] for c in curves) / len(curves) for i in range(k))
+
+
+# ---- the fallback cost curve: measured on the engine ---------------------------------------------------------------
+
+def measure_cost_curve(run_round: Callable[[int, int, int], float], *, device: str, model: str,
+                       rows: Sequence[int], budgets: Sequence[int], kv_lens: Sequence[int]) -> CostCurve:
+    """A :class:`CostCurve` from ``run_round(rows, budget, kv_len) -> seconds`` at every grid point (the engine's
+    fallback when it was given none: :meth:`ddtree.engine.scheduler.Scheduler._auto_cost`)."""
+    from ddtree.engine.cost_curve import CostCurve
+
+    t0 = time.perf_counter()
+    seconds = [max(run_round(r, b, k), 1e-9) for r in rows for b in budgets for k in kv_lens]
+    return CostCurve(device=device, model=model, rows=tuple(rows), budgets=tuple(budgets), kv_lens=tuple(kv_lens),
+                     seconds=tuple(seconds), measure_seconds=time.perf_counter() - t0)
+
+
+def time_round(queue: Callable[[PackedRows, RoundShape], Tensor], *, scratch: int, block_size: int, rows: int,
+               budget: int, kv_len: int, repeats: int = 2) -> float:
+    """The fastest of ``repeats`` timed runs (after one untimed: capture, compilation) of a greedy DDTree round of
+    ``rows`` rows at ``budget`` whose furthest root reads ``kv_len`` keys, every row in the KV caches' scratch slot
+    (its contents are garbage; a round's cost does not depend on them). ``queue`` runs a round and returns its
+    device result (the scheduler's graph or eager path); reading it back is the sync that ends the timing."""
+    start = max(kv_len - budget - 1, 1)
+    row = RowInputs(slot=scratch, root_token=0, start=start, budget=budget, topk=0, depth_limit=block_size - 1,
+                    window=1 << 30, top_k=0, seed=0, step=0, min_tokens=0, temperature=0.0, top_p=1.0)
+    shape = RoundShape(rows=rows, max_budget=budget, block_size=block_size, kv_len=start + budget + 1,
+                       draft_kv_len=start, greedy=True, filtered=False, contiguous=False)
+    best = math.inf
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        queue(PackedRows.pack([row] * rows), shape).cpu()
+        if i:
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def grid_rows(max_batch: int) -> tuple[int, ...]:
+    """Rows a fallback curve is measured at: powers of two up to ``max_batch``, and ``max_batch``."""
+    out = {1 << k for k in range(0, 16) if 1 << k <= max_batch} | {max_batch}
+    return tuple(sorted(out))
+
+
+def grid_kv_lens(cache_len: int) -> tuple[int, ...]:
+    """Key lengths a fallback curve is measured at: 128 and half the cache (the cost is close to linear in the keys;
+    past the last point the curve extrapolates; the whole cache would let the scratch rows write past its end)."""
+    return tuple(sorted({min(128, cache_len // 2), cache_len // 2}))
+
+
+__all__ = ["AUTO", "MARGIN", "SMOOTHING", "RowCurve", "candidates", "choose_budget", "curve_width", "grid_kv_lens",
+           "grid_rows", "initial_budget", "mean_curve", "measure_cost_curve", "objective", "options", "smoothed",
+           "time_round"]

@@ -1,0 +1,237 @@
+"""budget "auto": the size chosen is the argmax of the stated objective, and auto never changes outputs.
+
+References: the best tree of n nodes and its expected length by brute force (every prefix of a small vocabulary
+enumerated, its probability a product of the drafter's marginals, sorted by hand), the objective evaluated from
+those numbers and a random cost function with a plain loop; outputs against the plain full-recompute decoder.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+import torch
+
+from ddtree import speculative
+from ddtree.engine import GenerationRequest, SamplingParams, TreeSettings
+from ddtree.engine import auto_budget as ab
+from ddtree.engine.cost_curve import make_curve
+from ddtree.errors import InvalidRequestError
+from ddtree.speculative import tree_select
+
+
+def brute_expected(log_probs: torch.Tensor, n: int) -> float:
+    """1 + the n largest prefix probabilities over every prefix of depth 1 .. L (probabilities as products)."""
+    probs = log_probs.double().exp()  # [L, V]
+    depths, vocab = probs.shape
+    every = []
+    for d in range(1, depths + 1):
+        for path in itertools.product(range(vocab), repeat=d):
+            every.append(math.prod(float(probs[i, t]) for i, t in enumerate(path)))
+    every.sort(reverse=True)
+    return 1.0 + sum(every[:n])
+
+
+def brute_choice(curves, caps, opts, cost) -> int:
+    """The plain loop the objective states: sum of each row's expected length at its size, over the round's time."""
+    best, best_value = None, -1.0
+    for b in sorted(opts):
+        total = 0.0
+        for curve, cap in zip(curves, caps, strict=True):
+            size = b if cap is None else min(b, cap)
+            total += 1.0 if size == 0 or not curve else curve[min(size, len(curve)) - 1]
+        value = total / cost(b)
+        if value > best_value:
+            best, best_value = b, value
+    return best
+
+
+def test_candidates_and_widths_by_hand():
+    assert ab.candidates(64) == (1, 3, 7, 15, 31, 63)
+    assert ab.candidates(1) == (1,)
+    assert ab.candidates(2) == (1,)
+    assert ab.initial_budget((1, 3, 7, 15, 31, 63)) == 15
+    assert ab.initial_budget((1, 3)) == 3
+    assert ab.curve_width(7, (1, 3, 7, 15)) == 15
+    assert ab.curve_width(8, (1, 3, 7, 15)) == 15
+    assert ab.curve_width(15, (1, 3, 7, 15)) == 15  # the top reports its own size only
+    assert ab.options((1, 3, 7, 15), 0) == (1, 3, 7, 15)
+    assert ab.options((1, 3, 7, 15), 4) == (4, 7, 15)  # a fixed b4 row: the round is at least 4
+
+
+def test_worked_example_of_the_module_doc():
+    rows = [ab.RowCurve((1.8, 1.9, 2.4, 2.45, 2.5, 2.55, 2.6))]
+    cost = {1: 0.010, 3: 0.012, 7: 0.020}
+    assert ab.choose_budget(rows, (1, 3, 7), cost.__getitem__) == 3
+
+
+def test_expected_lengths_match_brute_force_on_random_drafts():
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(12):
+        depths, vocab = 1 + trial % 3, 3 + trial % 2
+        logits = 3 * torch.randn(2, depths, vocab, generator=gen)
+        width = min(sum(vocab ** d for d in range(1, depths + 1)), 12)
+        trees = speculative.build_trees(logits, width, max_budget=width)
+        curve = tree_select.expected_lengths(trees.scores)  # [R, W]
+        for r in range(2):
+            lp = torch.log_softmax(logits[r].double(), -1)
+            for n in range(1, width + 1):
+                assert curve[r, n - 1].item() == pytest.approx(brute_expected(lp, n), rel=1e-5, abs=1e-6)
+
+
+def test_prefix_of_a_wide_tree_is_the_narrow_tree():
+    gen = torch.Generator().manual_seed(1)
+    logits = 2 * torch.randn(3, 4, 50, generator=gen)
+    budget = torch.tensor([7, 3, 0])
+    depth = torch.tensor([4, 2, 3])
+    narrow = speculative.build_trees(logits, budget, max_budget=7, depth_limit=depth)
+    wide = speculative.build_trees(logits, 15, max_budget=15, depth_limit=depth)
+    cut = tree_select.prefix_trees(wide, 8, budget)
+    for a, b in zip(narrow, cut, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_choice_is_the_argmax_of_the_objective_against_brute_force():
+    """Random drafts (expected lengths by enumeration), random fixed rows beside the auto ones, random cost curves
+    on a random grid: the engine's choice equals the plain loop's argmax."""
+    rng = random.Random(0)
+    gen = torch.Generator().manual_seed(2)
+    cands = ab.candidates(15)  # 1, 3, 7, 15
+    for trial in range(40):
+        n_auto, n_fixed = rng.randint(1, 3), rng.randint(0, 2)
+        curves = []
+        for _ in range(n_auto + n_fixed):
+            lp = torch.log_softmax(rng.uniform(0.5, 4) * torch.randn(2, 4, generator=gen).double(), -1)
+            curves.append(tuple(brute_expected(lp, n) for n in range(1, rng.choice([3, 7, 15]) + 1)))
+        caps = [None] * n_auto + [rng.choice([0, 2, 4, 7]) for _ in range(n_fixed)]
+        floor = max((c for c in caps if c is not None), default=0)
+        budgets = sorted(rng.sample(range(0, 20), 4))
+        curve = make_curve("cpu", "random", (1, 8), tuple(budgets), (64, 512),
+                           lambda r, b, k: rng.uniform(0.001, 0.02) + r * b * rng.uniform(1e-5, 1e-3) + k * 1e-6)
+        rows = len(curves)
+        cost = lambda b: curve.round_seconds(rows, b, 100 + b)  # noqa: E731
+        opts = ab.options(cands, floor)
+        got = ab.choose_budget([ab.RowCurve(c, cap) for c, cap in zip(curves, caps, strict=True)], opts, cost)
+        assert got == brute_choice(curves, caps, opts, cost), f"trial {trial}"
+
+
+def test_hysteresis_keeps_the_previous_size_within_the_margin():
+    rows = [ab.RowCurve((2.0, 2.0, 2.1))]
+    cost = {1: 1.0, 3: 1.0}.__getitem__  # b3 is 5 % better than b1
+    assert ab.choose_budget(rows, (1, 3), cost) == 3
+    assert ab.choose_budget(rows, (1, 3), cost, previous=1, margin=0.10) == 1
+    assert ab.choose_budget(rows, (1, 3), cost, previous=1, margin=0.01) == 3
+
+
+def test_smoothing_and_the_prior_by_hand():
+    assert ab.smoothed((), (2.0, 3.0)) == (2.0, 3.0)
+    assert ab.smoothed((2.0, 4.0), (3.0, 5.0, 6.0), 0.5) == (2.5, 4.5, 6.0)
+    assert ab.smoothed((2.0, 4.0, 5.0), (3.0,), 0.5) == (2.5,)  # older sizes are dropped
+    assert ab.mean_curve([(2.0, 4.0), (3.0,), ()]) == (2.5,)
+
+
+def test_budget_auto_is_validated():
+    assert TreeSettings(budget="auto").validated(trained_block_size=8, max_block_size=8, max_budget=16).auto
+    assert not TreeSettings(method="dflash", budget="auto").auto
+    with pytest.raises(InvalidRequestError, match='budget must be an integer or "auto"') as err:
+        TreeSettings(budget="best").validated(trained_block_size=8, max_block_size=8, max_budget=16)
+    assert err.value.param == "budget"
+
+
+# ---- the engine: outputs never change, sizes are recorded -----------------------------------------------------------
+
+PROMPTS = ["def fibonacci(n):\n    ", "import os\nimport sys\n\n\nclass Config:\n    def __init__(self", "x",
+           "    return '\\n'.join(lines)\n\n\ndef wrap(text, width=70, **kwargs):\n"]
+
+
+def plain_greedy(target, prompt_ids: list[int], n: int) -> list[int]:
+    """Full recompute with forward_train at every step, argmax (no cache, no trees)."""
+    ids = list(prompt_ids)
+    with torch.inference_mode():
+        for _ in range(n):
+            ids.append(int(target.forward_train(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt_ids):]
+
+
+def hand_curve(max_batch: int, per_node: float):
+    """A made-up cost curve: 10 ms a round plus ``per_node`` seconds per verified token row."""
+    return make_curve("cpu", "hand", (1, max_batch), (0, 1, 3, 7, 15, 31), (64, 1024),
+                      lambda r, b, k: 0.010 + per_node * r * (b + 1) + 1e-7 * k)
+
+
+@pytest.mark.parametrize("per_node", [1e-5, 2e-3], ids=["cheap-nodes", "dear-nodes"])
+def test_auto_beside_fixed_rows_matches_the_plain_decoder(tiny_engine_factory, tiny_tokenizer, tiny_pair, per_node):
+    """Auto rows share rounds with fixed rows of other budgets, a chain and AR (fp32, greedy): every output equals
+    the plain decoder's; each auto row records its chosen sizes, every one at least the floor of the fixed rows."""
+    engine = tiny_engine_factory(oracle=True)
+    engine.cost_curve = hand_curve(8, per_node)
+    target, _ = tiny_pair
+    trees = [TreeSettings(budget="auto"), TreeSettings(budget="auto", topk=3), TreeSettings(budget=4),
+             TreeSettings(method="dflash"), TreeSettings(method="ar"), TreeSettings(budget="auto", block_size=5),
+             TreeSettings(budget=12), TreeSettings(budget="auto")]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(trees))]
+    refs = {p: plain_greedy(target, tiny_tokenizer.encode(p), 32) for p in set(prompts)}
+    outs = engine.generate([GenerationRequest(prompt=p, tree=t, sampling=SamplingParams(max_tokens=32, ignore_eos=True))
+                            for p, t in zip(prompts, trees, strict=True)])
+    for out, p, t in zip(outs, prompts, trees, strict=True):
+        assert out.token_ids == refs[p], f"{t} differs from the plain decoder on {p!r}"
+        if t.auto:
+            sizes = out.stats.auto_budgets
+            assert sum(sizes.values()) == out.stats.verify_rounds > 0
+            assert all(b >= 1 for b in sizes)
+            assert out.stats.to_dict()["mean_auto_budget"] == pytest.approx(out.stats.mean_auto_budget)
+        else:
+            assert out.stats.auto_budgets == {}
+
+
+def test_auto_alone_follows_the_cost_of_nodes(tiny_engine_factory, tiny_tokenizer):
+    """The same requests under a curve where nodes are nearly free and one where each costs more than a round:
+    auto picks larger trees under the first (the objective's direction, not a number)."""
+    means = {}
+    for per_node in (1e-6, 5e-2):
+        engine = tiny_engine_factory(oracle=True, noise=0.5)
+        engine.cost_curve = hand_curve(8, per_node)
+        outs = engine.generate([GenerationRequest(prompt=p, tree=TreeSettings(budget="auto"),
+                                                  sampling=SamplingParams(max_tokens=24, ignore_eos=True))
+                                for p in PROMPTS])
+        means[per_node] = sum(o.stats.mean_auto_budget for o in outs) / len(outs)
+    assert means[1e-6] > means[5e-2]
+
+
+def test_auto_without_a_cost_curve_measures_one(tiny_engine_factory, tiny_tokenizer, tiny_pair, caplog):
+    engine = tiny_engine_factory(max_batch=2, max_budget=7, default_tree=TreeSettings(budget="auto"))
+    assert engine.cost_curve is None
+    target, _ = tiny_pair
+    with caplog.at_level("WARNING", logger="ddtree.engine"):
+        out = engine.generate([GenerationRequest(prompt=PROMPTS[0],  # the engine's default tree: auto
+                                                 sampling=SamplingParams(max_tokens=12, ignore_eos=True))])[0]
+    assert out.token_ids == plain_greedy(target, tiny_tokenizer.encode(PROMPTS[0]), 12)
+    assert "no cost curve" in caplog.text
+    assert engine.cost_curve is not None and engine.cost_curve.budgets == (1, 3, 7)
+    assert engine.cost_curve.rows == (1, 2)
+
+
+def test_warmup_plans_every_auto_candidate_when_the_default_tree_is_auto():
+    """With the default tree auto, the fast level holds the key of an auto round at every candidate, every rows
+    bucket and every length (the scheduler's shape, bucketed by graph_key)."""
+    from ddtree.engine import EngineConfig
+    from ddtree.engine.cuda_graphs import bucket_nodes, graph_key
+    from ddtree.engine.round import RoundShape
+    from ddtree.engine.warmup import plan_warmup
+
+    config = EngineConfig(max_batch=4, max_len=200, max_budget=16, default_tree=TreeSettings(budget="auto"))
+    cache_len = 240
+    plan = set(plan_warmup(config, cache_len=cache_len, drafts=True, block_size=8, prefill_max_width=None).rounds)
+    for b in ab.candidates(16):  # 1, 3, 7, 15
+        width = ab.curve_width(bucket_nodes(b), ab.candidates(16))
+        for rows in range(1, 5):
+            for reach in (0, 50, cache_len - b - 9):
+                shape = RoundShape(rows=rows, max_budget=b, block_size=8, kv_len=reach + b + 1,
+                                   draft_kv_len=max(1, reach), greedy=True, filtered=False, contiguous=False,
+                                   auto_width=width)
+                assert graph_key(shape, max_rows=4, cache_len=cache_len) in plan, (b, rows, reach)
+    fixed = EngineConfig(max_batch=4, max_len=200, max_budget=16)
+    assert not any(s.auto_width for s in plan_warmup(fixed, cache_len=cache_len, drafts=True, block_size=8,
+                                                     prefill_max_width=None).rounds)
