@@ -9,7 +9,9 @@ bf16, random data, at 1, 8, 64, 320, 1024 and 2048 rows:
 - bits: every launch of one S against the default launch's rows computed at 2048 rows (so every row at every row
   count and every launch), per S;
 - cuBLAS: every row of ``F.linear(x[:M])`` against that row computed alone, for every M in 1..2048 (the check
-  exact mode would need before trusting cuBLAS for a weight).
+  exact mode runs before trusting cuBLAS for a weight), and the graph-captured call against the eager one.
+
+Times are of CUDA-graph replays (the engine replays graphs; eager timing here measures Python launch cost).
 
 Prints a small table; writes ``OUT/exact_matmul_tune.json``.
 
@@ -35,27 +37,53 @@ LAUNCHES = {
     "split64x128w4": bi.MatmulLaunch(64, 128, 4, 3, fused=False),
     "split64x64w4": bi.MatmulLaunch(64, 64, 4, 4, fused=False),
     "split16x128w4": bi.MatmulLaunch(16, 128, 4, 3, fused=False),
+    "split16x64w4": bi.MatmulLaunch(16, 64, 4, 4, fused=False),
     "fused64x128w4": bi.MatmulLaunch(64, 128, 4, 3, fused=True),
+    "fused64x64w4": bi.MatmulLaunch(64, 64, 4, 4, fused=True),
     "fused128x128w8": bi.MatmulLaunch(128, 128, 8, 3, fused=True),
     "fused128x256w8": bi.MatmulLaunch(128, 256, 8, 3, fused=True),
-    "fused128x128w4": bi.MatmulLaunch(128, 128, 4, 3, fused=True),
-    "fused64x256w4": bi.MatmulLaunch(64, 256, 4, 3, fused=True),
 }
+SPLITS_OF = {"o_proj": "1,2,4,8", "down": "1,2,4,8"}  # the others: S1 and their default only
 
 
 def _time(fn, reps: int = 20) -> float:
-    """Median ms of fn() over reps, CUDA events."""
-    for _ in range(3):
+    """Median ms of one replay of a CUDA graph of fn() (the engine replays graphs: no launch overhead)."""
+    fn()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
         fn()
+    for _ in range(3):
+        graph.replay()
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        graph.replay()
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
+    del graph
     return sorted(times)[len(times) // 2]
+
+
+def _graph_equals_eager(w: torch.Tensor, rows: tuple[int, ...]) -> list[int]:
+    """Row counts where F.linear captured in a CUDA graph gives other bits than eager F.linear."""
+    x = torch.randn(max(rows), w.shape[1], device=w.device, dtype=w.dtype)
+    bad = []
+    for m in rows:
+        eager = F.linear(x[:m], w)
+        out = torch.empty_like(eager)
+        graph = torch.cuda.CUDAGraph()
+        F.linear(x[:m], w)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            out.copy_(F.linear(x[:m], w))
+        graph.replay()
+        torch.cuda.synchronize()
+        if not torch.equal(out, eager):
+            bad.append(m)
+    return bad
 
 
 def _cublas_check(w: torch.Tensor, max_rows: int) -> list[int]:
@@ -73,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--weights", default=",".join(WEIGHTS))
-    ap.add_argument("--splits", default="1,2,4,8")
+    ap.add_argument("--splits", default="auto")
     ap.add_argument("--cublas-rows", type=int, default=2048)
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -92,7 +120,8 @@ def main(argv: list[str] | None = None) -> None:
         for m in ROWS:
             entry["cublas_ms"][m] = _time(lambda: [F.linear(x[:m], w) for w in ws]) / copies
         k_blocks = -(-k // 64)
-        for s in (int(v) for v in args.splits.split(",")):
+        splits = SPLITS_OF.get(name, f"1,{bi.matmul_tiles(n, k).split_k}") if args.splits == "auto" else args.splits
+        for s in sorted({int(v) for v in splits.split(",")}):
             if k_blocks % s or k_blocks // s < 4:
                 continue
             tiles = bi.MatmulTiles(64, s)
@@ -117,6 +146,7 @@ def main(argv: list[str] | None = None) -> None:
             print(name, f"S{s}", entry["bits"][f"S{s}"], f"{time.perf_counter() - t0:.0f}s", flush=True)
         if args.cublas_rows:
             entry["cublas_rows_changing"] = _cublas_check(ws[0], args.cublas_rows)
+            entry["cublas_graph_differs_at"] = _graph_equals_eager(ws[0], (1, 8, 17, 64, 65, 320, 1024, 2048))
         report["weights"][name] = entry
         (out / "exact_matmul_tune.json").write_text(json.dumps(report, indent=1))
         del ws

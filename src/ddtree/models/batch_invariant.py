@@ -160,7 +160,7 @@ if triton is not None:
         if FUSED or SPLITS == 1:
             total = _segment(x_ptr, w_ptr, rm, rn, m_ok, n_ok, K, stride_xm, stride_wn, 0,
                              tl.minimum(k_per_split, K), BLOCK_M, BLOCK_N, BLOCK_K, EMULATE, PRECISION)
-            for s in tl.static_range(1, SPLITS):
+            for s in range(1, SPLITS):  # a loop, not unrolled: the inner K loop stays one pipelined loop
                 k_lo = s * k_per_split
                 total = total + _segment(x_ptr, w_ptr, rm, rn, m_ok, n_ok, K, stride_xm, stride_wn, k_lo,
                                          tl.minimum(k_lo + k_per_split, K), BLOCK_M, BLOCK_N, BLOCK_K, EMULATE,
@@ -182,12 +182,13 @@ if triton is not None:
                           BLOCK: tl.constexpr):
         """out[m, n] = ((part[0] + part[1]) + ...) + bias, splits in ascending order, one element per lane."""
         idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        ok = idx < M * N
+        mn = M.to(tl.int64) * N  # one split's elements (int64: SPLITS x M x N passes 2^31 for an LM head)
+        ok = idx < mn
         m = idx // N
         n = idx % N
         total = tl.load(part_ptr + idx, mask=ok, other=0.0)
         for s in tl.static_range(1, SPLITS):
-            total = total + tl.load(part_ptr + s * M * N + idx, mask=ok, other=0.0)
+            total = total + tl.load(part_ptr + s * mn + idx, mask=ok, other=0.0)
         if HAS_BIAS:
             total = total + tl.load(b_ptr + n, mask=ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + m * stride_om + n, total.to(out_ptr.dtype.element_ty), mask=ok)
