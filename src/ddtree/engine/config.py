@@ -7,6 +7,7 @@ the limits here only bound them, because buffers are sized once at set-up and ne
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ddtree.engine.api import TreeSettings
 from ddtree.errors import ConfigError
@@ -49,6 +50,10 @@ class EngineConfig:
     # first use), "fast" (AR and the default tree, greedy, every batch and length bucket, prefill shapes), "full"
     # (also every DDTree budget bucket, the chain, sampled rounds), or DDTree budgets "4,15,31" added to fast.
     warmup: str = "fast"
+    # The cost curve (round wall seconds by rows, budget and context; ddtree.engine.cost_curve) Engine.start() gets:
+    # "off", "auto" (measured after the warm-up on a declared grid, cached per device and model under
+    # ~/.cache/ddtree/cost_curves), or the path of a curve's JSON file. Engine.info()["cost_curve"] says which.
+    cost_curve: str = "off"
     default_tree: TreeSettings = field(default_factory=TreeSettings)
     seed: int = 0
 
@@ -72,6 +77,11 @@ class EngineConfig:
         if self.cpu_threads is not None and (isinstance(self.cpu_threads, bool) or not isinstance(self.cpu_threads, int)
                                              or self.cpu_threads < 1):
             raise ConfigError(f"cpu_threads must be an integer >= 1 or None (torch's default), got {self.cpu_threads!r}")
+        if not isinstance(self.cost_curve, str) or not self.cost_curve:
+            raise ConfigError(f"cost_curve must be off, auto or the path of a cost curve JSON file, got {self.cost_curve!r}")
+        if self.cost_curve not in ("off", "auto") and not Path(self.cost_curve).is_file():
+            raise ConfigError(f"cost_curve {self.cost_curve!r} is neither off, auto nor an existing file; give the path "
+                              f"of a curve written by `ddtree replay curve` or an engine started with cost_curve auto")
         _, budgets = parse_warmup(self.warmup)
         if any(b > self.max_budget for b in budgets):
             raise ConfigError(f"warmup budgets {list(budgets)} exceed max_budget {self.max_budget}")

@@ -35,6 +35,7 @@ warning naming the problem and measured again (:func:`cached_curve`).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import hashlib
 import json
 import logging
@@ -100,6 +101,9 @@ class CostCurve:
     seconds: tuple[float, ...]  # flattened [len(rows), len(budgets), len(kv_lens)] round wall seconds, each > 0
     repeats: int = 1  # rounds timed per point (the median is stored)
     measure_seconds: float = 0.0  # wall seconds the whole measurement took (0 when unknown)
+    # optional: one prefill step's wall seconds for prefill_tokens[i] prompt tokens (one row, from position 0)
+    prefill_tokens: tuple[int, ...] = ()
+    prefill_seconds: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("device", "model"):
@@ -129,6 +133,16 @@ class CostCurve:
         if (isinstance(self.measure_seconds, bool) or not isinstance(self.measure_seconds, (int, float))
                 or not math.isfinite(self.measure_seconds) or self.measure_seconds < 0):
             raise CostCurveError(f"cost curve measure_seconds must be finite and >= 0, got {self.measure_seconds!r}")
+        if self.prefill_tokens or self.prefill_seconds:
+            object.__setattr__(self, "prefill_tokens", _axis("prefill_tokens", self.prefill_tokens, 1))
+            if (not isinstance(self.prefill_seconds, (list, tuple))
+                    or len(self.prefill_seconds) != len(self.prefill_tokens)):
+                raise CostCurveError(f"cost curve prefill_seconds must hold one value per prefill_tokens entry "
+                                     f"({len(self.prefill_tokens)}), got {self.prefill_seconds!r}")
+            for t, v in zip(self.prefill_tokens, self.prefill_seconds, strict=True):
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                    raise CostCurveError(f"cost curve prefill_seconds must be finite and > 0, got {v!r} at {t} tokens")
+            object.__setattr__(self, "prefill_seconds", tuple(float(v) for v in self.prefill_seconds))
 
     def point(self, r: int, b: int, k: int) -> float:
         """The measured seconds at grid indices (r, b, k)."""
@@ -154,6 +168,18 @@ class CostCurve:
                         total += wr * wb * wk * self.point(r, b, k)
         return total
 
+    def prefill_step_seconds(self, tokens: int) -> float | None:
+        """One prefill step's wall seconds for ``tokens`` prompt tokens in all (piecewise-linear in tokens, capped
+        extrapolation as for rounds; a step of several rows is taken to cost what one row of their total does);
+        None when the curve has no prefill points."""
+        if not self.prefill_tokens:
+            return None
+        if isinstance(tokens, bool) or not isinstance(tokens, (int, float)) or not math.isfinite(tokens) or tokens < 0:
+            raise CostCurveError(f"prefill_step_seconds: tokens must be a number >= 0, got {tokens!r}")
+        i, j, w = _segment(self.prefill_tokens, tokens)
+        edge = (1 - min(w, 1.0)) * self.prefill_seconds[i] + min(w, 1.0) * self.prefill_seconds[j]
+        return max(edge, (1 - w) * self.prefill_seconds[i] + w * self.prefill_seconds[j])
+
     def covers(self, rows: int, budget: int, kv_len: int) -> bool:
         """Whether the point lies inside the measured grid (no extrapolation)."""
         return (self.rows[0] <= rows <= self.rows[-1] and self.budgets[0] <= budget <= self.budgets[-1]
@@ -175,6 +201,8 @@ class CostCurve:
             "seconds": list(self.seconds),
             "repeats": self.repeats,
             "measure_seconds": self.measure_seconds,
+            "prefill_tokens": list(self.prefill_tokens),
+            "prefill_seconds": list(self.prefill_seconds),
         }
 
     @classmethod
@@ -188,11 +216,12 @@ class CostCurve:
         if missing:
             raise CostCurveError(f"cost curve lacks {', '.join(missing)}")
         unknown = sorted(set(d) - {"schema", "device", "model", "rows", "budgets", "kv_lens", "seconds", "repeats",
-                                   "measure_seconds"})
+                                   "measure_seconds", "prefill_tokens", "prefill_seconds"})
         if unknown:
             raise CostCurveError(f"cost curve has unknown fields {unknown}")
         return cls(device=d["device"], model=d["model"], rows=d["rows"], budgets=d["budgets"], kv_lens=d["kv_lens"],
-                   seconds=d["seconds"], repeats=d.get("repeats", 1), measure_seconds=d.get("measure_seconds", 0.0))
+                   seconds=d["seconds"], repeats=d.get("repeats", 1), measure_seconds=d.get("measure_seconds", 0.0),
+                   prefill_tokens=d.get("prefill_tokens", ()), prefill_seconds=d.get("prefill_seconds", ()))
 
 
 def cache_key(device: str, model: str, **extra: Any) -> str:
@@ -262,5 +291,228 @@ def make_curve(device: str, model: str, rows: Sequence[int], budgets: Sequence[i
     return CostCurve(device, model, tuple(rows), tuple(budgets), tuple(kv_lens), tuple(values), **kwargs)
 
 
-__all__ = ["COST_CURVE_SCHEMA", "CostCurve", "CostCurveError", "cache_key", "cached_curve", "default_cache_dir",
-           "load_curve", "make_curve", "save_curve"]
+
+# ------------------------------------------------------------------------------------------------ measurement
+@dataclass(frozen=True)
+class CostGrid:
+    """The declared grid a measurement times: every (rows, budget, kv_len) point, plus prefill step sizes."""
+
+    rows: tuple[int, ...]
+    budgets: tuple[int, ...]
+    kv_lens: tuple[int, ...]
+    block_size: int  # the draft block of every drafting round (L + 1); AR rounds draft nothing
+    prefill_tokens: tuple[int, ...] = ()
+    repeats: int = 3  # timed rounds per point (the median is kept), after one untimed round
+
+    def __post_init__(self) -> None:
+        _axis("rows", self.rows, 1)
+        _axis("budgets", self.budgets, 0)
+        _axis("kv_lens", self.kv_lens, 1)
+        if self.prefill_tokens:
+            _axis("prefill_tokens", self.prefill_tokens, 1)
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
+            raise CostCurveError(f"cost grid block_size must be an integer >= 1, got {self.block_size!r}")
+        if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
+            raise CostCurveError(f"cost grid repeats must be an integer >= 1, got {self.repeats!r}")
+
+    @property
+    def points(self) -> int:
+        return len(self.rows) * len(self.budgets) * len(self.kv_lens)
+
+
+def reach_limit(cache_len: int, budget: int, block_size: int) -> int:
+    """The largest kv_len (root position) a round of ``budget`` can be timed at: it writes ``budget + 1`` tree
+    nodes into the target cache and a block into the drafter's, past the root, inside ``cache_len``."""
+    return cache_len - max(budget + 1, block_size) - 1
+
+
+def default_grid(*, max_batch: int, max_budget: int, cache_len: int, block_size: int | None, prefill_chunk: int,
+                 budgets: Sequence[int] | None = None, repeats: int = 3) -> CostGrid:
+    """The grid engine start measures, at most 4 x 5 x 3 points (so a CPU engine pays seconds, not minutes):
+
+    rows: 1, ``max_batch`` and up to two powers of two between, spread by factors of 4 (CUDA rows buckets);
+    budgets: 0 (AR), 3, 15, 63 below ``max_budget`` and ``max_budget`` itself (2^k - 1 fills a node bucket exactly,
+    the cheapest budget of its bucket), or 0 plus the ``budgets`` given; kv_lens: 64, 512 and 4096, capped at what
+    the cache leaves room for (:func:`reach_limit`); prefill steps of 16, 64, 256 .. tokens up to ``prefill_chunk``.
+    ``block_size`` None (no drafter) measures AR only."""
+    rows = sorted({1, max_batch} | {1 << i for i in range(2, 8, 2) if (1 << i) < max_batch})
+    if len(rows) > 4:
+        rows = [rows[0], rows[len(rows) // 3], rows[2 * len(rows) // 3], rows[-1]]
+    if block_size is None or block_size < 2:
+        chosen: list[int] = [0]
+        block = 1
+    else:
+        block = block_size
+        if budgets is None:
+            chosen = sorted({0, max_budget} | {b for b in (3, 15, 63) if b < max_budget})
+        else:
+            chosen = sorted({int(b) for b in budgets} | {0})
+    top = reach_limit(cache_len, max(chosen), block)
+    if top < 1:
+        raise CostCurveError(f"cache length {cache_len} leaves no room to time a round of budget {max(chosen)}")
+    kv = sorted({min(v, top) for v in (64, 512, 4096)})
+    prefill = sorted({min(16 * 4 ** i, prefill_chunk, cache_len) for i in range(5)})
+    return CostGrid(tuple(rows), tuple(chosen), tuple(kv), block, tuple(prefill), repeats)
+
+
+def measure_cost_curve(runner: Any, grid: CostGrid, *, graphs: Any = None, device_name: str, model: str,
+                       progress: Callable[[str], None] | None = None) -> CostCurve:
+    """Time the engine's real runner on every point of ``grid`` and return the curve (medians of ``grid.repeats``
+    timed rounds after one untimed one, which on CUDA captures the point's graphs).
+
+    runner: the engine's :class:`~ddtree.engine.runner.ModelRunner`; graphs: its
+    :class:`~ddtree.engine.cuda_graphs.RoundGraphs` (CUDA) or None (eager rounds, the CPU path). Must run while no
+    request holds a KV slot (engine start, before the loop): the synthetic rows are
+    :meth:`~ddtree.engine.round.RowInputs.padding` rows moved to slots ``0 .. rows - 1`` (a real batch reads as
+    many different caches; all on the scratch slot, a GPU would serve them from its L2 and undercount long
+    contexts), each with the point's budget and its root at ``kv_len``; a graph bucket's padding rows take the
+    scratch slot as in serving. Their cache contents are garbage and stay unread: a request's prefill writes every
+    position of its slot it will read. A round's time is wall time from packing its rows to reading its result on
+    the host (the engine's one sync), so it includes the launch and the copy. Prefill points are one row of that
+    many tokens from position 0 on the scratch slot, eager."""
+    import statistics
+    import time
+
+    import torch
+
+    from ddtree.engine.round import NO_WINDOW, PackedRows, RoundInputs, RoundShape, RowInputs
+    from ddtree.engine.runner import PrefillInputs, StageTimer, to_host
+
+    slots = runner.target_cache.scratch_slot  # live slots are 0 .. scratch - 1
+    if grid.rows[-1] > slots:
+        raise CostCurveError(f"cost grid rows {list(grid.rows)} exceed the engine's {slots} KV slots")
+    if max(grid.budgets) > 0 and (runner.drafter is None or grid.block_size < 2):
+        raise CostCurveError(f"cost grid budgets {list(grid.budgets)} need a drafter and a block size >= 2")
+    cache_len = runner.target_cache.max_len
+    for b in grid.budgets:
+        top = reach_limit(cache_len, b, grid.block_size if b else 1)
+        if grid.kv_lens[-1] > top:
+            raise CostCurveError(f"cost grid kv_len {grid.kv_lens[-1]} leaves no room for a budget-{b} round in "
+                                 f"{cache_len} cache positions; keep kv_lens <= {top}")
+    began = time.perf_counter()
+    pad = RowInputs.padding(runner.target_cache.scratch_slot)
+
+    def one_round(rows: int, budget: int, kv_len: int) -> float:
+        block = grid.block_size if budget else 1
+        row_list = [dataclasses.replace(pad, slot=i, root_token=0, start=kv_len, budget=budget,
+                                        depth_limit=block - 1, window=NO_WINDOW) for i in range(rows)]
+        shape = RoundShape(rows=rows, max_budget=budget, block_size=block, kv_len=kv_len + budget + 1,
+                           draft_kv_len=max(1, kv_len), greedy=True, filtered=False, contiguous=budget == 0)
+        t0 = time.perf_counter()
+        packed = PackedRows.pack(row_list)
+        timer = StageTimer(runner.device)
+        if graphs is not None and graphs.can_run(rows):
+            result, _ = graphs.run(packed, shape, timer)
+        else:
+            result = runner.round(RoundInputs.from_packed(packed.to(runner.device), shape), timer)
+        to_host(result)
+        return time.perf_counter() - t0
+
+    seconds: list[float] = []
+    for r in grid.rows:
+        for b in grid.budgets:
+            for k in grid.kv_lens:
+                one_round(r, b, k)  # untimed: a CUDA capture, first-use allocations
+                seconds.append(statistics.median(one_round(r, b, k) for _ in range(grid.repeats)))
+                if progress is not None:
+                    progress(f"rows {r} budget {b} kv_len {k}: {seconds[-1] * 1e3:.2f} ms")
+
+    dev = runner.device
+    one = lambda v: torch.tensor([v], dtype=torch.long, device=dev)  # noqa: E731
+
+    def one_prefill(tokens: int) -> float:
+        t0 = time.perf_counter()
+        logits = runner.prefill(PrefillInputs(
+            ids=torch.zeros((1, tokens), dtype=torch.long, device=dev), slots=one(runner.target_cache.scratch_slot),
+            start=one(0), valid_len=one(tokens), last_index=one(tokens - 1), kv_len=tokens))
+        to_host(logits.argmax(-1))
+        return time.perf_counter() - t0
+
+    prefill: list[float] = []
+    with torch.inference_mode():
+        for t in grid.prefill_tokens:
+            one_prefill(t)
+            prefill.append(statistics.median(one_prefill(t) for _ in range(grid.repeats)))
+    return CostCurve(device=device_name, model=model, rows=grid.rows, budgets=grid.budgets, kv_lens=grid.kv_lens,
+                     seconds=tuple(seconds), repeats=grid.repeats, measure_seconds=time.perf_counter() - began,
+                     prefill_tokens=grid.prefill_tokens, prefill_seconds=tuple(prefill))
+
+
+# ------------------------------------------------------------------------------------------------ engine start
+@dataclass(frozen=True)
+class CurveSource:
+    """Where an engine's cost curve came from (``Engine.info()["cost_curve"]``, ``/server_info``)."""
+
+    setting: str = "off"  # EngineConfig.cost_curve: "off", "auto" or a path
+    source: str = "off"  # "off", "measured", "cache" (a cached file of an earlier measurement) or "file"
+    curve: CostCurve | None = None
+    path: str | None = None  # the file read or written
+    seconds: float = 0.0  # wall seconds engine start spent on it (measuring, or reading the file)
+
+    def info(self) -> dict[str, Any]:
+        c = self.curve
+        return {"setting": self.setting, "source": self.source, "path": self.path, "seconds": round(self.seconds, 3),
+                "measure_seconds": None if c is None else round(c.measure_seconds, 3),
+                "device": None if c is None else c.device, "model": None if c is None else c.model,
+                "grid": None if c is None else {"rows": list(c.rows), "budgets": list(c.budgets),
+                                                "kv_lens": list(c.kv_lens), "prefill_tokens": list(c.prefill_tokens),
+                                                "repeats": c.repeats}}
+
+
+def engine_device_name(device: Any) -> str:
+    """The device a curve belongs to: the CUDA device's name (``NVIDIA H200``) or ``cpu``."""
+    import torch
+
+    return torch.cuda.get_device_name(device) if getattr(device, "type", None) == "cuda" else "cpu"
+
+
+def engine_grid(parts: Any) -> CostGrid:
+    """The declared grid of an engine (:func:`default_grid` over its resolved config, cache and drafter)."""
+    config = parts.config
+    block = int(config.default_tree.block_size or parts.trained_block_size) if parts.drafter is not None else None
+    return default_grid(max_batch=config.max_batch, max_budget=config.max_budget, cache_len=parts.cache_len,
+                        block_size=block, prefill_chunk=config.prefill_chunk)
+
+
+def curve_at_start(parts: Any, *, cache_dir: Path | None = None,
+                   progress: Callable[[str], None] | None = None) -> CurveSource:
+    """The cost curve ``EngineConfig.cost_curve`` asks for, for a built engine (:class:`~ddtree.engine.build.
+    EngineParts`) whose slots are all free: ``off`` -> none; a path -> that file (a malformed one is a
+    :class:`CostCurveError`: the user named it); ``auto`` -> the curve cached for this device, model and engine
+    config under ``cache_dir`` (default :func:`default_cache_dir`), measured now on :func:`engine_grid` (graphed
+    rounds on CUDA, so call it after the warm-up captured its graphs) and cached when missing or unreadable."""
+    import time
+
+    import torch
+
+    setting = str(parts.config.cost_curve)
+    if setting == "off":
+        return CurveSource()
+    began = time.perf_counter()
+    device = engine_device_name(parts.device)
+    model = f"{parts.model_name} ({parts.config.dtype})"
+    if setting != "auto":
+        curve = load_curve(Path(setting))
+        if curve.device != device or curve.model != model:
+            log.warning("cost curve %s was measured on %s for %s; this engine is %s with %s", setting, curve.device,
+                        curve.model, device, model)
+        return CurveSource(setting, "file", curve, setting, time.perf_counter() - began)
+    grid = engine_grid(parts)
+    cfg = parts.config
+    key = cache_key(device, model, target=cfg.target, draft=cfg.draft, kernels=cfg.gpu_kernels,
+                    graphs=parts.graphs is not None, exact=cfg.exact, draft_fp8=cfg.draft_fp8,
+                    blas_rule=cfg.blas_rule, cpu_threads=cfg.cpu_threads, torch=torch.__version__,
+                    grid=dataclasses.asdict(grid))
+
+    def measure() -> CostCurve:
+        log.info("measuring the cost curve: %d points x %d rounds", grid.points, grid.repeats + 1)
+        return measure_cost_curve(parts.runner, grid, graphs=parts.graphs, device_name=device, model=model,
+                                  progress=progress)
+
+    curve, path, source = cached_curve(key, measure, cache_dir=cache_dir)
+    return CurveSource(setting, source, curve, str(path), time.perf_counter() - began)
+
+
+__all__ = ["COST_CURVE_SCHEMA", "CostCurve", "CostCurveError", "CostGrid", "CurveSource", "cache_key", "cached_curve",
+           "curve_at_start", "default_cache_dir", "engine_device_name", "engine_grid", "default_grid", "load_curve", "make_curve", "measure_cost_curve", "reach_limit",
+           "save_curve"]

@@ -40,6 +40,7 @@ from ddtree.engine.api import (
 )
 from ddtree.engine.build import build, default_tree, load_models
 from ddtree.engine.config import EngineConfig
+from ddtree.engine.cost_curve import CurveSource, curve_at_start
 from ddtree.engine.detok import IncrementalDetokenizer
 from ddtree.engine.request_state import RequestState
 from ddtree.engine.scheduler import Scheduler
@@ -76,6 +77,7 @@ class Engine(Scheduler):
         self._accepting = True
         self._ready = False
         self._request_seq = itertools.count()
+        self.cost_curve_source = CurveSource()  # EngineConfig.cost_curve, resolved by start() (ddtree.engine.cost_curve)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
@@ -118,6 +120,7 @@ class Engine(Scheduler):
         if self._thread is not None:
             return
         self.parts.warmup.run(free_bytes=free_device_bytes(self.device))
+        self.cost_curve_source = curve_at_start(self.parts)  # after the warm-up: on CUDA it times graphed rounds
         self._thread = threading.Thread(target=self._loop, name="ddtree-engine", daemon=True)
         self._thread.start()
         # The warm-up request is kept out of the metrics counters (RequestState.counted).
@@ -371,6 +374,7 @@ class Engine(Scheduler):
             },
             "drafter": self.drafter is not None,
             "warmup": self.parts.warmup.info(),
+            "cost_curve": self.cost_curve_source.info(),
         }
 
     # ---- validation helpers ------------------------------------------------------------------------------------
