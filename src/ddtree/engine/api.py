@@ -261,6 +261,20 @@ class GenerationOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (SamplingParams.prompt_logprobs)
 
 
+def parse_budget(text: str | int) -> int | str:
+    """A budget as a command line spells it: an integer, or ``"auto"``; anything else raises ``ValueError`` with
+    a message naming the accepted forms (the CLIs turn it into a usage error of ``--budget``)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    value = str(text).strip()
+    if value == AUTO_BUDGET:
+        return AUTO_BUDGET
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"budget must be an integer or 'auto', got {text!r}") from None
+
+
 def _check_int(name: str, value: Any, lo: int | None, hi: int | None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidRequestError(f"{name} must be an integer, got {value!r}", param=name)

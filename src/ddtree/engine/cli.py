@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import typer
 
-from ddtree.engine.api import METHODS, GenerationRequest, SamplingParams, TreeSettings
+from ddtree.engine.api import METHODS, GenerationRequest, SamplingParams, TreeSettings, parse_budget
 from ddtree.engine.config import EngineConfig
 from ddtree.engine.options import engine_options
 
@@ -27,7 +27,7 @@ def _parse_window(value: str | None) -> int | None:
 def generate(
     prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text (with --chat: the user message)."),
     method: str = typer.Option("ddtree", help=f"One of {', '.join(METHODS)}."),
-    budget: int = typer.Option(16, help="Draft nodes verified per round (ddtree)."),
+    budget: str = typer.Option("16", help="Draft nodes verified per round (ddtree), or 'auto': chosen per round."),
     topk: int | None = typer.Option(None, help="Most candidates per draft depth (default: no cap)."),
     block_size: int | None = typer.Option(None, "--block-size", help="Draft positions per pass (default: trained)."),
     draft_window: str | None = typer.Option(None, "--draft-window", help="Drafter context window, or 'none'."),
@@ -44,9 +44,13 @@ def generate(
     engine_config: EngineConfig,
 ) -> None:
     """Generate a completion for one prompt with AR, the DFlash chain or a DDTree tree."""
+    try:
+        budget = parse_budget(budget)  # type: ignore[assignment]
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--budget") from None
     tree = TreeSettings(method=method, budget=budget, topk=topk, block_size=block_size,  # type: ignore[arg-type]
                         draft_window=_parse_window(draft_window))
-    config = replace(engine_config, max_batch=1, max_budget=max(budget, 1), max_block_size=block_size,
+    config = replace(engine_config, max_batch=1, max_budget=engine_config.max_budget if budget == "auto" else max(budget, 1), max_block_size=block_size,
                      default_tree=tree)
     from ddtree.engine.engine import Engine
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import typer
 import uvicorn
 
-from ddtree.engine.api import TreeSettings
+from ddtree.engine.api import TreeSettings, parse_budget
 from ddtree.engine.config import EngineConfig
 from ddtree.engine.options import engine_options
 from ddtree.errors import ConfigError
@@ -123,7 +123,7 @@ def register(app: typer.Typer) -> None:
 @engine_options()  # every EngineConfig field is a flag (--max-batch, --cuda-graphs/--no-cuda-graphs, ...)
 def serve(
     method: str = typer.Option("ddtree", help="Default method: ar, dflash or ddtree."),
-    budget: int = typer.Option(16, help="Default tree budget (draft nodes verified per round)."),
+    budget: str = typer.Option("16", help="Default tree budget (draft nodes verified per round), or 'auto': chosen per round for the most tokens per second."),
     topk: int | None = typer.Option(None, help="Default cap on candidates per depth (default: none)."),
     block_size: int | None = typer.Option(None, help="Default block size (default: the drafter's trained size)."),
     draft_window: int | None = typer.Option(None, help="Default drafter context window in tokens (default: all)."),
@@ -144,6 +144,10 @@ def serve(
     from ddtree.server.auth import AccessPolicy, is_loopback
     from ddtree.server.limits import ServerLimits
 
+    try:
+        budget = parse_budget(budget)  # type: ignore[assignment]
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--budget") from None
     tree = TreeSettings(method=method, budget=budget, topk=topk, block_size=block_size,  # type: ignore[arg-type]
                         draft_window=draft_window)
     config = replace(engine_config, default_tree=tree).validated()

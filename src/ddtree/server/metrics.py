@@ -35,6 +35,9 @@ model, as vLLM and SGLang label theirs; empty while the engine loads):
 ``ddtree:time_per_output_token_seconds``    histogram  per request: (latency - TTFT) / (completion - 1)
 ``ddtree:spec_accept_rate``                 gauge      accepted / proposed draft tokens (SGLang's
                                                        definition) over the finished requests
+``ddtree:auto_budget_chosen``               histogram  the budget each round of a ``budget: "auto"``
+                                                       request chose, one sample per round (buckets: the
+                                                       node buckets 1, 2, 3, 4, 7, 8, ... 512)
 ==========================================  =========  ==================================================
 
 vLLM's speculative counters, under vLLM's own names (exported with ``_total``) so vLLM dashboards and
@@ -76,6 +79,8 @@ _ACCEPT_BUCKETS = tuple(range(1, 33))
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
                   10.0)
+# budget "auto": its candidates are 2^k - 1, a fixed row's floor any budget; the node buckets (ddtree.engine.cuda_graphs)
+_AUTO_BUCKETS = tuple(sorted({(1 << k) - 1 for k in range(1, 10)} | {1 << k for k in range(0, 10)}))
 MODEL = ["model_name"]
 
 
@@ -224,6 +229,8 @@ class ServerMetrics:
         self._tpot = histogram("time_per_output_token_seconds",
                                "Per request: (latency - time to first token) / (completion tokens - 1).",
                                _TOKEN_BUCKETS)
+        self._auto = histogram("auto_budget_chosen", 'The budget each round of a budget "auto" request chose.',
+                               _AUTO_BUCKETS)
 
     def refused(self, outcome: str) -> None:
         """Count a request answered with an error before (or instead of) running in the engine."""
@@ -241,6 +248,9 @@ class ServerMetrics:
             self._e2e.labels(model).observe(stats.latency_s)
         if stats.ttft_s is not None and stats.latency_s is not None and stats.completion_tokens > 1:
             self._tpot.labels(model).observe((stats.latency_s - stats.ttft_s) / (stats.completion_tokens - 1))
+        for budget, rounds in stats.auto_budgets.items():
+            for _ in range(rounds):
+                self._auto.labels(model).observe(budget)
         with self._lock:
             self._spec.add(stats)
 

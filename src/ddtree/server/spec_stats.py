@@ -9,7 +9,10 @@ drafts** instead (the bonus excluded): ``hist[j]`` = rounds that accepted exactl
 Draft tokens proposed per round (the denominator of an acceptance *rate*): ``budget`` tree nodes for ``ddtree``
 (what SGLang counts for an EAGLE tree: ``speculative_num_draft_tokens - 1``), ``block_size - 1`` for the DFlash
 chain, none for ``ar``. The deepest a round can accept (vLLM's ``num_spec_tokens``, the histogram's last index):
-``min(budget, block_size - 1)`` for a tree, ``block_size - 1`` for the chain, 0 for ``ar``.
+``min(budget, block_size - 1)`` for a tree, ``block_size - 1`` for the chain, 0 for ``ar``. A request of budget
+``"auto"`` proposes the budget each round chose (``RequestStats.auto_budgets``: rounds per size), and the deepest is
+``min(largest chosen, block_size - 1)``; vLLM's object then also carries ``auto_budget_mean`` and
+``auto_budget_counts`` (``{"15": 3, "7": 9}``: rounds per chosen budget).
 
 Shapes produced here:
 
@@ -51,26 +54,31 @@ class SpecCounts:
         return self.accepted / self.proposed if self.proposed else 0.0
 
 
-def _tree_shape(tree: dict[str, Any]) -> tuple[int, int]:
-    """(draft tokens per round, deepest acceptance per round) of resolved tree settings."""
+def _tree_shape(stats: RequestStats) -> tuple[int, int]:
+    """(draft tokens over all rounds, deepest acceptance per round) of a request's resolved tree settings."""
+    tree = stats.tree
     method = tree.get("method", "ddtree")
     block = int(tree.get("block_size") or 1)
+    rounds = stats.verify_rounds
     if method == "ar":
         return 0, 0
     if method == "dflash":
-        return block - 1, block - 1
-    budget = int(tree.get("budget") or 0)
-    return budget, min(budget, block - 1)
+        return rounds * (block - 1), block - 1
+    if stats.auto_budgets:  # budget "auto": each round proposed the budget it chose
+        return sum(b * n for b, n in stats.auto_budgets.items()), min(max(stats.auto_budgets), block - 1)
+    budget = tree.get("budget")
+    budget = budget if isinstance(budget, int) else 0  # "auto" before any round: nothing proposed yet
+    return rounds * budget, min(budget, block - 1)
 
 
 def spec_counts(stats: RequestStats) -> SpecCounts:
-    per_round, depth = _tree_shape(stats.tree)
+    proposed, depth = _tree_shape(stats)
     drafts = [stats.accept_hist[k + 1] if k + 1 < len(stats.accept_hist) else 0 for k in range(depth + 1)]
     # A round can never accept more than the tree is deep; should the engine ever report more, keep the counts
     # honest by widening the histogram rather than dropping rounds.
     drafts += list(stats.accept_hist[depth + 2:])
     rounds = stats.verify_rounds
-    return SpecCounts(rounds=rounds, proposed=rounds * per_round,
+    return SpecCounts(rounds=rounds, proposed=proposed,
                       accepted=sum(j * c for j, c in enumerate(drafts)), max_depth=len(drafts) - 1,
                       hist=tuple(drafts), speculative=stats.tree.get("method", "ddtree") != "ar")
 
@@ -108,7 +116,11 @@ def sglang_meta_info(request_id: str, stats: RequestStats) -> dict[str, Any]:
 def vllm_speculative_decoding(stats: RequestStats) -> dict[str, Any]:
     """vLLM's per-request ``metrics.speculative_decoding`` object."""
     c = spec_counts(stats)
+    auto = {} if not stats.auto_budgets else {
+        "auto_budget_mean": stats.mean_auto_budget,
+        "auto_budget_counts": {str(b): n for b, n in sorted(stats.auto_budgets.items())}}
     return {
+        **auto,
         "num_spec_steps": c.rounds,
         "num_spec_tokens": c.max_depth,
         "num_draft_tokens": c.proposed,
