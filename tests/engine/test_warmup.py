@@ -12,13 +12,15 @@ from hypothesis import strategies as st
 
 from ddtree.engine import EngineConfig, GenerationRequest, SamplingParams, TreeSettings
 from ddtree.engine.config import parse_warmup
-from ddtree.engine.cuda_graphs import PrefillKey, graph_key, prefill_key
+from ddtree.engine.cuda_graphs import AttentionDims, PrefillKey, graph_key, prefill_key, shared_key
 from ddtree.engine.round import RoundShape
 from ddtree.engine.warmup import (
+    EagerChunk,
     GraphDims,
     Warmup,
     WarmupPlan,
     WarmupStep,
+    eager_chunk_variants,
     fit_plan,
     plan_bytes,
     plan_warmup,
@@ -28,7 +30,7 @@ from ddtree.errors import ConfigError
 
 
 def _plan(cfg: EngineConfig, *, block: int = 16, drafts: bool = True) -> WarmupPlan:
-    headroom = max(cfg.prefill_chunk, cfg.max_budget + 1, block) + 1  # build.build's headroom
+    headroom = max(-(-cfg.prefill_chunk // 16) * 16, cfg.max_budget + 1, block) + 1  # build.build's headroom
     return plan_warmup(cfg, cache_len=cfg.max_len + headroom, drafts=drafts, block_size=block,
                        prefill_max_width=min(1024, cfg.prefill_chunk))
 
@@ -42,7 +44,8 @@ def test_plan_of_the_module_docstring_example():
     assert {(k.rows, k.max_budget, k.kv_len) for k in plan.rounds} == {
         (r, n, length) for r in (1, 2, 4) for n in (0, 8) for length in (64, 117)}
     assert plan.prefills == tuple(PrefillKey(rows=r, width=16) for r in (1, 2, 4))
-    assert plan.eager_prefill_starts == (16, 32, 48, 64, 80, 96)
+    # no tree-attention dims (a dense engine): one eager chunk, the chunk's width over its length bucket
+    assert plan.eager_chunks == (EagerChunk(1, 16, 64),)
 
 
 def test_plan_sizes_against_hand_counts():
@@ -56,7 +59,6 @@ def test_plan_sizes_against_hand_counts():
     assert len(_plan(dataclasses.replace(cfg, warmup="none")).rounds) == 0
     # prefill: one row takes up to 64 - (rows - 1) >= 59 tokens, so every rows bucket meets widths 16, 32 and 64
     assert len(_plan(cfg).prefills) == 4 * 3
-    assert len(_plan(cfg).eager_prefill_starts) == 31  # 64, 128, ..., 1984
     # without a drafter every level is AR only
     assert len(_plan(dataclasses.replace(cfg, warmup="full"), drafts=False).rounds) == 4 * 7 * 3
 
@@ -134,7 +136,7 @@ def _engine(level: str, tiny_pair, tiny_tokenizer):
             return _q(states, rows, shape)
 
         def recording_prefill(inp, *, _p=prefill, _e=engine, **kw):
-            _e.prefills.append((inp.ids.shape[0], inp.ids.shape[1], bool(inp.start.any())))
+            _e.prefills.append((inp.ids.shape[0], inp.ids.shape[1], inp.kv_len, bool(inp.start.any())))
             return _p(inp, **kw)
 
         engine._queue = recording_queue
@@ -176,16 +178,35 @@ def _requests(draw, level: str) -> tuple[list[GenerationRequest], int]:
     return out, draw(st.integers(1, n))
 
 
+def _dims(engine) -> AttentionDims:
+    """The tree-attention dims of the CPU engine's models as a CUDA build would take them (H200 SM count): the CPU
+    engine attends densely, but its scheduler picks the same shapes, and the launches follow from those."""
+    t, d = engine.runner.target.config, engine.runner.drafter.config
+    elem = next(engine.runner.target.parameters()).element_size()
+    return AttentionDims((t.num_heads, t.num_kv_heads, t.head_dim), (d.num_heads, d.num_kv_heads, d.head_dim), elem,
+                         132)
+
+
+def _plan_of(engine) -> WarmupPlan:
+    return plan_warmup(engine.config, cache_len=engine.cache_len, drafts=True, block_size=8,
+                       prefill_max_width=min(1024, CHUNK), attention=_dims(engine))
+
+
 def _check_covered(engine, plan: WarmupPlan) -> None:
+    dims = _dims(engine)
     keys = set(plan.rounds)
     for shape in engine.shapes:
-        key = graph_key(shape, max_rows=MAX_BATCH, cache_len=engine.cache_len)
+        key = shared_key(graph_key(shape, max_rows=MAX_BATCH, cache_len=engine.cache_len), dims, engine.cache_len)
         assert key in keys, f"round {shape} -> key {key} is outside the {plan.level!r} plan"
     prefills = set(plan.prefills)
-    for rows, width, continued in engine.prefills:
+    for rows, width, kv_len, continued in engine.prefills:
         key = prefill_key(rows, width, MAX_BATCH)
         if not continued and key.width <= CHUNK:
             assert key in prefills, f"prefill chunk {rows}x{width} -> {key} is outside the plan"
+        # on the CPU every chunk runs eagerly (no prefill graphs): all of them must launch planned variants
+        chunk = EagerChunk(rows, width, kv_len)
+        missing = set(eager_chunk_variants(chunk, dims)) - plan.eager_variants
+        assert not missing, f"eager prefill chunk {chunk} launches variants outside the plan: {missing}"
 
 
 @pytest.mark.slow
@@ -194,8 +215,7 @@ def _check_covered(engine, plan: WarmupPlan) -> None:
 @given(data=st.data())
 def test_random_request_mixes_stay_inside_the_plan(level, data, tiny_pair, tiny_tokenizer):
     engine = _engine(level, tiny_pair, tiny_tokenizer)
-    plan = plan_warmup(engine.config, cache_len=engine.cache_len, drafts=True, block_size=8,
-                       prefill_max_width=min(1024, CHUNK))
+    plan = _plan_of(engine)
     engine.shapes.clear()
     engine.prefills.clear()
     requests, in_flight = _requests(data.draw, level)
@@ -209,14 +229,18 @@ def test_the_coverage_check_can_fail(tiny_pair, tiny_tokenizer):
     """A request outside the declared space (log-probs; a budget the fast plan does not hold) gives a key outside
     the plan, so the property above is not vacuous."""
     engine = _engine("fast", tiny_pair, tiny_tokenizer)
-    plan = plan_warmup(engine.config, cache_len=engine.cache_len, drafts=True, block_size=8,
-                       prefill_max_width=min(1024, CHUNK))
+    plan = _plan_of(engine)
     for extra in ({"sampling": SamplingParams(max_tokens=4, logprobs=1)},
                   {"tree": TreeSettings(budget=12), "sampling": SamplingParams(max_tokens=4)}):
         engine.shapes.clear()
         engine.generate([GenerationRequest(prompt_token_ids=[5, 6, 7], **extra)])
         with pytest.raises(AssertionError, match="outside"):
             _check_covered(engine, plan)
+    # an eager chunk of a width the scheduler would have padded (17: neither 1 nor a multiple of 16) is outside
+    engine.shapes.clear()
+    engine.prefills[:] = [(1, 17, 64, True)]
+    with pytest.raises(AssertionError, match="variants outside the plan"):
+        _check_covered(engine, plan)
 
 
 def test_round_shape_type_is_the_plan_key():
@@ -264,3 +288,57 @@ def test_run_cuts_the_plan_to_free_memory_largest_first(caplog):
 
 def replace_prefills(plan: WarmupPlan) -> WarmupPlan:
     return dataclasses.replace(plan, prefills=())
+
+
+# ---- shared keys and eager chunks: hand-computed launches --------------------------------------------------------
+H200_8B = AttentionDims((32, 8, 128), (32, 8, 128), 2, 132)  # Qwen3-8B's heads, bf16, the H200's 132 SMs
+
+
+def test_length_buckets_that_launch_alike_share_the_longest_key():
+    # AR at 32 rows: 32 x 8 row programs want ceil(264 / 256) = 2 splits, and a split needs 4 key blocks of 64:
+    # lengths 64-256 have at most 4 blocks -> 1 split; 512 and up -> 2 splits. Tiles are the same at every length
+    # below 4096 (one 16-row tile, 64 keys, 2 stages). So {64, 128, 256} share 256's graphs, the rest the cap's.
+    cache_len = 3729
+    ar = RoundShape(rows=32, max_budget=0, block_size=1, kv_len=64, draft_kv_len=64, greedy=True, filtered=False,
+                    contiguous=True)
+    rep = {length: shared_key(dataclasses.replace(ar, kv_len=length, draft_kv_len=length), H200_8B, cache_len).kv_len
+           for length in (64, 128, 256, 512, 1024, 2048, 3072, 3729)}
+    assert rep == {64: 256, 128: 256, 256: 256, 512: 3729, 1024: 3729, 2048: 3729, 3072: 3729, 3729: 3729}
+    # one row is latency-bound up to 2048 keys (16-row tiles, splits of 2 blocks) and wants 33 splits: the split
+    # count is max(1, blocks // 2) up to 2048 (64: 1 block and 128: 2 blocks -> 1; 256 -> 2; ...; 2048 -> 16)
+    one = dataclasses.replace(ar, rows=1)
+    assert {n: shared_key(dataclasses.replace(one, kv_len=n, draft_kv_len=n), H200_8B, cache_len).kv_len
+            for n in (64, 128, 256, 512, 1024, 2048)} == {64: 128, 128: 128, 256: 256, 512: 512, 1024: 1024,
+                                                          2048: 2048}
+    # without the kernel (dims None) every key is its own
+    assert shared_key(ar, None, cache_len) == ar
+
+
+def test_eager_chunk_variants_follow_the_width_class_and_the_combine_unroll():
+    # T = 16 and T = 32 (both multiples of 16, one visibility word) launch the same split variant at 1 row over
+    # 64 keys (direct: one block, one split); T = 17 specialises differently (neither 1 nor divisible by 16)
+    v16 = eager_chunk_variants(EagerChunk(1, 16, 64), H200_8B)
+    v32 = eager_chunk_variants(EagerChunk(1, 32, 64), H200_8B)
+    v17 = eager_chunk_variants(EagerChunk(1, 17, 64), H200_8B)
+    assert len(v16) == 1 and v16 == v32 and v17 != v16
+    # 1 row of 16 over 1024 keys: 16 blocks / 2 per split -> 8 splits, so 9 partials unrolled as 16; over 512 keys
+    # 4 splits -> 5 partials unrolled as 8: the split kernel's variant is the same (num_splits is not specialised)
+    a = eager_chunk_variants(EagerChunk(1, 16, 1024), H200_8B)
+    b = eager_chunk_variants(EagerChunk(1, 16, 512), H200_8B)
+    assert a[0] == b[0] and a[1][1] == 16 and b[1][1] == 8
+
+
+def test_plan_keeps_one_key_per_shared_group_and_plans_every_eager_variant():
+    cfg = EngineConfig(max_batch=32, max_len=3216, max_budget=32, prefill_chunk=512, warmup="4,31",
+                       default_tree=TreeSettings(budget=15))
+    cache_len = 3216 + 513
+    dense = plan_warmup(cfg, cache_len=cache_len, drafts=True, block_size=16, prefill_max_width=256)
+    plan = plan_warmup(cfg, cache_len=cache_len, drafts=True, block_size=16, prefill_max_width=256,
+                       attention=H200_8B)
+    assert len(dense.rounds) == 4 * 6 * 8  # AR, b4, b15, b31 x rows {1 .. 32} x 8 length buckets
+    assert {shared_key(k, H200_8B, cache_len) for k in dense.rounds} == set(plan.rounds)
+    assert len(plan.rounds) < len(dense.rounds)
+    covered = set()
+    for chunk in plan.eager_chunks:
+        covered.update(eager_chunk_variants(chunk, H200_8B))
+    assert covered == plan.eager_variants

@@ -1,10 +1,10 @@
 """After the start-up warm-up, a mixed workload inside the plan captures no graph and compiles no Triton kernel.
 
-Known gap (H200, 2026-12-01, commit 53819c4): prompts longer than ``prefill_chunk`` continue in eager chunks whose
-row count, width and cache length are not bucketed, and the tree-attention kernel then met variants the warm-up's
-eager chunks (one row, full width, at chunk multiples) had not compiled: 5 compilations in the long-prompt case,
-no graph capture. That case is an expected failure until the plan covers it (docs/architecture.md, "Start-up
-warm-up"); the whole-prompt case was not run on the device in that form (the long-prompt run failed first).
+Prompts longer than ``prefill_chunk`` continue in eager chunks. On the H200 run of 2026-12-01 (commit 53819c4) these
+compiled 5 tree-attention variants after the warm-up (their row count, width and key length were not bucketed, and
+the warm-up's eager chunks were one row, full width, at chunk multiples). The scheduler now pads an eager chunk's
+width to a multiple of 16 and buckets its key length, and the plan runs one eager chunk per tree-attention variant
+such chunks can launch (``ddtree.engine.warmup.eager_chunks``): the long-prompt case must compile nothing too.
 
 GPU only (the plan is empty without CUDA graphs). The demo pair in bf16; the counts come from the engine's own
 report (``Engine.info()["warmup"]["misses"]``), cross-checked with the graph sets' capture counters and an
@@ -29,8 +29,7 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("longest", [
     128,  # every prompt prefills whole (graphed); decode rounds only from the plan
-    pytest.param(300, marks=pytest.mark.xfail(strict=True, reason="eager continuation chunks compile tree-attention "
-                                              "variants the plan does not cover (5 on the H200, 2026-12-01)")),
+    300,  # the longer prompts continue in eager chunks of any row count, width and start
 ])
 def test_mixed_workload_after_warm_up_captures_and_compiles_nothing(longest):
     from ddtree.lab.bench.matrix import CompileLog
@@ -41,7 +40,7 @@ def test_mixed_workload_after_warm_up_captures_and_compiles_nothing(longest):
     target = load_target(demo_target_path(), dtype=torch.bfloat16, device="cuda")
     drafter = load_drafter(demo_drafter_path(), dtype=torch.bfloat16, device="cuda")
     # declared budgets 4 on top of fast (AR + the default b8); prompts up to 300 tokens: the chunked ones' later
-    # chunks run eagerly at cache lengths the warm-up's eager chunks covered
+    # chunks run eagerly, beside other rows, at widths and key lengths the plan's eager chunks cover
     config = EngineConfig(max_batch=4, max_len=512, max_budget=16, prefill_chunk=128, warmup="4",
                           default_tree=TreeSettings(budget=8))
     engine = Engine(target, drafter, tokenizer, config, model_name="demo")

@@ -17,6 +17,7 @@ import torch
 from ddtree.devices import resolve_device, resolve_dtype
 from ddtree.engine.api import TreeSettings
 from ddtree.engine.config import EngineConfig
+from ddtree.engine.cuda_graphs import AttentionDims
 from ddtree.engine.kernels import KernelSet
 from ddtree.engine.runner import ModelRunner
 from ddtree.engine.warmup import GraphDims, Warmup, WarmupPlan, build_steps, plan_bytes, plan_warmup
@@ -96,18 +97,20 @@ def build(target, drafter, tokenizer, config: EngineConfig, *, model_name: str) 
     _check_fp8_sharing(drafter, config.draft_fp8)
     if config.draft_fp8:
         _quantize_drafter(target, drafter, tokenizer)
-    headroom = max(config.prefill_chunk, config.max_budget + 1, max_block) + 1
+    # an eager prefill chunk pads its width to a multiple of 16 (cuda_graphs.eager_chunk_dims)
+    headroom = max(-(-config.prefill_chunk // 16) * 16, config.max_budget + 1, max_block) + 1
     max_batch = config.max_batch
     graphed = bool(config.cuda_graphs and device.type == "cuda")
     prefill_width = min(PREFILL_GRAPH_MAX_WIDTH, config.prefill_chunk) if config.prefill_graphs else None
     block = (config.default_tree.block_size or trained_block_size) if drafter is not None else 1
+    attention = AttentionDims.of(target, drafter, kernels) if graphed else None
 
     def plan_for(slots: int) -> WarmupPlan:
         if not graphed:
             return WarmupPlan(level=config.warmup)
         return plan_warmup(replace(config, max_batch=slots, max_block_size=max_block),
                            cache_len=config.max_len + headroom, drafts=drafter is not None, block_size=block,
-                           prefill_max_width=prefill_width)
+                           prefill_max_width=prefill_width, attention=attention)
 
     dims = GraphDims.of(target, drafter)
     if config.kv_memory_fraction is not None:
@@ -125,12 +128,13 @@ def build(target, drafter, tokenizer, config: EngineConfig, *, model_name: str) 
 
         # Room for the whole plan and as many lazy shapes again as before the plan (its LRU never drops planned ones
         # while misses stay below that).
-        graphs = RoundGraphs(runner, max_rows=max_batch, cache_len=cache_len, max_graphs=96 + len(plan.rounds))
+        graphs = RoundGraphs(runner, max_rows=max_batch, cache_len=cache_len, max_graphs=96 + len(plan.rounds),
+                             attention=attention)
         if config.prefill_graphs:
             prefill_graphs = PrefillGraphs(runner, max_rows=max_batch, max_width=prefill_width,
                                            max_graphs=max(32, len(plan.prefills) + 8))
     warmup = Warmup(plan=plan, steps=build_steps(plan, graphs=graphs, prefill_graphs=prefill_graphs, runner=runner,
-                                                 dims=dims, prefill_chunk=config.prefill_chunk),
+                                                 dims=dims),
                     graphs=graphs, prefill_graphs=prefill_graphs, dims=dims, device=device,
                     estimated_bytes=plan_bytes(plan, dims))
     overlap = config.overlap_rounds if config.overlap_rounds is not None else device.type == "cuda"

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import TypeVar
 
 import torch
@@ -83,6 +84,94 @@ def graph_key(shape: RoundShape, *, max_rows: int, cache_len: int) -> RoundShape
     )
 
 
+def length_buckets_of(cache_len: int) -> list[int]:
+    """Every value :func:`bucket_length` takes for a cache of ``cache_len`` positions, ascending."""
+    out = {min(64 << i, cache_len) for i in range(5)}  # 64 .. 1024
+    out.update(min(1024 * k, cache_len) for k in range(2, -(-cache_len // 1024) + 1))
+    return sorted(b for b in out if b >= min(64, cache_len))
+
+
+@dataclass(frozen=True)
+class AttentionDims:
+    """What the tree-attention launches of a round follow besides its shape (:func:`round_launches`): the target's
+    and the drafter's head counts and head dim, the element size, the device's SM count.
+
+    Why: with the tree-attention kernel the key length reaches a round's kernels only through the launch it picks
+    (tiles, splits; the kernel reads each row's start on the device), so two length buckets that launch alike
+    capture identical graphs and can share one (:func:`shared_key`). Only built where that holds: the verify
+    through the kernel and not in exact mode (its kernels read the length); ``draft`` is None where the drafter
+    attends through a dense mask (then a drafting key keeps its length)."""
+
+    target: tuple[int, int, int]  # (heads, kv heads, head dim)
+    draft: tuple[int, int, int] | None
+    elem: int
+    sms: int
+
+    @classmethod
+    def of(cls, target, drafter, kernels) -> AttentionDims | None:
+        """Of a built engine's models (on their device) and :class:`~ddtree.engine.kernels.KernelSet`."""
+        from ddtree.tuning import sm_count
+
+        if not kernels.tree_attention or getattr(kernels, "exact", False):
+            return None
+        param = next(target.parameters())
+        t = target.config
+        draft = None
+        if drafter is not None and kernels.draft_attention:
+            d = drafter.config
+            draft = (int(d.num_heads), int(d.num_kv_heads), int(d.head_dim))
+        return cls((int(t.num_heads), int(t.num_kv_heads), int(t.head_dim)), draft, param.element_size(),
+                   sm_count(param.device))
+
+
+def round_launches(key: RoundShape, dims: AttentionDims, cache_len: int) -> tuple:
+    """The tree-attention launches of a round of graph key ``key``: the verify's (rows x nodes + 1 tokens over
+    ``kv_len``) and, for a drafting key, the drafter block's (rows x block_size over ``draft_kv_len`` + the block,
+    as :meth:`~ddtree.models.drafter.DFlashDrafter.draft_logits` launches it; its length itself where the drafter
+    attends densely)."""
+    from ddtree.models.tree_attention import plan_launch
+
+    heads, kv, d = dims.target
+    verify = plan_launch(key.rows, heads, kv, key.max_budget + 1, d, key.kv_len, dims.elem, dims.sms)
+    if not key.drafts:
+        return (verify,)
+    if dims.draft is None:
+        return verify, ("dense draft", key.draft_kv_len)
+    heads, kv, d = dims.draft
+    return verify, plan_launch(key.rows, heads, kv, key.block_size, d, min(key.draft_kv_len + key.block_size,
+                                                                           cache_len), dims.elem, dims.sms)
+
+
+def shared_key(key: RoundShape, dims: AttentionDims | None, cache_len: int) -> RoundShape:
+    """The graph key whose graphs serve ``key``: the longest length bucket that launches every tree attention of
+    the round exactly as ``key``'s does (``key`` itself without ``dims``). Pure; a larger length is exact (a bound
+    on every row's start)."""
+    if dims is None:
+        return key
+    return _shared_key(key, dims, cache_len)
+
+
+@lru_cache(maxsize=4096)
+def _shared_key(key: RoundShape, dims: AttentionDims, cache_len: int) -> RoundShape:
+    mine = round_launches(key, dims, cache_len)
+    best = key
+    for length in length_buckets_of(cache_len):
+        other = replace(key, kv_len=length, draft_kv_len=length)
+        if length > best.kv_len and round_launches(other, dims, cache_len) == mine:
+            best = other
+    return best
+
+
+def eager_chunk_dims(width: int, starts: list[int], cache_len: int) -> tuple[int, int]:
+    """(padded width, kv_len) of an eager prefill chunk whose widest row takes ``width`` tokens: the width
+    rounded up to a multiple of 16 and the key length bucketed like a round's, so that every eager chunk's kernel
+    variants lie in a finite set the warm-up plans (``ddtree.engine.warmup.eager_chunks``). Padding columns are
+    invisible (past each row's valid length), as the scheduler's padding to the widest row already is; the build's
+    headroom keeps ``start + padded width`` inside the cache."""
+    padded = -(-width // 16) * 16
+    return padded, bucket_length(max(s + padded for s in starts), cache_len)
+
+
 @dataclass
 class _Captured:
     static: RoundInputs  # per-row fields are views of packed
@@ -96,8 +185,11 @@ class _Captured:
 class RoundGraphs:
     """Captures and replays rounds; :meth:`run` is the graphed counterpart of :meth:`ModelRunner.round`."""
 
-    def __init__(self, runner: ModelRunner, *, max_rows: int, cache_len: int, max_graphs: int = 96) -> None:
+    def __init__(self, runner: ModelRunner, *, max_rows: int, cache_len: int, max_graphs: int = 96,
+                 attention: AttentionDims | None = None) -> None:
+        """attention: the launches' dimensions (:meth:`AttentionDims.of`): keys that launch alike share graphs."""
         self.runner = runner
+        self.attention = attention
         self.max_rows = max_rows
         self.cache_len = cache_len
         self.max_graphs = max_graphs
@@ -111,8 +203,9 @@ class RoundGraphs:
         return self.runner.device.type == "cuda" and rows <= self.max_rows
 
     def key_for(self, shape: RoundShape) -> RoundShape:
-        """The graph key of a round of ``shape``."""
-        return graph_key(shape, max_rows=self.max_rows, cache_len=self.cache_len)
+        """The graph key of a round of ``shape`` (the shared one: :func:`shared_key`)."""
+        return shared_key(graph_key(shape, max_rows=self.max_rows, cache_len=self.cache_len), self.attention,
+                          self.cache_len)
 
     @torch.inference_mode()
     def run(self, rows_in: PackedRows, shape: RoundShape, timer: StageTimer) -> tuple[Tensor, PackedRows]:
@@ -150,7 +243,9 @@ class RoundGraphs:
         return cap.work.result[:rows], PackedRows(packed.longs[:, :rows], packed.floats[:, :rows])
 
     def capture(self, key: RoundShape) -> None:
-        """Capture the graphs of ``key`` (a graph key) now unless they exist: the warm-up's entry point."""
+        """Capture the graphs of ``key`` (a graph key) now unless they (or its shared key's) exist: the warm-up's
+        entry point."""
+        key = shared_key(key, self.attention, self.cache_len)
         if key not in self.graphs:
             with torch.inference_mode():
                 self._capture(key)

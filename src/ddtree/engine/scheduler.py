@@ -32,7 +32,7 @@ from ddtree.engine import auto_budget
 from ddtree.engine.api import MAX_LOGPROBS, MAX_STOP_IDS, StreamChunk, TokenLogprob
 from ddtree.engine.build import EngineParts
 from ddtree.engine.cost_curve import CostCurve
-from ddtree.engine.cuda_graphs import bucket_nodes, bucket_rows
+from ddtree.engine.cuda_graphs import bucket_nodes, bucket_rows, eager_chunk_dims
 from ddtree.engine.logprobs import bits_to_floats, device_logprobs, host_entries, unpack_logprobs
 from ddtree.engine.request_state import Phase, RequestState
 from ddtree.engine.round import NO_WINDOW, PackedRows, RoundInputs, RoundShape, RowInputs
@@ -221,16 +221,18 @@ class Scheduler:
                 log.exception("prefill CUDA graph failed; prefilling eagerly from now on")
                 self.prefill_graphs = None
         if logits is None:
+            # width padded to a multiple of 16, key length bucketed: kernel variants the warm-up planned
+            padded, kv_len = eager_chunk_dims(width, start, self.runner.target_cache.max_len)
             inp = PrefillInputs(
-                ids=ids.to(dev),
+                ids=torch.nn.functional.pad(ids, (0, padded - width)).to(dev),
                 slots=torch.tensor([s.slot for s, _ in rows], device=dev),
                 start=torch.tensor(start, device=dev),
                 valid_len=torch.tensor(takes, device=dev),
                 last_index=torch.tensor([t - 1 for t in takes], device=dev),
-                kv_len=max(s + width for s in start),
+                kv_len=kv_len,
             )
             if prompt_lp:
-                every = self.runner.prefill(inp, every_position=True)  # [R, T, V]
+                every = self.runner.prefill(inp, every_position=True)[:, :width]  # [R, T, V]
                 logits = torch.gather(every, 1, inp.last_index[:, None, None].expand(-1, 1, every.shape[-1]))[:, 0]
             else:
                 logits = self.runner.prefill(inp)

@@ -14,12 +14,18 @@ Terms:
 - *tree shape*: ``(block_size, node bucket, contiguous)``. AR is ``(1, 0, True)``, the DFlash chain at block B is
   ``(B, bucket_nodes(B - 1), True)``, DDTree at budget b is ``(B, bucket_nodes(b), False)``.
 - *prefill key*: ``(rows bucket, width bucket)`` of a graphed first prefill chunk (:class:`PrefillKey`).
+- *eager chunk*: ``(rows, width, kv_len)`` of a prefill chunk that runs without a graph (a long prompt's later
+  chunks, chunks too wide to graph): the scheduler pads its width to a multiple of 16 and buckets its key length
+  (:func:`~ddtree.engine.cuda_graphs.eager_chunk_dims`), so its kernels' variants lie in a finite set.
+- *shared key*: with the tree-attention kernel, length buckets that launch a round's attentions alike (same tiles
+  and splits) capture identical graphs; the plan keeps one key per such group
+  (:func:`~ddtree.engine.cuda_graphs.shared_key`), and the round graphs replay it for all of them.
 
 Levels (``EngineConfig.warmup``; docs/architecture.md "Start-up warm-up" counts them for the stand-in):
 
 - ``none``: nothing planned; every shape captures lazily (the behaviour before the plan).
 - ``fast`` (the default): AR and the default tree, greedy, at every rows bucket and every length bucket; every
-  prefill key; the eager continuation chunks of one longest prompt (their Triton variants).
+  prefill key; one eager chunk per tree-attention variant an eager prefill chunk can launch (:func:`eager_chunks`).
 - ``full``: ``fast`` plus the DFlash chain and DDTree at every node bucket up to ``max_budget`` (default block
   size), and every one of these tree shapes (AR included) greedy, sampled and sampled with a top-p / top-k filter.
 - ``"4,15,31"`` (a comma-separated list of DDTree budgets): ``fast`` plus DDTree at those budgets' buckets, greedy.
@@ -45,7 +51,16 @@ from typing import Any
 from ddtree.engine import auto_budget
 from ddtree.engine.api import TreeSettings
 from ddtree.engine.config import EngineConfig, parse_warmup
-from ddtree.engine.cuda_graphs import PrefillKey, bucket_length, bucket_nodes, bucket_rows, prefill_key
+from ddtree.engine.cuda_graphs import (
+    AttentionDims,
+    PrefillKey,
+    bucket_length,
+    bucket_nodes,
+    bucket_rows,
+    length_buckets_of,
+    prefill_key,
+    shared_key,
+)
 from ddtree.engine.round import RoundShape
 
 log = logging.getLogger("ddtree.engine")
@@ -58,14 +73,25 @@ SAMPLING_ALL: tuple[tuple[bool, bool], ...] = ((True, False), (False, False), (F
 
 
 @dataclass(frozen=True)
+class EagerChunk:
+    """An eager prefill chunk as the scheduler launches it: rows, padded width, key-length bucket."""
+
+    rows: int
+    width: int
+    kv_len: int
+
+
+@dataclass(frozen=True)
 class WarmupPlan:
-    """What a warm-up captures: round keys, prefill keys, and the starts of eager continuation chunks to run once
-    (width ``prefill_chunk``; they compile the prefill's Triton variants at those cache lengths)."""
+    """What a warm-up captures: round keys (shared ones), prefill keys, and the eager chunks to run once (each
+    compiles the tree-attention variants no earlier chunk did; ``eager_variants`` is every variant an eager chunk
+    within the limits can launch, all of them compiled by these)."""
 
     level: str
     rounds: tuple[RoundShape, ...] = ()
     prefills: tuple[PrefillKey, ...] = ()
-    eager_prefill_starts: tuple[int, ...] = ()
+    eager_chunks: tuple[EagerChunk, ...] = ()
+    eager_variants: frozenset = frozenset()
 
     @property
     def graphs(self) -> int:
@@ -122,12 +148,51 @@ def prefill_keys(*, max_batch: int, prefill_chunk: int, max_width: int, max_len:
     return sorted(keys, key=lambda k: (k.rows, k.width))
 
 
+def eager_chunk_variants(chunk: EagerChunk, attention: AttentionDims) -> tuple[tuple, ...]:
+    """The tree-attention variants an eager chunk launches (the target's prefill attention; no draft window)."""
+    from ddtree.models.tree_attention import plan_launch, variants
+
+    heads, kv, d = attention.target
+    launch = plan_launch(chunk.rows, heads, kv, chunk.width, d, chunk.kv_len, attention.elem, attention.sms)
+    return variants(launch, chunk.width, d, has_first=False)
+
+
+def eager_chunks(*, max_batch: int, prefill_chunk: int, max_len: int, cache_len: int,
+                 attention: AttentionDims | None) -> tuple[tuple[EagerChunk, ...], frozenset]:
+    """The eager chunks to run at start-up and every variant they cover: for every chunk the scheduler can
+    launch eagerly (r rows, the widest taking up to ``prefill_chunk - r + 1`` tokens padded to w, a multiple of
+    16, over a length bucket in [w, bucket(max_len + w)]), its tree-attention variants; then the cheapest chunk
+    (rows x width, then length) of each variant. Without the kernel (``attention`` None) one chunk: the padding
+    already gives every other kernel the width class (a multiple of 16) the graphed prefill chunks compile."""
+    top = -(-prefill_chunk // 16) * 16
+    if attention is None:
+        return (EagerChunk(1, top, bucket_length(top, cache_len)),), frozenset()
+    lengths = length_buckets_of(cache_len)
+    cheapest: dict[tuple, EagerChunk] = {}
+    for rows in range(1, min(max_batch, prefill_chunk) + 1):
+        for width in range(16, top + 1, 16):
+            if max(1, width - 15) + rows - 1 > prefill_chunk:  # the widest row and one token for each other
+                break
+            most = bucket_length(max_len + width, cache_len)
+            for length in lengths:
+                if width <= length <= most:
+                    chunk = EagerChunk(rows, width, length)
+                    for variant in eager_chunk_variants(chunk, attention):
+                        have = cheapest.get(variant)
+                        if have is None or (rows * width, length) < (have.rows * have.width, have.kv_len):
+                            cheapest[variant] = chunk
+    chunks = sorted(set(cheapest.values()), key=lambda c: (c.rows * c.width, c.kv_len, c.rows))
+    return tuple(chunks), frozenset(cheapest)
+
+
 def plan_warmup(config: EngineConfig, *, cache_len: int, drafts: bool, block_size: int,
-                prefill_max_width: int | None) -> WarmupPlan:
+                prefill_max_width: int | None, attention: AttentionDims | None = None) -> WarmupPlan:
     """The warm-up plan of a built engine's ``config`` (``max_batch`` resolved). Pure: no device, no models.
 
     cache_len: KV positions per slot (build: max_len + headroom). drafts: the engine has a drafter. block_size: the
-    default tree's resolved block size. prefill_max_width: widest graphed prefill chunk (None: prefill graphs off)."""
+    default tree's resolved block size. prefill_max_width: widest graphed prefill chunk (None: prefill graphs off).
+    attention: the tree-attention launches' dimensions (:meth:`AttentionDims.of`; None without the kernel): with
+    them round keys that launch alike collapse to their shared key and eager chunks are planned per variant."""
     level, budgets = parse_warmup(config.warmup)
     if level == "none":
         return WarmupPlan(level=config.warmup)
@@ -144,16 +209,16 @@ def plan_warmup(config: EngineConfig, *, cache_len: int, drafts: bool, block_siz
         for rows in row_buckets(config.max_batch):
             for length in length_buckets(nodes, cache_len):
                 for greedy, filtered in sampling:
-                    rounds.append(RoundShape(rows=rows, max_budget=nodes, block_size=block, kv_len=length,
+                    rounds.append(shared_key(RoundShape(rows=rows, max_budget=nodes, block_size=block, kv_len=length,
                                              draft_kv_len=length, greedy=greedy, filtered=filtered,
-                                             contiguous=contiguous, auto_width=auto_width(nodes, contiguous)))
+                                             contiguous=contiguous, auto_width=auto_width(nodes, contiguous)), attention, cache_len))
     prefills = [] if prefill_max_width is None else prefill_keys(
         max_batch=config.max_batch, prefill_chunk=config.prefill_chunk, max_width=prefill_max_width,
         max_len=config.max_len)
-    chunk = config.prefill_chunk
-    starts = tuple(range(chunk, config.max_len - 1, chunk))
-    return WarmupPlan(level=config.warmup, rounds=tuple(rounds), prefills=tuple(prefills),
-                      eager_prefill_starts=starts)
+    chunks, variants = eager_chunks(max_batch=config.max_batch, prefill_chunk=config.prefill_chunk,
+                                    max_len=config.max_len, cache_len=cache_len, attention=attention)
+    return WarmupPlan(level=config.warmup, rounds=tuple(dict.fromkeys(rounds)), prefills=tuple(prefills),
+                      eager_chunks=chunks, eager_variants=variants)
 
 
 # ---- memory ------------------------------------------------------------------------------------------------------
@@ -382,7 +447,7 @@ class Warmup:
         out: dict[str, Any] = {
             "level": self.plan.level, "state": self.state, "graphs_planned": self.total, "graphs_done": self.done,
             "round_keys": len(self.plan.rounds), "prefill_keys": len(self.plan.prefills),
-            "eager_prefill_chunks": len(self.plan.eager_prefill_starts), "dropped": self.dropped,
+            "eager_prefill_chunks": len(self.plan.eager_chunks), "dropped": self.dropped,
             "seconds": round(self.seconds, 3), "estimated_graph_bytes": self.estimated_bytes,
             "graph_bytes": self.graph_bytes,
             "allocated_delta_bytes": None if self.torch_deltas is None else self.torch_deltas[0],
@@ -452,8 +517,7 @@ class KeyStep(WarmupStep):
     key: Any = None
 
 
-def build_steps(plan: WarmupPlan, *, graphs, prefill_graphs, runner, dims: GraphDims | None,
-                prefill_chunk: int) -> list[WarmupStep]:
+def build_steps(plan: WarmupPlan, *, graphs, prefill_graphs, runner, dims: GraphDims | None) -> list[WarmupStep]:
     """The plan as executable steps over a built engine's graph sets and runner, smallest first (so that when
     memory runs out, what is left uncaptured is the largest), then the eager continuation chunks."""
     steps: list[KeyStep] = []
@@ -467,9 +531,9 @@ def build_steps(plan: WarmupPlan, *, graphs, prefill_graphs, runner, dims: Graph
                                   key=key, bytes=sum(prefill_bytes(key, dims)) if dims else 0))
     steps.sort(key=lambda s: s.bytes)
     out: list[WarmupStep] = list(steps)
-    for start in plan.eager_prefill_starts if graphs is not None else ():
-        out.append(WarmupStep(label=f"eager prefill at {start}",
-                              run=lambda s=start: _eager_chunk(runner, s, prefill_chunk), graph=False))
+    for chunk in plan.eager_chunks if graphs is not None else ():
+        out.append(WarmupStep(label=f"eager prefill {chunk.rows}x{chunk.width} over {chunk.kv_len}",
+                              run=lambda c=chunk: _eager_chunk(runner, c), graph=False))
     return out
 
 
@@ -479,22 +543,18 @@ def _round_label(key: RoundShape) -> str:
             f"{'' if key.greedy else ' sampled' + (' filtered' if key.filtered else '')}")
 
 
-def _eager_chunk(runner, start: int, chunk: int) -> None:
-    """One eager continuation chunk (width = the rest of the cache or the chunk) into the scratch slot at ``start``:
-    compiles the prefill's Triton variants at that cache length. The scratch slot holds garbage by design."""
+def _eager_chunk(runner, chunk: EagerChunk) -> None:
+    """One eager prefill chunk of ``chunk``'s shape, every row into the scratch slot at ``kv_len - width`` (so the
+    chunk reads up to its key length): compiles its kernels' variants. The scratch slot holds garbage by design."""
     import torch
 
     from ddtree.engine.runner import PrefillInputs
 
-    width = min(chunk, runner.target_cache.max_len - start)
-    if width <= 0:
-        return
     dev = runner.device
-    scratch = runner.target_cache.scratch_slot
-    one = lambda v: torch.tensor([v], dtype=torch.long, device=dev)  # noqa: E731
-    runner.prefill(PrefillInputs(ids=torch.zeros((1, width), dtype=torch.long, device=dev), slots=one(scratch),
-                                 start=one(start), valid_len=one(width), last_index=one(width - 1),
-                                 kv_len=start + width))
+    rows = lambda v: torch.full((chunk.rows,), v, dtype=torch.long, device=dev)  # noqa: E731
+    runner.prefill(PrefillInputs(ids=torch.zeros((chunk.rows, chunk.width), dtype=torch.long, device=dev),
+                                 slots=rows(runner.target_cache.scratch_slot), start=rows(chunk.kv_len - chunk.width),
+                                 valid_len=rows(chunk.width), last_index=rows(chunk.width - 1), kv_len=chunk.kv_len))
 
 
 def free_device_bytes(device) -> Callable[[], int] | None:
