@@ -143,6 +143,9 @@ class CostCurve:
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                     raise CostCurveError(f"cost curve prefill_seconds must be finite and > 0, got {v!r} at {t} tokens")
             object.__setattr__(self, "prefill_seconds", tuple(float(v) for v in self.prefill_seconds))
+        else:
+            object.__setattr__(self, "prefill_tokens", ())
+            object.__setattr__(self, "prefill_seconds", ())
 
     def point(self, r: int, b: int, k: int) -> float:
         """The measured seconds at grid indices (r, b, k)."""

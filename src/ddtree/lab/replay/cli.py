@@ -1,4 +1,5 @@
-"""``ddtree replay record`` (one greedy trace) and ``ddtree replay predict`` (acceptance for every setting)."""
+"""``ddtree replay record`` (one greedy trace), ``ddtree replay curve`` (a measured cost curve) and ``ddtree replay
+predict`` (acceptance for every setting; with a cost curve, tok/s per cell too)."""
 
 from __future__ import annotations
 
@@ -58,6 +59,9 @@ def record(
     block_size: int | None = typer.Option(None, help="Draft block size (default: the drafter's trained size)."),
     draft_window: int | None = typer.Option(None, help="Drafter context window (default: all)."),
     top_m: int = typer.Option(64, help="Tokens kept per depth: the largest budget the trace can predict."),
+    from_run: Path | None = typer.Option(None, help="A sweep run directory: record its benchmark cells' own prompts "
+                                         "(every cell and repeat, as the bench builds them) at its output length, "
+                                         "so `replay predict --run` replays each cell's requests."),
     *,
     engine_config: EngineConfig,
 ) -> None:
@@ -67,15 +71,28 @@ def record(
     from ddtree.engine import Engine
     from ddtree.lab.replay.trace import record_trace
 
-    if prompts is not None:
+    texts: list
+    if from_run is not None:
+        if prompts is not None:
+            raise ConfigError("give --prompts or --from-run, not both")
+        from ddtree.lab.bench.workload import load_tokenizer
+        from ddtree.lab.replay.throughput import SweepCells
+
+        cells = SweepCells.from_run(from_run)
+        per_cell = cells.prompts(load_tokenizer(cells.tokenizer)[0])
+        texts = list({tuple(p): p for ps in per_cell.values() for p in ps}.values())
+        max_tokens = cells.output_tokens
+    elif prompts is not None:
         texts = read_prompts(prompts)
     else:
         from ddtree.lab.humaneval import GATE_TASKS, load_problems
 
         problems = load_problems()
         texts = [problems[t]["prompt"] for t in GATE_TASKS]
+    longest = max((len(t) for t in texts if not isinstance(t, str)), default=0)
     config = replace(engine_config, max_batch=min(8, len(texts)), max_budget=max(64, top_m),
-                     max_block_size=block_size).validated()
+                     max_block_size=block_size,
+                     max_len=max(engine_config.max_len, longest + max_tokens + 2 * top_m)).validated()
     engine = Engine.from_config(config)
     engine.start()
     try:
@@ -93,8 +110,20 @@ def predict_cmd(
     budget: str = typer.Option("2,4,8,16,32,64", help="Budgets to predict."),
     topk: str = typer.Option("none", help="Top-k caps to predict (none = no cap)."),
     json_out: Path | None = typer.Option(None, "--json", help="Also write the predictions as JSON here."),
+    cost_curve: Path | None = typer.Option(None, help="A cost curve JSON (`ddtree replay curve`): also predict tok/s "
+                                           "per setting, context and concurrency."),
+    run: Path | None = typer.Option(None, help="With --cost-curve: a sweep run directory; predict its cells (its "
+                                    "contexts, concurrency, requests; each cell replays its own prompts when the "
+                                    "trace was recorded --from-run) and write predicted.json there for `ddtree "
+                                    "report`."),
+    contexts: str = typer.Option("64", help="With --cost-curve and no --run: prompt lengths of the cells."),
+    concurrency: str = typer.Option("1", help="With --cost-curve and no --run: concurrency levels of the cells."),
+    num_requests: int | None = typer.Option(None, help="With --cost-curve and no --run: requests per cell "
+                                            "(default: the trace's sequences)."),
+    prefill_chunk: int = typer.Option(512, help="With --cost-curve and no --run: the engine's prefill chunk."),
 ) -> None:
-    """Print predicted acceptance length per setting (AR and the DFlash chain included)."""
+    """Print predicted acceptance length per setting (AR and the DFlash chain included); with --cost-curve also
+    predicted tok/s per cell."""
     from rich.console import Console
     from rich.table import Table
 
@@ -117,6 +146,112 @@ def predict_cmd(
     Console().print(table)
     if json_out is not None:
         atomic_write_json(json_out, {"trace": loaded.metadata(), "predictions": [p.to_dict() for p in predictions]})
+    if cost_curve is None:
+        if run is not None:
+            raise ConfigError("--run needs --cost-curve (tok/s needs the round costs)")
+        return
+    from ddtree.engine.cost_curve import load_curve
+    from ddtree.lab.replay.throughput import (
+        PREDICTED_FILE,
+        SweepCells,
+        cell_sequences,
+        predict_cells,
+        predicted_document,
+    )
+
+    curve = load_curve(cost_curve)
+    sequences = None
+    if run is not None:
+        from ddtree.lab.bench.workload import load_tokenizer
+
+        cells = SweepCells.from_run(run)
+        if cells.output_tokens != loaded.max_tokens:
+            raise ConfigError(f"the run's requests are {cells.output_tokens} tokens but the trace holds "
+                              f"{loaded.max_tokens}; record it with `ddtree replay record --from-run {run}`")
+        sequences = cell_sequences([loaded.sequence(s)[0] for s in range(loaded.num_sequences)],
+                                   cells.prompts(load_tokenizer(cells.tokenizer)[0]))
+        ctxs, concs, reqs, chunk = cells.contexts, cells.concurrency, cells.num_requests, cells.prefill_chunk
+    else:
+        ctxs = tuple(c for c in _list(contexts, what="contexts", optional=False) if c is not None)
+        concs = tuple(c for c in _list(concurrency, what="concurrency", optional=False) if c is not None)
+        reqs = {c: num_requests or loaded.num_sequences for c in concs}
+        chunk = prefill_chunk
+    cells_out = predict_cells(predictions, curve, depth=loaded.depth, contexts=ctxs, concurrency=concs,
+                              num_requests=reqs, max_tokens=loaded.max_tokens, sequences=sequences,
+                              prefill_chunk=chunk)
+    tok = Table(title=f"predicted tok/s (cost curve {curve.device}, {curve.model}"
+                      f"{'' if curve.prefill_tokens else '; prefill not modelled'})")
+    keys = [(c, n) for c in ctxs for n in concs]
+    tok.add_column("setting")
+    for c, n in keys:
+        tok.add_column(f"ctx {c} C={n}", justify="right")
+    by = {(p.config, p.context, p.concurrency): p for p in cells_out}
+    for p in predictions:
+        tok.add_row(p.setting.label, *[f"{by[(p.setting.label, c, n)].tok_s:.1f}"
+                                       + ("*" if by[(p.setting.label, c, n)].extrapolated else "") for c, n in keys])
+    Console().print(tok)
+    doc = predicted_document(cells_out, curve=curve, curve_path=str(cost_curve), trace=loaded.metadata(),
+                             prefill_chunk=chunk)
+    if run is not None:
+        atomic_write_json(run / PREDICTED_FILE, doc)
+        typer.echo(f"{run / PREDICTED_FILE} (* = outside the curve's grid: extrapolated)")
+    elif json_out is not None:
+        atomic_write_json(json_out.with_name(json_out.stem + ".tok_s.json"), doc)
+
+
+@replay_app.command("curve")
+# The engine's flags (--target, --draft, --device, --max-batch, --max-len, --max-budget, ...) come from EngineConfig.
+@engine_options(exclude=("cost_curve",))
+def curve_cmd(
+    out: Path = typer.Option(Path("cost_curve.json"), help="Cost curve file to write."),
+    rows: str | None = typer.Option(None, help="Rows (requests per round) to time, e.g. 1,2,4 (default: the engine's grid)."),
+    budgets: str | None = typer.Option(None, help="Budgets to time, e.g. 0,4,15,16,64 (0 = AR; default: the engine's grid)."),
+    kv_lens: str | None = typer.Option(None, help="Root positions (context tokens) to time, e.g. 64,256,640."),
+    prefill_tokens: str | None = typer.Option(None, help="Prefill step sizes to time, e.g. 64,256,512 (none: skip)."),
+    repeats: int = typer.Option(3, help="Timed rounds per point (the median is kept), after one untimed round."),
+    *,
+    engine_config: EngineConfig,
+) -> None:
+    """Measure a cost curve (one round's wall seconds per rows x budget x kv_len) on the engine's real runner."""
+    from dataclasses import replace
+
+    from ddtree.engine import Engine
+    from ddtree.engine.cost_curve import (
+        CostGrid,
+        engine_device_name,
+        engine_grid,
+        measure_cost_curve,
+        save_curve,
+    )
+    from ddtree.lab.sweep.grid import parse_list
+
+    def ints(text: str | None, what: str, default: tuple[int, ...]) -> tuple[int, ...]:
+        if text is None:
+            return default
+        if text.strip().lower() == "none":
+            return ()
+        return tuple(int(v) for v in parse_list(text, what=what, optional=False) if v is not None)
+
+    config = engine_config.validated()
+    wanted_rows = ints(rows, "rows", ())
+    if wanted_rows:
+        config = replace(config, max_batch=max(config.max_batch, max(wanted_rows))).validated()
+    engine = Engine.from_config(config)
+    try:
+        engine.parts.warmup.run()
+        base = engine_grid(engine.parts)
+        grid = CostGrid(rows=wanted_rows or base.rows, budgets=ints(budgets, "budgets", base.budgets),
+                        kv_lens=ints(kv_lens, "kv_lens", base.kv_lens), block_size=base.block_size,
+                        prefill_tokens=ints(prefill_tokens, "prefill_tokens", base.prefill_tokens), repeats=repeats)
+        typer.echo(f"timing {grid.points} points x {repeats + 1} rounds "
+                   f"+ {len(grid.prefill_tokens)} prefill sizes ...")
+        curve = measure_cost_curve(engine.runner, grid, graphs=engine.parts.graphs,
+                                   device_name=engine_device_name(engine.device),
+                                   model=f"{engine.model_name} ({engine.config.dtype})")
+    finally:
+        engine.shutdown(drain_timeout=0)
+    save_curve(curve, out)
+    typer.echo(f"{out}: {curve.device}, {curve.model}, measured in {curve.measure_seconds:.1f} s")
 
 
 __all__ = ["read_prompts", "register"]

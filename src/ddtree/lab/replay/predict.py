@@ -50,7 +50,8 @@ class Prediction:
     tokens: int = 0  # completion tokens over all sequences (max_tokens each)
     rounds: int = 0  # verify rounds over all sequences
     accept_hist: list[int] = field(default_factory=list)  # over all sequences
-    per_sequence: list[dict[str, Any]] = field(default_factory=list)  # accept_length, rounds, accept_hist
+    # accept_length, rounds, accept_hist, commits (tokens committed by each round, in order: what tok/s replays)
+    per_sequence: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def accept_length(self) -> float:
@@ -160,15 +161,17 @@ def predict(
         counts = accepted[setting].tolist()
         pred = Prediction(setting)
         for seq in range(trace.num_sequences):
-            committed, rounds, hist = 1, 0, [0]  # t_1 came from the prefill
+            committed, rounds, hist, commits = 1, 0, [0], []  # t_1 came from the prefill
             while committed < total:
                 n = counts[index[(seq, committed)]]
                 rounds += 1
+                commits.append(n)
                 while len(hist) <= n:
                     hist.append(0)
                 hist[n] += 1
                 committed += n
-            pred.per_sequence.append({"accept_length": total / rounds, "rounds": rounds, "accept_hist": hist})
+            pred.per_sequence.append({"accept_length": total / rounds, "rounds": rounds, "accept_hist": hist,
+                                      "commits": commits})
             pred.tokens += total
             pred.rounds += rounds
             while len(pred.accept_hist) < len(hist):

@@ -21,6 +21,7 @@ from ddtree.lab.report.analysis import (
 )
 from ddtree.lab.report.collect import ConfigResult, RunResults
 from ddtree.lab.report.latency import describe_slo
+from ddtree.lab.report.predicted import Predicted, load_predicted
 
 
 @dataclass(frozen=True)
@@ -256,6 +257,28 @@ def acceptance_table(results: RunResults) -> Table:
     return Table(headers, rows, frozenset({1, *range(3, len(headers))}))
 
 
+def predicted_table(results: RunResults, predicted: Predicted) -> Table:
+    """Per config and cell: measured tok/s, replay's predicted tok/s and the error (predicted - measured, %)."""
+    rows = []
+    for c in predicted.cells:
+        err = c.error_pct
+        rows.append([results.label(c.config_id), f"ctx {c.context} C={c.concurrency}", _f(c.measured),
+                     _f(c.predicted) + ("*" if c.extrapolated else ""), "-" if err is None else f"{err:+.1f}%"])
+    return Table(["config", "cell", "measured tok/s", "predicted tok/s", "error"], rows, frozenset({2, 3, 4}))
+
+
+def predicted_section(results: RunResults, predicted: Predicted) -> Section:
+    curve = predicted.curve
+    mean = predicted.mean_abs_error_pct()
+    text = (f"`ddtree replay predict --run` from one trace and a cost curve measured on {curve.get('device', '?')} "
+            f"for {curve.get('model', '?')}; error = (predicted - measured) / measured"
+            + ("" if mean is None else f", mean |error| {mean:.1f}% over {len(predicted.compared)} cells")
+            + ". * = the cost curve was read outside its grid (extrapolated)."
+            + ("" if predicted.prefill_modelled else " Prefill time is not modelled (the curve has no prefill points).")
+            + f" Model: {predicted.model}.")
+    return Section("Predicted vs measured", paragraphs=[text], tables=[predicted_table(results, predicted)])
+
+
 # ------------------------------------------------------------------------------------------------ sections
 def build_sections(results: RunResults, plots: dict[str, Path]) -> list[Section]:
     sections = [
@@ -289,6 +312,9 @@ def build_sections(results: RunResults, plots: dict[str, Path]) -> list[Section]
                f"{results.trained_block_size - 1})." if results.trained_block_size else "")],
             tables=[acceptance_table(results)]),
     ]
+    predicted = load_predicted(results)
+    if predicted is not None and predicted.cells:
+        sections.append(predicted_section(results, predicted))
     gate = gate_table(results)
     if gate:
         sections.append(Section("Coding gate", tables=[gate]))

@@ -1,0 +1,234 @@
+"""Predicted tok/s for every setting at every concurrency: replay's acceptance times a measured cost curve.
+
+The model (stated, because every number it gives rests on it): a benchmark cell is ``num_requests`` requests of a
+``context``-token prompt and ``max_tokens`` completion tokens, at most ``concurrency`` in flight (the bench's closed
+loop: a finished request's place goes to the next one at once), on one engine whose loop alternates
+
+* a **prefill step** for the requests just admitted: their prompts in chunks of at most ``prefill_chunk`` tokens,
+  one step per chunk, each costing :meth:`~ddtree.engine.cost_curve.CostCurve.prefill_step_seconds` of its tokens
+  (zero when the curve has no prefill points; said in the result); a request's first token comes from it;
+* a **decode round** for every decoding request: ``rows`` = those requests, ``kv_len`` = the furthest of their
+  committed lengths (prompt + tokens so far: what the verify reads), each row committing the next count of its
+  replayed sequence (:func:`ddtree.lab.replay.predict.predict`'s per-round commits), costing
+  ``round_seconds(rows, budget, kv_len)``, with ``budget`` the setting's tree nodes past the root (AR 0, the DFlash
+  chain its depth, DDTree its budget).
+
+Predicted tok/s = completion tokens of all requests / the summed step times (the bench's output tok/s: tokens over
+first request sent to last one finished). In steady state this is the plain formula: committed tokens per round x
+rows / round_seconds(rows, budget, kv_len). Not modelled: the host work between rounds that the curve's rounds do
+not contain (emitting tokens, detokenizing, the HTTP server and client of an in-process sweep sharing the same
+cores), so on a CPU the prediction is an upper bound whose error grows with the share of that work; on CUDA the
+engine overlaps it with the device.
+
+Request ``i`` of a cell replays the trace sequence given for it (the cell's own prompts when the trace was recorded
+from them, :func:`cell_sequences`), else the trace's sequences in turn.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from ddtree.engine.cost_curve import CostCurve
+from ddtree.errors import ConfigError
+from ddtree.lab.replay.predict import Prediction, Setting
+
+# the file's schema, and its name inside a sweep's run directory, where `ddtree report` shows it beside the measured
+from ddtree.lab.report.predicted import PREDICTED_FILE, TOK_S_SCHEMA
+
+
+@dataclass(frozen=True)
+class CellPrediction:
+    """Predicted numbers of one (setting, context, concurrency) cell."""
+
+    config: str  # Setting.label
+    method: str
+    budget: int | None
+    topk: int | None
+    context: int
+    concurrency: int
+    num_requests: int
+    max_tokens: int
+    tok_s: float  # completion tokens / (round seconds + prefill seconds)
+    accept_length: float  # completion tokens per verify round of the replayed sequences
+    rounds: int  # decode rounds the engine runs (batched: one round serves every row)
+    round_seconds: float  # summed round times
+    prefill_seconds: float  # summed prefill step times (0 without prefill points)
+    extrapolated: bool  # some round or prefill step fell outside the curve's grid
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def round_budget(setting: Setting, depth: int) -> int:
+    """Tree nodes past the root a round of ``setting`` verifies: AR 0, the chain its depth, DDTree its budget."""
+    if setting.method == "ar":
+        return 0
+    if setting.method == "dflash":
+        return depth
+    return int(setting.budget)
+
+
+def simulate_cell(curve: CostCurve, commits: Sequence[Sequence[int]], *, context: int, concurrency: int,
+                  max_tokens: int, budget: int, prefill_chunk: int = 512) -> tuple[float, float, int, bool]:
+    """Run the module's model for one cell. ``commits[i]``: request i's tokens committed per decode round (the
+    first token comes from its prefill). Returns (round seconds, prefill seconds, rounds, extrapolated)."""
+    if concurrency < 1 or not commits:
+        raise ConfigError(f"a cell needs concurrency >= 1 and at least one request, got {concurrency}, {len(commits)}")
+    if prefill_chunk < 1:
+        raise ConfigError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+    waiting = deque(range(len(commits)))
+    active: dict[int, list[int]] = {}  # request -> [next round index, tokens committed]
+    round_s = prefill_s = 0.0
+    rounds = 0
+    extrapolated = False
+    while waiting or active:
+        newcomers = []
+        while waiting and len(active) + len(newcomers) < concurrency:
+            newcomers.append(waiting.popleft())
+        if newcomers:
+            tokens = context * len(newcomers)
+            while tokens > 0:
+                step = min(tokens, prefill_chunk)
+                cost = curve.prefill_step_seconds(step)
+                if cost is not None:
+                    prefill_s += cost
+                    extrapolated |= not curve.prefill_tokens[0] <= step <= curve.prefill_tokens[-1]
+                tokens -= step
+            for i in newcomers:
+                active[i] = [0, 1]
+        decoding = [i for i, (_, done) in active.items() if done < max_tokens]
+        if decoding:
+            kv_len = context + max(active[i][1] for i in decoding) - 1  # the furthest root's position
+            round_s += curve.round_seconds(len(decoding), budget, kv_len)
+            extrapolated |= not curve.covers(len(decoding), budget, kv_len)
+            rounds += 1
+            for i in decoding:
+                step, done = active[i]
+                if step >= len(commits[i]):
+                    raise ConfigError(f"request {i}'s replayed sequence ends after {done} of {max_tokens} tokens")
+                active[i] = [step + 1, done + commits[i][step]]
+        for i in [i for i, (_, done) in active.items() if done >= max_tokens]:
+            del active[i]
+    return round_s, prefill_s, rounds, extrapolated
+
+
+def predict_cells(predictions: Sequence[Prediction], curve: CostCurve, *, depth: int, contexts: Sequence[int],
+                  concurrency: Sequence[int], num_requests: int | Mapping[int, int], max_tokens: int,
+                  sequences: Mapping[tuple[int, int], Sequence[int]] | None = None,
+                  prefill_chunk: int = 512) -> list[CellPrediction]:
+    """Every setting of ``predictions`` (which must carry per-round ``commits``) at every (context, concurrency).
+
+    num_requests: requests per cell, one number or one per concurrency; sequences: the trace sequences each
+    (context, concurrency) cell's requests replay, in request order (default: all of them in turn)."""
+    out = []
+    for pred in predictions:
+        per_seq = [s.get("commits") for s in pred.per_sequence]
+        if any(c is None for c in per_seq):
+            raise ConfigError("predict_cells needs predictions with per-round commits (replay.predict's output)")
+        budget = round_budget(pred.setting, depth)
+        for ctx in contexts:
+            for conc in concurrency:
+                n = num_requests[conc] if isinstance(num_requests, Mapping) else int(num_requests)
+                chosen = list((sequences or {}).get((ctx, conc)) or range(len(per_seq)))
+                commits = [per_seq[chosen[i % len(chosen)]] for i in range(n)]
+                round_s, prefill_s, rounds, extra = simulate_cell(
+                    curve, commits, context=ctx, concurrency=conc, max_tokens=max_tokens, budget=budget,
+                    prefill_chunk=prefill_chunk)
+                total = round_s + prefill_s
+                verify_rounds = sum(len(c) for c in commits)
+                out.append(CellPrediction(
+                    config=pred.setting.label, method=pred.setting.method,
+                    budget=pred.setting.budget if pred.setting.method == "ddtree" else None, topk=pred.setting.topk,
+                    context=ctx, concurrency=conc, num_requests=n, max_tokens=max_tokens,
+                    tok_s=n * max_tokens / total if total > 0 else math.inf,
+                    accept_length=n * max_tokens / verify_rounds if verify_rounds else 0.0,
+                    rounds=rounds, round_seconds=round_s, prefill_seconds=prefill_s, extrapolated=extra))
+    return out
+
+
+def predicted_document(cells: Sequence[CellPrediction], *, curve: CostCurve, curve_path: str | None,
+                       trace: Mapping[str, Any], prefill_chunk: int) -> dict[str, Any]:
+    """The JSON ``ddtree replay predict --cost-curve`` writes (``predicted.json`` in a run directory)."""
+    return {
+        "schema": TOK_S_SCHEMA,
+        "model": ("closed loop; per engine step: prefill chunks of the admitted prompts, then one round of every "
+                  "decoding request at round_seconds(rows, budget, furthest committed length); host work between "
+                  "rounds not modelled (ddtree.lab.replay.throughput)"),
+        "prefill_modelled": bool(curve.prefill_tokens),
+        "prefill_chunk": prefill_chunk,
+        "trace": dict(trace),
+        "cost_curve": {"path": curve_path, "device": curve.device, "model": curve.model, "rows": list(curve.rows),
+                       "budgets": list(curve.budgets), "kv_lens": list(curve.kv_lens)},
+        "cells": [c.to_dict() for c in cells],
+    }
+
+
+@dataclass(frozen=True)
+class SweepCells:
+    """A sweep run's benchmark cells as its manifest declares them (what :func:`predict_cells` needs)."""
+
+    contexts: tuple[int, ...]
+    concurrency: tuple[int, ...]
+    output_tokens: int
+    num_requests: dict[int, int]  # per concurrency
+    repeats: int
+    seed: int
+    text: str
+    tokenizer: str | None  # the served model's tokenizer (None: the demo pair's)
+    prefill_chunk: int
+
+    @classmethod
+    def from_run(cls, run_dir: Path) -> SweepCells:
+        from ddtree.lab.bench.workload import Workload
+        from ddtree.lab.sweep.layout import RunLayout, read_json
+
+        manifest = read_json(RunLayout(Path(run_dir)).manifest_path)
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("grid"), dict):
+            raise ConfigError(f"{run_dir} has no sweep manifest (manifest.json with a grid); give a run directory "
+                              f"`ddtree sweep` wrote")
+        grid, target = manifest["grid"], manifest.get("target") or {}
+        engine = target.get("engine_config") or {}
+        workload = Workload(contexts=tuple(grid["contexts"]), concurrency=tuple(grid["concurrency"]),
+                            output_tokens=int(grid["output_tokens"]), num_requests=grid.get("num_requests"),
+                            repeats=int(grid.get("repeats") or 1), seed=int(grid.get("seed") or 0),
+                            text=str(grid.get("prompt_text") or "words")).validated()
+        return cls(workload.contexts, workload.concurrency, workload.output_tokens,
+                   {c: workload.requests_for(c) for c in workload.concurrency}, workload.repeats, workload.seed,
+                   workload.text, target.get("tokenizer") or engine.get("target"),
+                   int(engine.get("prefill_chunk") or 512))
+
+    def prompts(self, tokenizer: Any) -> dict[tuple[int, int], list[list[int]]]:
+        """Every cell's prompt ids, all repeats in order, exactly as the bench builds them (same seed and tags)."""
+        from ddtree.lab.bench.workload import build_prompts
+
+        out = {}
+        for ctx in self.contexts:
+            for conc in self.concurrency:
+                n = self.num_requests[conc]
+                out[(ctx, conc)] = [list(p.ids) for r in range(self.repeats)
+                                    for p in build_prompts(tokenizer, ctx, n, phase=f"r{r}-", seed=self.seed,
+                                                           context=ctx, concurrency=conc, text=self.text)]
+        return out
+
+
+def cell_sequences(trace_prompts: Sequence[Sequence[int]],
+                   cells: Mapping[tuple[int, int], Sequence[Sequence[int]]]) -> dict[tuple[int, int], list[int]]:
+    """The trace sequence of each cell's prompt (a prompt the trace lacks is skipped; a cell with none left gets
+    the trace's sequences of its prompt length, else every sequence, when :func:`predict_cells` falls back)."""
+    index = {tuple(p): s for s, p in enumerate(trace_prompts)}
+    out = {}
+    for key, prompts in cells.items():
+        found = [index[tuple(p)] for p in prompts if tuple(p) in index]
+        if not found:
+            found = [s for s, p in enumerate(trace_prompts) if len(p) == key[0]]
+        out[key] = found
+    return out
+
+
+__all__ = ["PREDICTED_FILE", "TOK_S_SCHEMA", "CellPrediction", "SweepCells", "cell_sequences", "predict_cells",
+           "predicted_document", "round_budget", "simulate_cell"]

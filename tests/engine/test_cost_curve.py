@@ -1,0 +1,211 @@
+"""The cost curve: interpolation against hand-computed values, the JSON file (round trip, corrupt files, atomic
+writes, the cache), and the measurement on the demo pair (the declared grid, positive finite times; no timing
+assertions)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+from ddtree.engine.config import EngineConfig
+from ddtree.engine.cost_curve import (
+    CostCurve,
+    CostCurveError,
+    CostGrid,
+    cache_key,
+    cached_curve,
+    curve_at_start,
+    load_curve,
+    measure_cost_curve,
+    save_curve,
+)
+from ddtree.errors import ConfigError
+
+# rows (1, 4) x budgets (0, 8) x kv_lens (64, 576), in storage order [r][b][k]
+SECONDS = (0.010, 0.030, 0.020, 0.050,   # rows 1: b0 (k64, k576), b8 (k64, k576)
+           0.016, 0.040, 0.040, 0.080)   # rows 4
+
+
+def curve(**kw) -> CostCurve:
+    args = dict(device="cpu", model="demo", rows=(1, 4), budgets=(0, 8), kv_lens=(64, 576), seconds=SECONDS)
+    args.update(kw)
+    return CostCurve(**args)
+
+
+@pytest.mark.parametrize(("point", "expected"), [
+    ((4, 8, 576), 0.080),                      # a grid point
+    ((1, 0, 320), 0.020),                      # half way along kv: (0.010 + 0.030) / 2
+    ((4, 8, 320), 0.060),                      # (0.040 + 0.080) / 2
+    ((2, 4, 64), 2 / 3 * 0.015 + 1 / 3 * 0.028),  # rows 1/3 of the way, budget half: rows 1 (0.010, 0.020), rows 4 (0.016, 0.040)
+    ((2, 4, 320), 2 / 3 * (0.010 + 0.030 + 0.020 + 0.050) / 4 + 1 / 3 * (0.016 + 0.040 + 0.040 + 0.080) / 4),
+    ((1, 0, 10), 0.010),                       # below the first kv point: the first point's value
+    ((7, 0, 64), 0.022),                       # one more rows span past 4: 0.010 + 2 x (0.016 - 0.010)
+    ((100, 0, 64), 0.022),                     # capped at that span, held flat past it
+    ((1, 12, 64), 0.025),                      # budget 12: 0.010 + 1.5 x (0.020 - 0.010)
+])
+def test_interpolation_matches_hand_computed_values(point, expected):
+    assert curve().round_seconds(*point) == pytest.approx(expected, rel=1e-12)
+
+
+def test_falling_slope_is_not_extrapolated_below_the_edge():
+    falling = CostCurve("cpu", "m", rows=(1, 2), budgets=(0,), kv_lens=(64,), seconds=(0.020, 0.010))
+    assert falling.round_seconds(2, 0, 64) == pytest.approx(0.010)
+    assert falling.round_seconds(3, 0, 64) == pytest.approx(0.010)  # the last segment falls: held at the edge
+    assert falling.round_seconds(1.5, 0, 64) == pytest.approx(0.015)
+
+
+def test_covers_and_prefill_interpolation():
+    c = curve(prefill_tokens=(64, 256), prefill_seconds=(0.01, 0.03))
+    assert c.covers(2, 4, 100) and not c.covers(5, 4, 100) and not c.covers(1, 0, 10)
+    assert c.prefill_step_seconds(160) == pytest.approx(0.02)
+    assert c.prefill_step_seconds(10) == pytest.approx(0.01)
+    assert curve().prefill_step_seconds(100) is None
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(CostCurveError, match="rows must be a number >= 1"):
+        curve().round_seconds(0, 0, 64)
+    with pytest.raises(CostCurveError, match="budget"):
+        curve().round_seconds(1, -1, 64)
+
+
+def test_json_round_trip(tmp_path):
+    c = curve(repeats=3, measure_seconds=1.5, prefill_tokens=(16, 64), prefill_seconds=(0.001, 0.002))
+    assert CostCurve.from_json(json.loads(json.dumps(c.to_json()))) == c
+    path = save_curve(c, tmp_path / "sub" / "c.json")
+    assert load_curve(path) == c
+    assert curve().table()[1][1] == [0.040, 0.080]
+
+
+@pytest.mark.parametrize(("mutate", "message"), [
+    (lambda d: d.update(seconds=d["seconds"][:-1]), r"2 x 2 x 2 = 8 values, got 7"),
+    (lambda d: d["seconds"].__setitem__(5, -0.01), r"finite and > 0, got -0.01 at rows 4, budget 0, kv_len 576"),
+    (lambda d: d["seconds"].__setitem__(0, float("nan")), r"finite and > 0, got nan at rows 1, budget 0, kv_len 64"),
+    (lambda d: d.update(rows=[4, 1]), r"rows must be strictly increasing"),
+    (lambda d: d.update(budgets=[0, 2.5]), r"budgets must hold integers >= 0"),
+    (lambda d: d.pop("kv_lens"), r"lacks kv_lens"),
+    (lambda d: d.update(schema="other/1"), r"schema must be 'ddtree.cost_curve/1'"),
+    (lambda d: d.update(extra=1), r"unknown fields \['extra'\]"),
+    (lambda d: d.update(device=""), r"device must be a non-empty string"),
+    (lambda d: d.update(prefill_tokens=[16], prefill_seconds=[]), r"one value per prefill_tokens entry"),
+])
+def test_malformed_curves_get_clear_errors(tmp_path, mutate, message):
+    data = curve().to_json()
+    mutate(data)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(CostCurveError, match=message) as info:
+        load_curve(path)
+    assert str(path) in str(info.value)
+
+
+def test_truncated_and_missing_files(tmp_path):
+    path = save_curve(curve(), tmp_path / "c.json")
+    text = path.read_text()
+    path.write_text(text[: len(text) // 2])
+    with pytest.raises(CostCurveError, match="not JSON"):
+        load_curve(path)
+    with pytest.raises(CostCurveError, match="cannot be read"):
+        load_curve(tmp_path / "absent.json")
+    assert isinstance(CostCurveError("x"), ConfigError)
+
+
+def test_a_failing_write_leaves_the_old_file(tmp_path, monkeypatch):
+    path = save_curve(curve(), tmp_path / "c.json")
+    before = path.read_bytes()
+
+    def broken_fsync(fd):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "fsync", broken_fsync)
+    with pytest.raises(OSError, match="disk full"):
+        save_curve(curve(seconds=tuple(2 * s for s in SECONDS)), path)
+    assert path.read_bytes() == before
+    assert load_curve(path) == curve()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.json"]  # no temporary file left behind
+
+
+def test_cache_measures_once_and_remeasures_a_corrupt_file(tmp_path, caplog):
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return curve()
+
+    key = cache_key("cpu", "demo", dtype="float32")
+    assert key == cache_key("cpu", "demo", dtype="float32") != cache_key("cpu", "demo", dtype="bfloat16")
+    c, path, source = cached_curve(key, measure, cache_dir=tmp_path)
+    assert (source, len(calls), path) == ("measured", 1, tmp_path / f"{key}.json")
+    c2, _, source = cached_curve(key, measure, cache_dir=tmp_path)
+    assert (source, len(calls), c2) == ("cache", 1, c)
+    path.write_text(path.read_text()[:40])
+    with caplog.at_level(logging.WARNING, logger="ddtree.engine.cost_curve"):
+        _, _, source = cached_curve(key, measure, cache_dir=tmp_path)
+    assert (source, len(calls)) == ("measured", 2)
+    assert "not JSON" in caplog.text and "measuring it again" in caplog.text
+    assert load_curve(path) == curve()
+
+
+def test_config_names_a_missing_curve_file(tmp_path):
+    with pytest.raises(ConfigError, match="cost_curve"):
+        EngineConfig(cost_curve=str(tmp_path / "absent.json")).validated()
+    assert EngineConfig(cost_curve="auto").validated().cost_curve == "auto"
+
+
+@pytest.fixture(scope="module")
+def demo_engine():
+    from ddtree.engine import Engine
+
+    engine = Engine.from_config(EngineConfig(device="cpu", max_batch=2, max_len=256, max_budget=8, warmup="none"))
+    yield engine
+    engine.shutdown(drain_timeout=0)
+
+
+@pytest.mark.slow
+def test_measurement_on_the_demo_pair_covers_the_declared_grid(demo_engine):
+    grid = CostGrid(rows=(1, 2), budgets=(0, 4), kv_lens=(16, 64), block_size=demo_engine.trained_block_size,
+                    prefill_tokens=(16, 32), repeats=1)
+    c = measure_cost_curve(demo_engine.runner, grid, graphs=demo_engine.parts.graphs, device_name="cpu",
+                           model="demo")
+    assert (c.rows, c.budgets, c.kv_lens, c.prefill_tokens) == ((1, 2), (0, 4), (16, 64), (16, 32))
+    assert len(c.seconds) == 8 and len(c.prefill_seconds) == 2
+    assert all(math.isfinite(s) and s > 0 for s in c.seconds + c.prefill_seconds)
+    assert c.measure_seconds > 0
+    # a grid the cache cannot hold is refused before anything runs
+    with pytest.raises(CostCurveError, match="leaves no room"):
+        measure_cost_curve(demo_engine.runner, CostGrid((1,), (0,), (10_000,), 16), device_name="cpu", model="m")
+    with pytest.raises(CostCurveError, match="KV slots"):
+        measure_cost_curve(demo_engine.runner, CostGrid((1, 5), (0,), (16,), 16), device_name="cpu", model="m")
+
+
+@pytest.mark.slow
+def test_engine_start_measures_caches_and_reports_the_curve(tiny_pair, tiny_tokenizer, tmp_path):
+    from dataclasses import replace
+
+    from ddtree.engine import Engine
+
+    target, drafter = tiny_pair
+    config = EngineConfig(max_batch=2, max_len=128, max_budget=4, cost_curve="auto", warmup="none")
+    engine = Engine.from_models(target, drafter, tiny_tokenizer, config, model_name="tiny")
+    first = curve_at_start(engine.parts, cache_dir=tmp_path)
+    assert first.source == "measured" and Path(first.path).parent == tmp_path
+    assert first.curve.rows == (1, 2) and first.curve.budgets == (0, 3, 4)
+    assert all(s > 0 for s in first.curve.seconds)
+    again = curve_at_start(engine.parts, cache_dir=tmp_path)
+    assert again.source == "cache" and again.curve == first.curve
+    # a named file is what Engine.start() reads, and info() says where the curve came from
+    started = Engine.from_models(target, drafter, tiny_tokenizer, replace(config, cost_curve=first.path),
+                                 model_name="tiny")
+    assert started.info()["cost_curve"]["source"] == "off"
+    started.start()
+    try:
+        info = started.info()["cost_curve"]
+        assert (info["source"], info["path"], info["grid"]["rows"]) == ("file", first.path, [1, 2])
+        assert started.cost_curve_source.curve == first.curve
+    finally:
+        started.shutdown(drain_timeout=0)

@@ -1,0 +1,124 @@
+"""Replay's predicted tok/s against hand computations: a small trace whose acceptance is known round by round, and
+hand-made cost curves whose round times are known at every point."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ddtree.engine.cost_curve import CostCurve, make_curve
+from ddtree.errors import ConfigError
+from ddtree.lab.replay import Trace, predict
+from ddtree.lab.replay.throughput import (
+    cell_sequences,
+    predict_cells,
+    predicted_document,
+    simulate_cell,
+)
+
+VOCAB, BLOCK, MAX_TOKENS = 4, 3, 5  # depth 2
+CONT = [0, 1, 2, 3, 0, 1, 2]  # t_1 .. t_7 (max_tokens + depth)
+
+
+def hand_trace() -> Trace:
+    """Two sequences with prompt [1, 2]. Sequence 0's drafter is right at anchor t_1 (both depths: the chain commits
+    3 tokens) and wrong at t_4 (1 token), so the chain commits [3, 1]; sequence 1's is always wrong: [1, 1, 1, 1]."""
+    tokens, offsets, plens, ids, lps, seqs, js = [], [0], [], [], [], [], []
+    for s in range(2):
+        tokens += [1, 2] + CONT
+        offsets.append(len(tokens))
+        plens.append(2)
+        for j in range(1, MAX_TOKENS):
+            truth = CONT[j : j + 2]  # t_{j+1}, t_{j+2}
+            right = s == 0 and j == 1
+            rows = []
+            for d in range(2):
+                top = truth[d] if right else (truth[d] + 1) % VOCAB
+                rest = [t for t in range(VOCAB) if t != top]
+                rows.append([top, *rest])
+            ids.append(torch.tensor(rows, dtype=torch.int32))
+            lps.append(torch.log(torch.tensor([[0.7, 0.1, 0.1, 0.1]] * 2)))
+            seqs.append(s)
+            js.append(j)
+    return Trace(block_size=BLOCK, draft_window=None, max_tokens=MAX_TOKENS, top_m=VOCAB, vocab_size=VOCAB,
+                 model="hand", tokens=torch.tensor(tokens), seq_offsets=torch.tensor(offsets),
+                 prompt_lens=torch.tensor(plens), top_ids=torch.stack(ids), top_logprobs=torch.stack(lps),
+                 anchor_seq=torch.tensor(seqs), anchor_j=torch.tensor(js))
+
+
+def flat_curve(**kw) -> CostCurve:
+    """seconds(rows, budget, kv_len) = 0.01 rows + 0.005 budget, the same at every kv_len."""
+    return make_curve("cpu", "hand", (1, 2), (0, 2), (1, 100), lambda r, b, k: 0.01 * r + 0.005 * b, **kw)
+
+
+def test_predicted_commits_are_the_hand_ones():
+    preds = {p.setting.label: p for p in predict(hand_trace(), budgets=[], baselines=True)}
+    assert [s["commits"] for s in preds["dflash"].per_sequence] == [[3, 1], [1, 1, 1, 1]]
+    assert [s["commits"] for s in preds["ar"].per_sequence] == [[1, 1, 1, 1], [1, 1, 1, 1]]
+
+
+def test_tok_s_equals_a_hand_computation():
+    preds = predict(hand_trace(), budgets=[], baselines=True)
+    cells = predict_cells(preds, flat_curve(), depth=2, contexts=(2,), concurrency=(1, 2), num_requests=2,
+                          max_tokens=MAX_TOKENS, sequences={(2, 1): [0], (2, 2): [0, 1]})
+    got = {(c.config, c.concurrency): c for c in cells}
+    # chain, C=1, both requests replay sequence 0: 2 rounds each of 1 row at budget 2 = 0.01 + 0.01 s; 10 tokens
+    assert got[("dflash", 1)].tok_s == pytest.approx(10 / (4 * 0.02))
+    assert got[("dflash", 1)].rounds == 4
+    # chain, C=2, sequences 0 and 1 together: 2 rounds of 2 rows (0.03 s), then sequence 1 alone for 2 (0.02 s)
+    assert got[("dflash", 2)].tok_s == pytest.approx(10 / (2 * 0.03 + 2 * 0.02))
+    assert got[("dflash", 2)].rounds == 4
+    assert got[("dflash", 2)].accept_length == pytest.approx(10 / 6)
+    # AR, C=2: 4 rounds of 2 rows at budget 0 (0.02 s)
+    assert got[("ar", 2)].tok_s == pytest.approx(10 / (4 * 0.02))
+    assert got[("ar", 1)].prefill_seconds == 0.0 and not got[("ar", 1)].extrapolated
+
+
+def test_prefill_steps_are_added():
+    preds = [p for p in predict(hand_trace(), budgets=[], baselines=True) if p.setting.method == "dflash"]
+    curve = flat_curve(prefill_tokens=(1, 4), prefill_seconds=(0.001, 0.004))
+    cells = predict_cells(preds, curve, depth=2, contexts=(2,), concurrency=(1, 2), num_requests=2,
+                          max_tokens=MAX_TOKENS, sequences={(2, 1): [0], (2, 2): [0]})
+    c1, c2 = cells
+    # C=1: each request's 2-token prompt is one step of 0.002 s; C=2: one step of both prompts, 4 tokens, 0.004 s
+    assert c1.prefill_seconds == pytest.approx(0.004) and c1.tok_s == pytest.approx(10 / (0.08 + 0.004))
+    assert c2.prefill_seconds == pytest.approx(0.004) and c2.tok_s == pytest.approx(10 / (2 * 0.03 + 0.004))
+    # a prefill chunk of 3 tokens splits the 4 prompt tokens into steps of 3 and 1
+    _, prefill_s, _, _ = simulate_cell(curve, [[3, 1], [3, 1]], context=2, concurrency=2, max_tokens=5, budget=2,
+                                       prefill_chunk=3)
+    assert prefill_s == pytest.approx(0.003 + 0.001)
+
+
+def test_rounds_read_the_furthest_root():
+    # seconds = 0.01 + 0.0001 kv_len; one AR request with a 10-token prompt: roots at positions 10 and 11
+    curve = make_curve("cpu", "hand", (1,), (0,), (1, 1001), lambda r, b, k: 0.01 + 0.0001 * k)
+    round_s, prefill_s, rounds, extrapolated = simulate_cell(curve, [[1, 1]], context=10, concurrency=1,
+                                                             max_tokens=3, budget=0)
+    assert round_s == pytest.approx(0.011 + 0.0111) and rounds == 2 and prefill_s == 0 and not extrapolated
+    _, _, _, extrapolated = simulate_cell(curve, [[1, 1]], context=10, concurrency=2, max_tokens=3, budget=4)
+    assert extrapolated
+
+
+def test_errors_are_named():
+    with pytest.raises(ConfigError, match="ends after"):
+        simulate_cell(flat_curve(), [[1]], context=2, concurrency=1, max_tokens=5, budget=0)
+    with pytest.raises(ConfigError, match="concurrency >= 1"):
+        simulate_cell(flat_curve(), [[1]], context=2, concurrency=0, max_tokens=5, budget=0)
+
+
+def test_cells_replay_their_own_prompts():
+    trace_prompts = [[1, 2], [3, 4], [5, 6, 7]]
+    got = cell_sequences(trace_prompts, {(2, 1): [[3, 4], [1, 2]], (3, 1): [[9, 9, 9]], (2, 4): [[8, 8]]})
+    assert got == {(2, 1): [1, 0], (3, 1): [2], (2, 4): [0, 1]}
+
+
+def test_the_document_round_trips_through_json():
+    preds = predict(hand_trace(), budgets=[], baselines=True)
+    cells = predict_cells(preds, flat_curve(), depth=2, contexts=(2,), concurrency=(1,), num_requests=1,
+                          max_tokens=MAX_TOKENS)
+    doc = json.loads(json.dumps(predicted_document(cells, curve=flat_curve(), curve_path="c.json",
+                                                   trace=hand_trace().metadata(), prefill_chunk=512)))
+    assert doc["schema"] == "ddtree.replay.tok_s/1" and not doc["prefill_modelled"]
+    assert [c["config"] for c in doc["cells"]] == ["ar", "dflash"]
