@@ -167,6 +167,12 @@ class Scheduler:
                 state = self._by_id.get(payload)
                 if state is not None:
                     self._finish(state, "cancelled")
+            elif kind == "cost":  # prepare_auto: measure on the engine thread, between rounds
+                try:
+                    self._auto_cost()
+                except Exception:  # the loop goes on; prepare_auto's caller gets the error
+                    log.exception("budget auto: measuring the cost curve failed")
+                payload.set()
 
     def _admit(self) -> None:
         while self._waiting and self._free_slots:
@@ -306,16 +312,13 @@ class Scheduler:
         is exact for every row that does not finish on them (rows that do are dropped when this round is read)."""
         drafting = [s for s in states if s.tree.method != "ar"]
         block = max((int(s.tree.block_size) for s in drafting), default=1) if self.drafter is not None else 1
-        auto_width = 0
-        if block > 1 and any(s.tree.auto for s in states):
-            chosen = self._auto_choice(states, pending)
-            for s in states:
-                if s.tree.auto:
-                    s.auto_budget = chosen
-            self._auto_previous = chosen
+        auto = block > 1 and any(s.tree.auto for s in states)
+        if auto:  # every auto row takes the round's whole budget: the verify is padded to it anyway
+            self._auto_previous = chosen = self._auto_choice(states, pending)
+            for s in (s for s in states if s.tree.auto):
+                s.auto_budget = chosen
         max_budget = max(s.budget for s in states) if block > 1 else 0
-        if block > 1 and any(s.tree.auto for s in states):
-            auto_width = auto_budget.curve_width(bucket_nodes(max_budget), self._auto_candidates)
+        auto_width = auto_budget.curve_width(bucket_nodes(max_budget), self._auto_candidates) if auto else 0
         rows = []
         for s in states:
             extra = pending.get(s.request_id, ())
@@ -425,11 +428,9 @@ class Scheduler:
 
     # ---- budget "auto" ---------------------------------------------------------------------------------------------
     def _auto_choice(self, states: list[RequestState], pending: dict[str, list[int]]) -> int:
-        """The budget of the next round of ``states`` (some with budget "auto"): the argmax over the declared
-        candidates above the fixed rows' floor of the batch's expected committed tokens per second (auto_budget).
-
-        Auto rows without a curve yet take the mean of those that have one; fixed rows count their own expected
-        length (their curve, else their measured acceptance) at their own budget."""
+        """The budget of the next round of ``states`` (some "auto"): the argmax of auto_budget's objective. Auto rows
+        without a curve take the mean of those with one; fixed rows count their curve (else acceptance) at their
+        own budget."""
         auto = [s for s in states if s.tree.auto]
         fixed = [s for s in states if not s.tree.auto]
         floor = max((s.budget for s in fixed), default=0)
@@ -452,6 +453,22 @@ class Scheduler:
         return auto_budget.choose_budget(
             rows, opts, lambda b: curve.round_seconds(n, b, reach + b + 1),
             previous=self._auto_previous, margin=auto_budget.MARGIN)
+
+    def prepare_auto(self, timeout: float | None = None) -> CostCurve:
+        """The cost curve budget "auto" uses, measured now if the engine has none (on the engine thread when it
+        runs, so a caller can pay the measurement before timing anything instead of inside the first auto round)."""
+        if self.cost_curve is None:
+            thread = getattr(self, "_thread", None)
+            if thread is not None and thread.is_alive():
+                done = threading.Event()
+                self._inbox.put(("cost", done))
+                self._wake.set()
+                done.wait(timeout)
+            else:
+                self._auto_cost()
+        if self.cost_curve is None:
+            raise RuntimeError("budget auto: the cost curve was not measured (see the engine's log)")
+        return self.cost_curve
 
     def _auto_cost(self) -> CostCurve:
         """The cost curve auto divides by: the one set on the engine, else one measured now on this engine over

@@ -143,7 +143,7 @@ def _bench_in_process(engine_config: EngineConfig, workload: Any, extra_body: di
     cfg = dataclasses.replace(
         cfg, max_batch=cfg.max_batch if cfg.max_batch is not None else max(workload.concurrency),
         max_len=cfg.max_len if cfg.max_len is not None else max(workload.contexts) + workload.output_tokens + 16,
-        max_budget=max(cfg.max_budget, tree.budget if tree is not None else 0)).validated()
+        max_budget=max(cfg.max_budget, tree.budget if tree is not None and isinstance(tree.budget, int) else 0)).validated()
     with Engine.from_config(cfg) as engine:
         return run_engine_bench(engine, workload, out_dir=out_dir, config=config, tree=tree, progress=progress)
 

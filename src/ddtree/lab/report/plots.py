@@ -103,7 +103,7 @@ def plot_acceptance(results: RunResults, path: Path) -> Path:
     groups: dict[str, list[tuple[int, float]]] = defaultdict(list)
     for cfg in results.configs:
         acc = cfg.accept_length
-        if cfg.method != "ddtree" or acc is None or cfg.settings.get("budget") is None:
+        if cfg.method != "ddtree" or acc is None or not isinstance(cfg.settings.get("budget"), int):  # not "auto"
             continue
         s = cfg.settings
         label = f"k{_v(s.get('topk'))} bs{_v(s.get('block_size'), 'trained')} w{_v(s.get('draft_window'))}"

@@ -17,7 +17,7 @@ import typer
 from ddtree.engine.config import EngineConfig
 from ddtree.engine.options import engine_options
 from ddtree.errors import ConfigError
-from ddtree.lab.sweep.grid import LaunchSpec, SweepConfig, parse_dim, parse_list
+from ddtree.lab.sweep.grid import LaunchSpec, SweepConfig, parse_budgets, parse_dim, parse_list
 from ddtree.lab.sweep.layout import RunLayout, read_json
 from ddtree.lab.sweep.presets import PRESETS, get_preset
 from ddtree.lab.sweep.profiles import PROFILE_ENGINES, EngineProfile
@@ -60,7 +60,7 @@ def build_config(
     if methods is not None:
         changes["methods"] = tuple(m.strip() for m in methods.split(",") if m.strip())
     if budgets is not None:
-        changes["budgets"] = parse_list(budgets, what="budget")
+        changes["budgets"] = parse_budgets(budgets)
     if topks is not None:
         changes["topks"] = parse_list(topks, what="topk", optional=True)
     if block_sizes is not None:
@@ -142,7 +142,7 @@ def sweep(
     preset: str | None = typer.Option(None, help=f"Named sweep: {', '.join(PRESETS)} (seed = the users' campaign)."),
     config: Path | None = typer.Option(None, "--config", help="Sweep file (.toml; .yaml with PyYAML) with grid, dims, bench, gate and launch sections."),
     method: str | None = typer.Option(None, help="Methods beyond the always-included baselines (ar, dflash), e.g. ddtree."),
-    budget: str | None = typer.Option(None, help="Tree budgets, e.g. 4,8,12,16."),
+    budget: str | None = typer.Option(None, help="Tree budgets, e.g. 4,8,12,16 (auto: chosen per round)."),
     topk: str | None = typer.Option(None, help="Top-k caps per depth, e.g. 4,6,8 or none."),
     block_size: str | None = typer.Option(None, help="Block sizes, e.g. 8,16 (none = the drafter's trained size)."),
     draft_window: str | None = typer.Option(None, help="Draft windows, e.g. 2048,none."),

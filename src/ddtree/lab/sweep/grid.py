@@ -63,7 +63,7 @@ class SweepPoint:
     """One configuration of the grid (see the module docstring for ``None``)."""
 
     method: str
-    budget: int | None = None
+    budget: int | str | None = None  # "auto": chosen per round by the engine
     topk: int | None = None
     block_size: int | None = None
     draft_window: int | None = None
@@ -153,7 +153,7 @@ class SweepConfig:
 
     name: str = "custom"  # preset name or config-file stem; the default run directory starts with it
     methods: tuple[str, ...] = ("ddtree",)
-    budgets: tuple[int, ...] = (8,)
+    budgets: tuple[int | str, ...] = (8,)  # "auto": the engine chooses per round (ddtree.engine.auto_budget)
     topks: tuple[int | None, ...] = (None,)
     block_sizes: tuple[int | None, ...] = (None,)
     draft_windows: tuple[int | None, ...] = (None,)
@@ -328,7 +328,7 @@ class SweepConfig:
         for method in self.methods:
             if method not in METHODS:
                 raise ConfigError(f"unknown method {method!r} in the grid; choose from {', '.join(METHODS)}")
-        _check_ints("budget", self.budgets, 1)
+        _check_ints("budget", tuple(b for b in self.budgets if b != "auto"), 1, allow_empty=self.budgets == ("auto",))
         _check_ints("topk", self.topks, 1, allow_none=True)
         _check_ints("block_size", self.block_sizes, 2, allow_none=True)
         _check_ints("draft_window", self.draft_windows, 1, allow_none=True)
@@ -425,6 +425,19 @@ def parse_list(text: str, *, what: str, optional: bool = False) -> tuple[int | N
     return values
 
 
+def parse_budgets(text: str) -> tuple[int | str, ...]:
+    """``"4,16,auto"`` -> ``(4, 16, "auto")``: budgets as :func:`parse_list` reads them, plus ``auto``."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    numbers = [p for p in parts if p != "auto"]
+    ints = iter(parse_list(",".join(numbers), what="budget") if numbers else ())
+    return tuple("auto" if p == "auto" else next(ints) for p in parts)
+
+
+def max_int_budget(budgets: Sequence[int | str]) -> int:
+    """The largest fixed budget of a grid (0 when it holds only ``auto``): what the engine's max_budget must hold."""
+    return max((b for b in budgets if isinstance(b, int)), default=0)
+
+
 def parse_dim(text: str) -> tuple[str, tuple[str, ...]]:
     """``"tp=1,8"`` -> ``("tp", ("1", "8"))``."""
     name, sep, values = text.partition("=")
@@ -479,8 +492,9 @@ def _coerce(kwargs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _check_ints(name: str, values: Sequence[Any], lo: int, *, allow_none: bool = False) -> None:
-    if not values:
+def _check_ints(name: str, values: Sequence[Any], lo: int, *, allow_none: bool = False,
+                allow_empty: bool = False) -> None:
+    if not values and not allow_empty:
         raise ConfigError(f"{name} needs at least one value")
     for value in values:
         if value is None and allow_none:

@@ -223,8 +223,9 @@ class EngineProfile:
             argv += ["--max-batch", str(max(config.concurrency)),
                      "--max-len", str(max(max(config.contexts) + config.output_tokens, 1024 + config.gate_max_tokens)
                                       + 16)]
-            if max(config.budgets) > 64:
-                argv += ["--max-budget", str(max(config.budgets))]
+            largest = max((b for b in config.budgets if isinstance(b, int)), default=0)  # "auto" needs no room
+            if largest > 64:
+                argv += ["--max-budget", str(largest)]
         return LaunchCommand(tuple(argv + list(self.extra_args)))
 
 

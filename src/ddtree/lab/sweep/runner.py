@@ -36,7 +36,7 @@ from rich.console import Console
 
 from ddtree.errors import ConfigError, DDTreeError
 from ddtree.lab.sweep.cells import CellFailed, resolve_gate_tasks, run_bench_cell, run_gate
-from ddtree.lab.sweep.grid import LaunchSpec, SweepConfig, SweepPoint
+from ddtree.lab.sweep.grid import LaunchSpec, SweepConfig, SweepPoint, max_int_budget
 from ddtree.lab.sweep.launcher import LaunchedServer, LaunchError, free_port, stop_stale
 from ddtree.lab.sweep.layout import GATE_CELL, RunLayout, atomic_write_json, bench_cell_name, read_json
 from ddtree.lab.sweep.manifest import Manifest
@@ -64,7 +64,7 @@ def sized_engine_config(config: SweepConfig, base: EngineConfig | None = None, *
     sized = dataclasses.replace(
         base,
         max_len=max(base.max_len, needed_len) if explicit.get("max_len") is None else explicit["max_len"],
-        max_budget=max(base.max_budget, max(config.budgets)),
+        max_budget=max(base.max_budget, max_int_budget(config.budgets)),
         max_block_size=max([*blocks, base.max_block_size or 0]) or None,
         max_batch=max(config.concurrency) if explicit.get("max_batch") is None else explicit["max_batch"],
     )
@@ -119,6 +119,8 @@ class _InProcessBackend:
     def serve(self, point: SweepPoint, layout: RunLayout) -> Iterator[Endpoint]:
         self._ensure()
         assert self._engine is not None
+        if point.budget == "auto":  # its cost curve, measured once before the first timed cell (not inside it)
+            self._engine.prepare_auto()
         server = self._server
         yield Endpoint(
             url=server.url,
