@@ -85,10 +85,13 @@ def test_prefill_steps_are_added():
     # C=1: each request's 2-token prompt is one step of 0.002 s; C=2: one step of both prompts, 4 tokens, 0.004 s
     assert c1.prefill_seconds == pytest.approx(0.004) and c1.tok_s == pytest.approx(10 / (0.08 + 0.004))
     assert c2.prefill_seconds == pytest.approx(0.004) and c2.tok_s == pytest.approx(10 / (2 * 0.03 + 0.004))
-    # a prefill chunk of 3 tokens splits the 4 prompt tokens into steps of 3 and 1
-    _, prefill_s, _, _ = simulate_cell(curve, [[3, 1], [3, 1]], context=2, concurrency=2, max_tokens=5, budget=2,
-                                       prefill_chunk=3)
+    # a prefill chunk of 3 tokens: step 1 completes request 0's prompt and 1 token of request 1's, so request 0's
+    # first round runs alone (1 row, 0.02 s); step 2 completes request 1 and both decode (0.03 s); then request 1
+    # alone (0.02 s)
+    round_s, prefill_s, rounds, _ = simulate_cell(curve, [[3, 1], [3, 1]], context=2, concurrency=2, max_tokens=5,
+                                                  budget=2, prefill_chunk=3)
     assert prefill_s == pytest.approx(0.003 + 0.001)
+    assert (round_s, rounds) == (pytest.approx(0.02 + 0.03 + 0.02), 3)
 
 
 def test_rounds_read_the_furthest_root():

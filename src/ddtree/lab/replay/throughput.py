@@ -4,9 +4,10 @@ The model (stated, because every number it gives rests on it): a benchmark cell 
 ``context``-token prompt and ``max_tokens`` completion tokens, at most ``concurrency`` in flight (the bench's closed
 loop: a finished request's place goes to the next one at once), on one engine whose loop alternates
 
-* a **prefill step** for the requests just admitted: their prompts in chunks of at most ``prefill_chunk`` tokens,
-  one step per chunk, each costing :meth:`~ddtree.engine.cost_curve.CostCurve.prefill_step_seconds` of its tokens
-  (zero when the curve has no prefill points; said in the result); a request's first token comes from it;
+* a **prefill step** when admitted requests still have prompt tokens: at most ``prefill_chunk`` of them, in
+  arrival order, costing :meth:`~ddtree.engine.cost_curve.CostCurve.prefill_step_seconds` of its tokens (zero
+  when the curve has no prefill points; said in the result); a request whose prompt completes gets its first
+  token from it and decodes from then on;
 * a **decode round** for every decoding request: ``rows`` = those requests, ``kv_len`` = the furthest of their
   committed lengths (prompt + tokens so far: what the verify reads), each row committing the next count of its
   replayed sequence (:func:`ddtree.lab.replay.predict.predict`'s per-round commits), costing
@@ -76,44 +77,52 @@ def round_budget(setting: Setting, depth: int) -> int:
 def simulate_cell(curve: CostCurve, commits: Sequence[Sequence[int]], *, context: int, concurrency: int,
                   max_tokens: int, budget: int, prefill_chunk: int = 512) -> tuple[float, float, int, bool]:
     """Run the module's model for one cell. ``commits[i]``: request i's tokens committed per decode round (the
-    first token comes from its prefill). Returns (round seconds, prefill seconds, rounds, extrapolated)."""
+    first token comes from its prefill). Returns (round seconds, prefill seconds, rounds, extrapolated).
+
+    Each engine step, as the scheduler's loop: requests the closed loop has sent take free places; one prefill
+    step takes up to ``prefill_chunk`` prompt tokens of the admitted requests in arrival order (a request whose
+    prompt completes decodes from this step on); then one round of every decoding request."""
     if concurrency < 1 or not commits:
         raise ConfigError(f"a cell needs concurrency >= 1 and at least one request, got {concurrency}, {len(commits)}")
     if prefill_chunk < 1:
         raise ConfigError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
     waiting = deque(range(len(commits)))
-    active: dict[int, list[int]] = {}  # request -> [next round index, tokens committed]
+    prefilling: deque[list[int]] = deque()  # [request, prompt tokens left]
+    decoding: dict[int, list[int]] = {}  # request -> [next round index, tokens committed]
     round_s = prefill_s = 0.0
     rounds = 0
     extrapolated = False
-    while waiting or active:
-        newcomers = []
-        while waiting and len(active) + len(newcomers) < concurrency:
-            newcomers.append(waiting.popleft())
-        if newcomers:
-            tokens = context * len(newcomers)
-            while tokens > 0:
-                step = min(tokens, prefill_chunk)
-                cost = curve.prefill_step_seconds(step)
-                if cost is not None:
-                    prefill_s += cost
-                    extrapolated |= not curve.prefill_tokens[0] <= step <= curve.prefill_tokens[-1]
-                tokens -= step
-            for i in newcomers:
-                active[i] = [0, 1]
-        decoding = [i for i, (_, done) in active.items() if done < max_tokens]
-        if decoding:
-            kv_len = context + max(active[i][1] for i in decoding) - 1  # the furthest root's position
-            round_s += curve.round_seconds(len(decoding), budget, kv_len)
-            extrapolated |= not curve.covers(len(decoding), budget, kv_len)
+    while waiting or prefilling or decoding:
+        while waiting and len(prefilling) + len(decoding) < concurrency:
+            prefilling.append([waiting.popleft(), context])
+        if prefilling:
+            room, step = prefill_chunk, 0
+            for entry in prefilling:
+                take = min(entry[1], room)
+                entry[1] -= take
+                room -= take
+                step += take
+                if room == 0:
+                    break
+            cost = curve.prefill_step_seconds(step)
+            if cost is not None:
+                prefill_s += cost
+                extrapolated |= not curve.prefill_tokens[0] <= step <= curve.prefill_tokens[-1]
+            while prefilling and prefilling[0][1] == 0:
+                decoding[prefilling.popleft()[0]] = [0, 1]
+        rows = [i for i, (_, done) in decoding.items() if done < max_tokens]
+        if rows:
+            kv_len = context + max(decoding[i][1] for i in rows) - 1  # the furthest root's position
+            round_s += curve.round_seconds(len(rows), budget, kv_len)
+            extrapolated |= not curve.covers(len(rows), budget, kv_len)
             rounds += 1
-            for i in decoding:
-                step, done = active[i]
-                if step >= len(commits[i]):
+            for i in rows:
+                step_index, done = decoding[i]
+                if step_index >= len(commits[i]):
                     raise ConfigError(f"request {i}'s replayed sequence ends after {done} of {max_tokens} tokens")
-                active[i] = [step + 1, done + commits[i][step]]
-        for i in [i for i, (_, done) in active.items() if done >= max_tokens]:
-            del active[i]
+                decoding[i] = [step_index + 1, done + commits[i][step_index]]
+        for i in [i for i, (_, done) in decoding.items() if done >= max_tokens]:
+            del decoding[i]
     return round_s, prefill_s, rounds, extrapolated
 
 
