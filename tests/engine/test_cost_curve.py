@@ -207,5 +207,6 @@ def test_engine_start_measures_caches_and_reports_the_curve(tiny_pair, tiny_toke
         info = started.info()["cost_curve"]
         assert (info["source"], info["path"], info["grid"]["rows"]) == ("file", first.path, [1, 2])
         assert started.cost_curve_source.curve == first.curve
+        assert started.cost_curve == first.curve  # what budget "auto" reads
     finally:
         started.shutdown(drain_timeout=0)

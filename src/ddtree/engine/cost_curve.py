@@ -516,6 +516,18 @@ def curve_at_start(parts: Any, *, cache_dir: Path | None = None,
     return CurveSource(setting, source, curve, str(path), time.perf_counter() - began)
 
 
-__all__ = ["COST_CURVE_SCHEMA", "CostCurve", "CostCurveError", "CostGrid", "CurveSource", "cache_key", "cached_curve",
+def attach_curve(engine: Any, *, cache_dir: Path | None = None) -> CurveSource:
+    """Resolve ``EngineConfig.cost_curve`` for a built, not yet serving engine (:func:`curve_at_start`) and give it
+    the result: ``engine.cost_curve_source`` (its info) and, when there is a curve, ``engine.cost_curve`` (what
+    budget "auto" reads; left as it was when the setting is ``off``)."""
+    source = curve_at_start(engine.parts, cache_dir=cache_dir)
+    engine.cost_curve_source = source
+    if source.curve is not None:
+        engine.cost_curve = source.curve
+    return source
+
+
+__all__ = ["COST_CURVE_SCHEMA", "CostCurve", "CostCurveError", "CostGrid", "CurveSource", "attach_curve", "cache_key",
+           "cached_curve",
            "curve_at_start", "default_cache_dir", "engine_device_name", "engine_grid", "default_grid", "load_curve", "make_curve", "measure_cost_curve", "reach_limit",
            "save_curve"]

@@ -40,7 +40,7 @@ from ddtree.engine.api import (
 )
 from ddtree.engine.build import build, default_tree, load_models
 from ddtree.engine.config import EngineConfig
-from ddtree.engine.cost_curve import CurveSource, curve_at_start
+from ddtree.engine.cost_curve import CurveSource, attach_curve
 from ddtree.engine.detok import IncrementalDetokenizer
 from ddtree.engine.request_state import RequestState
 from ddtree.engine.scheduler import Scheduler
@@ -120,7 +120,7 @@ class Engine(Scheduler):
         if self._thread is not None:
             return
         self.parts.warmup.run(free_bytes=free_device_bytes(self.device))
-        self.cost_curve_source = curve_at_start(self.parts)  # after the warm-up: on CUDA it times graphed rounds
+        attach_curve(self)  # EngineConfig.cost_curve, after the warm-up (on CUDA it times graphed rounds)
         self._thread = threading.Thread(target=self._loop, name="ddtree-engine", daemon=True)
         self._thread.start()
         # The warm-up request is kept out of the metrics counters (RequestState.counted).
