@@ -235,3 +235,16 @@ def test_warmup_plans_every_auto_candidate_when_the_default_tree_is_auto():
     fixed = EngineConfig(max_batch=4, max_len=200, max_budget=16)
     assert not any(s.auto_width for s in plan_warmup(fixed, cache_len=cache_len, drafts=True, block_size=8,
                                                      prefill_max_width=None).rounds)
+
+
+def test_auto_uses_the_cost_curve_the_engine_config_names(tiny_engine_factory, tmp_path, caplog):
+    """EngineConfig.cost_curve = a file: Engine.start loads it and auto divides by it (nothing measured)."""
+    from ddtree.engine.cost_curve import save_curve
+
+    path = save_curve(hand_curve(8, 1e-4), tmp_path / "curve.json")
+    engine = tiny_engine_factory(cost_curve=str(path))
+    with caplog.at_level("WARNING", logger="ddtree.engine"):
+        out = engine.generate([GenerationRequest(prompt=PROMPTS[1], tree=TreeSettings(budget="auto"),
+                                                 sampling=SamplingParams(max_tokens=8, ignore_eos=True))])[0]
+    assert out.stats.auto_budgets and "no cost curve" not in caplog.text
+    assert engine.prepare_auto().seconds == hand_curve(8, 1e-4).seconds

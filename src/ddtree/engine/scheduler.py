@@ -65,7 +65,6 @@ class _Flight:
     timer: StageTimer
 
 
-
 class Scheduler:
     """The engine loop over one built engine (:class:`~ddtree.engine.build.EngineParts`)."""
 
@@ -457,22 +456,24 @@ class Scheduler:
     def prepare_auto(self, timeout: float | None = None) -> CostCurve:
         """The cost curve budget "auto" uses, measured now if the engine has none (on the engine thread when it
         runs, so a caller can pay the measurement before timing anything instead of inside the first auto round)."""
-        if self.cost_curve is None:
-            thread = getattr(self, "_thread", None)
-            if thread is not None and thread.is_alive():
-                done = threading.Event()
-                self._inbox.put(("cost", done))
-                self._wake.set()
-                done.wait(timeout)
-            else:
-                self._auto_cost()
+        thread = getattr(self, "_thread", None)
+        if self.cost_curve is None and thread is not None and thread.is_alive():
+            done = threading.Event()
+            self._inbox.put(("cost", done))
+            self._wake.set()
+            done.wait(timeout)
+        elif self.cost_curve is None:
+            self._auto_cost()
         if self.cost_curve is None:
             raise RuntimeError("budget auto: the cost curve was not measured (see the engine's log)")
         return self.cost_curve
 
     def _auto_cost(self) -> CostCurve:
-        """The cost curve auto divides by: the one set on the engine, else one measured now on this engine over
-        the candidates (logged: it stalls the loop once, for a few seconds on a CPU)."""
+        """The cost curve auto divides by: the one set on the engine, else EngineConfig.cost_curve's (Engine.start
+        resolves it), else one measured now over the candidates (logged: it stalls the loop once, seconds on a CPU)."""
+        source = getattr(self, "cost_curve_source", None)  # ddtree.engine.cost_curve.CurveSource, set by Engine.start
+        if self.cost_curve is None and source is not None and source.curve is not None:
+            self.cost_curve = source.curve
         if self.cost_curve is None:
             rows = auto_budget.grid_rows(self.config.max_batch)
             kv = auto_budget.grid_kv_lens(self.cache_len)
@@ -583,7 +584,6 @@ class Scheduler:
             log.warning("request %s: the consumer raised; cancelling it", state.request_id, exc_info=True)
             if not final:
                 self._finish(state, "cancelled")
-
 
 
 def _any_filter(states: list[RequestState]) -> bool:
