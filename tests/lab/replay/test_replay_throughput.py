@@ -125,3 +125,29 @@ def test_the_document_round_trips_through_json():
                                                    trace=hand_trace().metadata(), prefill_chunk=512)))
     assert doc["schema"] == "ddtree.replay.tok_s/1" and not doc["prefill_modelled"]
     assert [c["config"] for c in doc["cells"]] == ["ar", "dflash"]
+
+
+def test_predict_cli_writes_tok_s(tmp_path):
+    import typer
+    from typer.testing import CliRunner
+
+    from ddtree.engine.cost_curve import save_curve
+    from ddtree.lab.replay.cli import register
+
+    app = typer.Typer()
+    register(app)
+    trace = hand_trace().save(tmp_path / "t.safetensors")
+    curve = save_curve(flat_curve(), tmp_path / "c.json")
+    out = tmp_path / "p.json"
+    result = CliRunner().invoke(app, ["replay", "predict", str(trace), "--budget", "2", "--cost-curve", str(curve),
+                                      "--contexts", "2", "--concurrency", "1,2", "--num-requests", "2",
+                                      "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "predicted tok/s" in result.output
+    doc = json.loads((tmp_path / "p.tok_s.json").read_text())
+    got = {(c["config"], c["concurrency"]): c["tok_s"] for c in doc["cells"]}
+    # no --run: every request replays the trace's sequences in turn (0, 1): the chain at C=1 is 2 + 4 rounds of
+    # 0.02 s for 10 tokens
+    assert got[("dflash", 1)] == pytest.approx(10 / (6 * 0.02))
+    result = CliRunner().invoke(app, ["replay", "predict", str(trace), "--run", str(tmp_path)])
+    assert result.exit_code != 0 and "--run needs --cost-curve" in str(result.exception or result.output)
