@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
         entry = {"shape": [n, k], "default_tiles": bi.matmul_tiles(n, k)._asdict(), "cublas_ms": {}, "triton_ms": {},
                  "bits": {}, "errors": {}}
         for m in ROWS:
-            entry["cublas_ms"][m] = _time(lambda: [F.linear(x[:m], w) for w in ws]) / copies
+            entry["cublas_ms"][m] = _time(lambda m=m, x=x, ws=ws: [F.linear(x[:m], w) for w in ws]) / copies
         k_blocks = -(-k // 64)
         splits = SPLITS_OF.get(name, f"1,{bi.matmul_tiles(n, k).split_k}") if args.splits == "auto" else args.splits
         for s in sorted({int(v) for v in splits.split(",")}):
@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> None:
                             same = False
                             entry["bits"][f"{key}@{m}"] = "differs"
                     entry["triton_ms"][key] = {
-                        m: _time(lambda: [bi.linear(x[:m], w, tiles=tiles, launch=launch) for w in ws]) / copies
+                        m: _time(lambda m=m, x=x, ws=ws, t=tiles, la=launch: [bi.linear(x[:m], w, tiles=t, launch=la) for w in ws])
+                        / copies
                         for m in ROWS}
                 except Exception as exc:  # a launch that does not compile (shared memory) is recorded
                     entry["errors"][key] = f"{type(exc).__name__}: {exc}"[:300]

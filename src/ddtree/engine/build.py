@@ -18,6 +18,7 @@ from ddtree.devices import resolve_device, resolve_dtype
 from ddtree.engine.api import TreeSettings
 from ddtree.engine.config import EngineConfig
 from ddtree.engine.cuda_graphs import AttentionDims
+from ddtree.engine.exact_check import check_target
 from ddtree.engine.kernels import KernelSet
 from ddtree.engine.runner import ModelRunner
 from ddtree.engine.warmup import GraphDims, Warmup, WarmupPlan, build_steps, plan_bytes, plan_warmup
@@ -49,10 +50,15 @@ class EngineParts:
     overlap: bool  # EngineConfig.overlap_rounds resolved for the device
     eos_ids: frozenset[int]
     warmup: Warmup  # EngineConfig.warmup's plan over these graph sets, run by Engine.start (empty without graphs)
+    exact_blas: object | None = None  # models.exact_blas.BlasCheck: exact mode's start-up check on CUDA, else None
 
     @property
     def device(self) -> torch.device:
         return self.runner.device
+
+    def exact_info(self) -> dict:
+        """``Engine.info()["exact"]``: whether exact mode is on and, on CUDA, its start-up check's result."""
+        return {"on": self.kernels.exact, "check": None if self.exact_blas is None else self.exact_blas.describe()}
 
 
 def load_models(config: EngineConfig):
@@ -120,6 +126,12 @@ def build(target, drafter, tokenizer, config: EngineConfig, *, model_name: str) 
                                        reserved=plan_bytes(plan_for(first), dims))
     config = replace(config, max_batch=max_batch, max_block_size=max_block)
     cache_len = config.max_len + headroom
+    exact_blas = None
+    if kernels.exact and device.type == "cuda":  # exact mode: which projections cuBLAS already computes row-invariantly
+        exact_blas = check_target(target, max_batch=max_batch, max_budget=config.max_budget, max_block=max_block,
+                                  prefill_chunk=config.prefill_chunk, prefill_width=prefill_width,
+                                  max_len=config.max_len)
+        kernels = replace(kernels, exact_blas=exact_blas.trusted)
     plan = plan_for(max_batch)
     runner = ModelRunner(target, drafter, slots=max_batch, cache_len=cache_len, kernels=kernels)
     graphs = prefill_graphs = None
@@ -143,7 +155,7 @@ def build(target, drafter, tokenizer, config: EngineConfig, *, model_name: str) 
     return EngineParts(target=target, drafter=drafter, tokenizer=tokenizer, config=config, model_name=model_name,
                        trained_block_size=trained_block_size, cache_len=cache_len, runner=runner, kernels=kernels,
                        graphs=graphs, prefill_graphs=prefill_graphs, overlap=overlap, eos_ids=_eos_ids(target, tokenizer),
-                       warmup=warmup)
+                       warmup=warmup, exact_blas=exact_blas)
 
 
 def default_tree(parts: EngineParts) -> TreeSettings:

@@ -374,6 +374,7 @@ class Engine(Scheduler):
             },
             "drafter": self.drafter is not None,
             "warmup": self.parts.warmup.info(),
+            "exact": self.parts.exact_info(),
             "cost_curve": self.cost_curve_source.info(),
         }
 

@@ -49,6 +49,9 @@ class KernelSet:
     # attention, models.batch_invariant) from the tree visibility, so tree_attention is on too (no dense mask); Triton
     # kernels where they can run, else the one-row-at-a-time torch path. The drafter is unaffected.
     exact: bool = False
+    # Exact mode's weights (N, K) that torch's cuBLAS computed row-invariantly at every row count this engine runs,
+    # measured at build (models.exact_blas; CUDA only): those go to cuBLAS, every other matmul to the Triton kernel.
+    exact_blas: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def torch(cls, *, blas_rule: bool = True) -> KernelSet:
@@ -78,6 +81,6 @@ class KernelSet:
             blas_rule=config.blas_rule,
         )
 
-    def describe(self) -> dict[str, bool]:
+    def describe(self) -> dict[str, bool | list]:
         """The choice per op (``Engine.info()``)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -7,10 +7,13 @@ batch of 64, and bf16 near-ties flip (docs/benchmarks.md, "Divergence"; ``../sha
 reduction has one fixed order per output element (docs/architecture.md, "Exact mode"):
 
 Matmul (:func:`linear`, x [M, K] @ w [N, K]^T)
-    One tile configuration per weight shape (:func:`matmul_tiles`: BLOCK_M 64, BLOCK_N, BLOCK_K and a split-K count
-    from (N, K) only, never from M), the K loop in ascending order, split-K partials summed in ascending split order
-    by a second kernel. M is not specialised on (``do_not_specialize``), so every row count runs one compiled kernel;
-    a row's result depends on its own inputs and the weight only.
+    BLOCK_K and a split count S per weight shape (:func:`matmul_tiles`, from (N, K) only, never from M) fix each
+    output element's order: S equal K segments, each summed from zero in ascending K order, the segments added in
+    ascending order, the bias last. How the programs are laid out may follow M (:func:`matmul_launch`): split
+    programs writing fp32 partials that a second kernel adds in order, or fused programs that walk the segments
+    themselves (same bits, as 0 + s == s), in row and column tiles of any size (a tensor-core dot's row depends on
+    that row and the K step only; the H200 run compared every launch). M is not specialised on
+    (``do_not_specialize``): a row's result depends on its own inputs and the weight only.
 
 Attention (:func:`attention`, new tokens over a KV-cache slot)
     Keys are walked in *position* order, in tiles of ``ATTN_BLOCK_N`` positions at fixed multiples of it, and split at
@@ -50,7 +53,7 @@ MATMUL_MAX_BLOCK_K = 64
 # Split-K is chosen from the weight's shape so that about this many programs stream a weight at one tile of rows
 # (decoding is bandwidth-bound: o_proj's 32 column tiles alone would leave most of an H200's 132 SMs idle).
 MATMUL_TARGET_PROGRAMS = 160
-MATMUL_MAX_SPLIT_K = 8
+MATMUL_MAX_SPLIT_K = 4  # 8 measured no faster at decode and slower on wide calls (H200)
 MATMUL_MIN_K_BLOCKS_PER_SPLIT = 4
 ATTN_BLOCK_M = 32  # folded rows (queries x query heads of one KV head) per attention program
 ATTN_BLOCK_N = 64  # key positions per tile
@@ -97,21 +100,27 @@ def matmul_tiles(n: int, k: int) -> MatmulTiles:
     return MatmulTiles(block_k, split)
 
 
-# Row-count thresholds of the launch table (benchmarks/exact_matmul_tune.py measured them on the H200).
-MATMUL_SPLIT_LAUNCH_MAX_ROWS = 64  # at most this many rows: split programs (decode); more: fused programs
-MATMUL_LARGE_TILE_ROWS = 256  # from this many rows: 128-row tiles with 8 warps
+# The launch table by row count, from benchmarks/exact_matmul_tune.py on the H200 (CUDA-graph replays, 2026-12-01):
+# split programs with small row tiles where few row tiles would leave SMs idle (decode, small verifies), 128 x 128
+# fused tiles with 8 warps where the call is compute-bound. Every launch gives the same bits (the run's check and
+# tests/models/test_batch_invariant.py); only BLOCK_K and the split count (matmul_tiles) fix them.
+MATMUL_LAUNCHES: tuple[tuple[int, MatmulLaunch], ...] = (  # (up to this many rows, launch)
+    (16, MatmulLaunch(16, 64, 4, 4, fused=False)),
+    (128, MatmulLaunch(64, 64, 4, 4, fused=False)),
+    (767, MatmulLaunch(64, 128, 4, 3, fused=False)),
+)
+MATMUL_WIDE_LAUNCH = MatmulLaunch(128, 128, 8, 3, fused=True)
 
 
 def matmul_launch(n: int, k: int, m: int) -> MatmulLaunch:
-    """The launch of x [m, k] @ w [n, k]^T: small tiles and split programs for decode, large fused tiles for
-    prefill and wide verifies. Any choice here gives the same bits (tests/models/test_batch_invariant.py)."""
-    tiles = matmul_tiles(n, k)
-    block_n = min(MATMUL_MAX_BLOCK_N, _pow2_at_least(n, 16))
-    if m <= MATMUL_SPLIT_LAUNCH_MAX_ROWS or tiles.split_k == 1 and m < MATMUL_LARGE_TILE_ROWS:
-        return MatmulLaunch(64, block_n, 4, 3, fused=tiles.split_k == 1)
-    if m < MATMUL_LARGE_TILE_ROWS:
-        return MatmulLaunch(64, block_n, 4, 3, fused=True)
-    return MatmulLaunch(128, block_n, 8, 3, fused=True)
+    """The launch of x [m, k] @ w [n, k]^T for m rows (:data:`MATMUL_LAUNCHES`); a weight of one K segment runs
+    the same kernel either way. Any choice here gives the same bits."""
+    for rows, launch in MATMUL_LAUNCHES:
+        if m <= rows:
+            if matmul_tiles(n, k).split_k == 1 and launch.block_m < 64:  # no SMs to fill with splits: full tiles
+                return MATMUL_LAUNCHES[1][1]
+            return launch
+    return MATMUL_WIDE_LAUNCH
 
 
 if triton is not None:

@@ -41,14 +41,30 @@ def _weight(linears: tuple[torch.nn.Linear, ...], fused) -> tuple[Tensor, Tensor
     return weight, bias
 
 
-class _Ops:
-    """The per-op choice of one exact forward: Triton kernels (``triton``) or the torch path one row at a time."""
+def layer_weights(layer: DecoderLayer) -> dict[str, tuple[Tensor, Tensor | None]]:
+    """The four projections of a decoder layer as this forward multiplies them: name -> (weight [N, K], bias)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return {"qkv": _weight((attn.q_proj, attn.k_proj, attn.v_proj), attn.qkv),
+            "o_proj": (attn.o_proj.weight, attn.o_proj.bias),
+            "gate_up": (_weight((mlp.gate_proj, mlp.up_proj), mlp.gate_up)[0], None),
+            "down": (mlp.down_proj.weight, None)}
 
-    def __init__(self, triton: bool) -> None:
+
+class _Ops:
+    """The per-op choice of one exact forward: Triton kernels (``triton``) or the torch path one row at a time;
+    ``blas``: the (N, K) weight shapes whose torch matmul the engine measured row-invariant at every row count it
+    runs (:mod:`ddtree.models.exact_blas`), which go to cuBLAS instead of the Triton matmul."""
+
+    def __init__(self, triton: bool, blas: frozenset[tuple[int, int]] = frozenset()) -> None:
         self.triton = triton
+        self.blas = blas
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-        return bi.linear(x, weight, bias) if self.triton else bi.linear_rows(x, weight, bias)
+        if not self.triton:
+            return bi.linear_rows(x, weight, bias)
+        if (weight.shape[0], weight.shape[1]) in self.blas:
+            return F.linear(x.contiguous(), weight, bias)  # the layout the start-up check measured
+        return bi.linear(x, weight, bias)
 
     def norm(self, x: Tensor, norm: RMSNorm) -> Tensor:
         if self.triton:
@@ -121,11 +137,12 @@ def _layer(layer: DecoderLayer, h: Tensor, cos: Tensor, sin: Tensor, ops: _Ops, 
 @torch.inference_mode()
 def forward(target, input_ids: Tensor, positions: Tensor, cache: KVCache, slots: Tensor, write_pos: Tensor,
             visibility: TreeVisibility, logits_at: Tensor | None, hidden_layers: tuple[int, ...], *,
-            triton: bool) -> tuple[Tensor | None, Tensor | None]:
+            triton: bool, blas: tuple[tuple[int, int], ...] = ()) -> tuple[Tensor | None, Tensor | None]:
     """:meth:`ddtree.models.target.TargetModel.forward`'s contract in exact mode -> (logits [R, N, V] or None,
     hidden [R, T, len(hidden_layers) * hidden] or None). ``visibility`` must be a :class:`TreeVisibility` (the new
     tokens at ``start + t``; a node sees the prefix and its ancestors, one per depth); ``triton``: the Triton kernels
-    (CUDA, or the interpreter in tests) or the torch path one row at a time."""
+    (CUDA, or the interpreter in tests) or the torch path one row at a time; ``blas``: weight shapes that passed the
+    engine's start-up check (``KernelSet.exact_blas``), multiplied by cuBLAS."""
     if not isinstance(visibility, TreeVisibility):
         raise ConfigError("exact mode attends from a TreeVisibility (start, new_vis, kv_len), not a dense mask; "
                           "pass the tree visibility (the engine does when KernelSet.exact is on)")
@@ -136,7 +153,7 @@ def forward(target, input_ids: Tensor, positions: Tensor, cache: KVCache, slots:
     if not triton and input_ids.is_cuda:
         raise ConfigError("exact mode on CUDA needs Triton (its one-row-at-a-time torch path reads indices on the "
                           "host, which CUDA graphs cannot capture); install Triton or turn exact mode off")
-    ops = _Ops(triton)
+    ops = _Ops(triton, frozenset(blas))
     start, kv_len = visibility.start, visibility.kv_len
     anc, chain = bi.ancestor_map(start, positions, visibility.new_vis)
 

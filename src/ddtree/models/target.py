@@ -152,7 +152,8 @@ class TargetModel(nn.Module):
         self._check_hidden_layers(hidden_layers)
         if kernels is not None and kernels.exact:  # exact mode: its own forward (ddtree.models.exact_forward)
             return TargetOutput(*exact_forward.forward(self, input_ids, positions, cache, slots, write_pos, visibility,
-                                                       logits_at, hidden_layers, triton=can_run(input_ids)))
+                                                       logits_at, hidden_layers, triton=can_run(input_ids),
+                                                       blas=kernels.exact_blas))
         if isinstance(visibility, TreeVisibility):
             if self.supports_tree_attention():
                 visibility = visibility.with_packed()  # once here, not in each layer's kernel call

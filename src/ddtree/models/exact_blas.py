@@ -1,0 +1,105 @@
+"""Which of the target's matmuls torch's cuBLAS already computes row-invariantly, measured on the running device.
+
+Why: exact mode needs every token row computed the same way whatever the row count, and its own Triton matmul
+(:func:`ddtree.models.batch_invariant.linear`) guarantees that by construction, at 70-80 % of cuBLAS's speed on wide
+calls (docs/benchmarks.md, "Exact mode"). But cuBLAS changes its reduction (split-K) with the row count only for
+some weight shapes: on the H200 (torch 2.11, cuBLAS 13) the fused q/k/v and gate/up projections gave bit-identical
+rows at every row count 1..2048, while o_proj and down changed from 25 and 9 rows (``../shared/docs/gpu-facts.md``).
+That is a property of the device, the library version and the shape, not a promise, so it is *checked* at engine
+start for every row count the engine can run (:func:`check_row_invariance`), and only the weights that pass go to
+cuBLAS; the rest stay on the Triton kernel.
+
+The check: ``D`` distinct random rows computed one at a time (``F.linear`` of one row, as a single decode step of
+one request computes them) are the reference; for every row count M, ``F.linear`` of M rows (row i a copy of
+reference row ``i mod D``) must equal the references bit for bit at every position. Kernel choice depends on the
+shapes (and bias, dtype, layout), not on the values, so random data stands for the real activations; a shape that
+changes its reduction at some M shows it on random rows at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+log = logging.getLogger("ddtree.exact")
+
+DISTINCT_ROWS = 256  # reference rows computed alone; larger row counts repeat them
+
+
+@dataclass(frozen=True)
+class BlasCheck:
+    """The check's result: per named weight, the first row count whose rows differ from the rows alone (None:
+    none of ``row_counts`` did, so that shape goes to cuBLAS)."""
+
+    first_failing: Mapping[str, int | None]
+    shapes: Mapping[str, tuple[int, int]]  # name -> (N, K)
+    row_counts: int  # how many distinct row counts were checked
+    max_rows: int
+    seconds: float
+    library: str  # torch and CUDA versions the result holds for
+
+    @property
+    def trusted(self) -> tuple[tuple[int, int], ...]:
+        """(N, K) shapes whose cuBLAS matmul passed (a shape of several weights passes only if all did)."""
+        passed = {self.shapes[n] for n, m in self.first_failing.items() if m is None}
+        failed = {self.shapes[n] for n, m in self.first_failing.items() if m is not None}
+        return tuple(sorted(passed - failed))
+
+    def describe(self) -> dict:
+        return {"cublas": sorted(n for n, m in self.first_failing.items() if m is None),
+                "triton": {n: f"rows differ from {m} rows" for n, m in self.first_failing.items() if m is not None},
+                "row_counts_checked": self.row_counts, "max_rows": self.max_rows,
+                "seconds": round(self.seconds, 3), "library": self.library}
+
+
+@torch.inference_mode()
+def check_row_invariance(weights: Mapping[str, tuple[Tensor, Tensor | None]], row_counts: Iterable[int], *,
+                         distinct_rows: int = DISTINCT_ROWS, seed: int = 0,
+                         matmul: Callable[..., Tensor] = F.linear) -> BlasCheck:
+    """Check ``matmul`` (``F.linear``, what exact mode then calls) for each named (weight [N, K], bias [N] or None)
+    at every row count in ``row_counts`` against its rows computed alone (module docstring). A weight stops at its
+    first failing row count."""
+    counts = sorted({int(m) for m in row_counts if m > 0})
+    t0 = time.perf_counter()
+    first: dict[str, int | None] = {}
+    shapes: dict[str, tuple[int, int]] = {}
+    if not counts:
+        raise ValueError("check_row_invariance needs at least one row count")
+    max_rows = counts[-1]
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for name, (w, b) in weights.items():
+        n, k = w.shape
+        shapes[name] = (n, k)
+        d = min(distinct_rows, max_rows)
+        base = torch.randn(d, k, generator=gen).to(device=w.device, dtype=w.dtype)
+        alone = torch.cat([matmul(base[i:i + 1], w, b) for i in range(d)])  # [D, N]
+        reps = -(-max_rows // d)
+        x = base.repeat(reps, 1)[:max_rows]
+        expected = alone.repeat(reps, 1)[:max_rows]
+        first[name] = None
+        for m in counts:
+            if not torch.equal(matmul(x[:m], w, b), expected[:m]):
+                first[name] = m
+                break
+        del x, expected, alone
+    result = BlasCheck(first_failing=first, shapes=shapes, row_counts=len(counts), max_rows=max_rows,
+                       seconds=time.perf_counter() - t0, library=f"torch {torch.__version__}, CUDA {torch.version.cuda}")
+    log.info("exact mode: cuBLAS row-invariant for %s at %d row counts up to %d (%.2f s); Triton for %s",
+             result.describe()["cublas"], len(counts), max_rows, result.seconds, result.describe()["triton"])
+    return result
+
+
+def target_weights(target) -> dict[str, tuple[Tensor, Tensor | None]]:
+    """The decoder layers' projections exact mode can hand to cuBLAS, by name, from layer 0 (every layer has the
+    same shapes; the fused q/k/v and gate/up matrices where the engine fused them). The LM head stays on the Triton
+    kernel: at decode widths it is as fast (the H200 tuning run), and checking it at every prefill width costs
+    seconds more at start."""
+    from ddtree.models.exact_forward import layer_weights
+
+    return layer_weights(target.layers[0])

@@ -1,0 +1,77 @@
+"""Exact mode's start-up check (ddtree.engine.exact_check, ddtree.models.exact_blas): the row counts a target
+forward can run, and the check that sends a weight to cuBLAS only if its rows never change with the row count.
+
+References: hand-counted row counts of a small configuration; matmuls built to be row-invariant (one row at a
+time) or not (a split-K that starts at 9 rows, as cuBLAS's down projection does on the H200).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ddtree.engine.exact_check import target_row_counts
+from ddtree.models import exact_blas
+
+
+def test_row_counts_by_hand():
+    # rounds: 1-2 requests x 1..4 tokens (budget 3 -> node bucket 3 + the root; block 4) = 1 2 3 4 6 8;
+    # eager prefill: one row of 16 or 32 (padded), two rows of 16 or 32 -> 16 32 64; no prefill graphs
+    got = target_row_counts(max_batch=2, max_budget=3, max_block=4, prefill_chunk=32, prefill_width=None, max_len=64)
+    assert got == [1, 2, 3, 4, 6, 8, 16, 32, 64]
+    # graphed first chunks add rows bucket x width bucket (widths 16 and 32 here: already present) ...
+    with_graphs = target_row_counts(max_batch=2, max_budget=3, max_block=4, prefill_chunk=32, prefill_width=32,
+                                    max_len=64)
+    assert set(got) <= set(with_graphs) and max(with_graphs) == 64
+    # ... and a wider budget widens the rounds: budget 8 -> 9 tokens a request
+    assert 18 in target_row_counts(max_batch=2, max_budget=8, max_block=4, prefill_chunk=32, prefill_width=None,
+                                   max_len=64)
+
+
+def _rows_alone(x, w, b=None):
+    """Row-invariant by construction: every call multiplies one row (this CPU's own F.linear changes at 2 rows)."""
+    return torch.cat([F.linear(x[i:i + 1], w, b) for i in range(x.shape[0])])
+
+
+def _split_from_9(x, w, b=None):
+    """A matmul whose reduction changes at 9 rows: two halves of K added, instead of one pass over K."""
+    if x.shape[0] < 9:
+        return _rows_alone(x, w, b)
+    k = x.shape[1] // 2
+    out = _rows_alone(x[:, :k], w[:, :k]) + _rows_alone(x[:, k:], w[:, k:])
+    return out if b is None else out + b
+
+
+def test_check_finds_the_first_changing_row_count_and_trusts_only_passing_shapes():
+    gen = torch.Generator().manual_seed(0)
+    weights = {"a": (torch.randn(24, 64, generator=gen), None),
+               "b": (torch.randn(40, 64, generator=gen), torch.randn(40, generator=gen))}
+    counts = [1, 2, 8, 9, 17, 300]
+    bad = exact_blas.check_row_invariance(weights, counts, distinct_rows=5, matmul=_split_from_9)
+    assert bad.first_failing == {"a": 9, "b": 9}
+    assert bad.trusted == ()
+    good = exact_blas.check_row_invariance(weights, counts, distinct_rows=5, matmul=_rows_alone)
+    assert good.first_failing == {"a": None, "b": None}
+    assert good.trusted == ((24, 64), (40, 64))
+    info = good.describe()
+    assert info["cublas"] == ["a", "b"] and info["row_counts_checked"] == 6 and info["max_rows"] == 300
+    assert "rows differ from 9 rows" in bad.describe()["triton"]["a"]
+
+
+def test_a_shape_shared_by_a_failing_weight_is_not_trusted():
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(16, 32, generator=gen)
+
+    def flaky(x, weight, b=None):  # the second weight of the same shape runs the non-invariant kernel
+        return _rows_alone(x, weight, b) if weight is w else _split_from_9(x, weight, b)
+
+    check = exact_blas.check_row_invariance({"first": (w, None), "second": (w.clone(), None)}, [1, 16], matmul=flaky,
+                                            distinct_rows=4)
+    assert check.first_failing == {"first": None, "second": 16}
+    assert check.trusted == ()
+
+
+def test_engine_info_reports_exact_mode(tiny_engine_factory):
+    engine = tiny_engine_factory(exact=True, max_len=128)
+    assert engine.info()["exact"] == {"on": True, "check": None}  # the CPU runs the row-at-a-time path: no check
+    assert engine.runner.kernels.exact_blas == ()
