@@ -321,11 +321,13 @@ def test_eager_chunk_variants_follow_the_width_class_and_the_combine_unroll():
     v32 = eager_chunk_variants(EagerChunk(1, 32, 64), H200_8B)
     v17 = eager_chunk_variants(EagerChunk(1, 17, 64), H200_8B)
     assert len(v16) == 1 and v16 == v32 and v17 != v16
-    # 1 row of 16 over 1024 keys: 16 blocks / 2 per split -> 8 splits, so 9 partials unrolled as 16; over 512 keys
-    # 4 splits -> 5 partials unrolled as 8: the split kernel's variant is the same (num_splits is not specialised)
+    # 1 row of 16 over 1024 keys: 16 blocks / 2 per split -> 8 splits, 9 partials, unrolled as 9; over 512 keys 4
+    # splits -> 5 partials; over 384 keys (a length no bucket has) 3 splits -> unrolled as 5 too. The split kernel's
+    # variant is the same for all (num_splits is not specialised)
     a = eager_chunk_variants(EagerChunk(1, 16, 1024), H200_8B)
     b = eager_chunk_variants(EagerChunk(1, 16, 512), H200_8B)
-    assert a[0] == b[0] and a[1][1] == 16 and b[1][1] == 8
+    c = eager_chunk_variants(EagerChunk(1, 16, 384), H200_8B)
+    assert a[0] == b[0] == c[0] and a[1][1] == 9 and b[1][1] == 5 and c[1] == b[1]
 
 
 def test_plan_keeps_one_key_per_shared_group_and_plans_every_eager_variant():

@@ -148,7 +148,7 @@ def build(target, drafter, tokenizer, config: EngineConfig, *, model_name: str) 
     warmup = Warmup(plan=plan, steps=build_steps(plan, graphs=graphs, prefill_graphs=prefill_graphs, runner=runner,
                                                  dims=dims),
                     graphs=graphs, prefill_graphs=prefill_graphs, dims=dims, device=device,
-                    estimated_bytes=plan_bytes(plan, dims))
+                    estimated_bytes=plan_bytes(plan, dims), precompile=_precompiler(plan, attention, runner, cache_len))
     overlap = config.overlap_rounds if config.overlap_rounds is not None else device.type == "cuda"
     log.info("engine: %s on %s/%s, %d slots x %d tokens, KV %.1f MiB", model_name, device, config.dtype, max_batch,
              cache_len, runner.kv_bytes / 2**20)
@@ -156,6 +156,20 @@ def build(target, drafter, tokenizer, config: EngineConfig, *, model_name: str) 
                        trained_block_size=trained_block_size, cache_len=cache_len, runner=runner, kernels=kernels,
                        graphs=graphs, prefill_graphs=prefill_graphs, overlap=overlap, eos_ids=_eos_ids(target, tokenizer),
                        warmup=warmup, exact_blas=exact_blas)
+
+
+def _precompiler(plan: WarmupPlan, attention: AttentionDims | None, runner: ModelRunner, cache_len: int):
+    """The warm-up's tree-attention precompilation (:mod:`ddtree.engine.precompile`), where there is a plan that
+    attends through the kernel; None elsewhere."""
+    if attention is None or not (plan.rounds or plan.prefills or plan.eager_chunks):
+        return None
+    from ddtree.engine import precompile
+
+    calls = precompile.planned_calls(plan, attention, cache_len)
+    caches = {"target": runner.target_cache.k[0]}
+    if runner.drafter_cache is not None:
+        caches["draft"] = runner.drafter_cache.k[0]
+    return lambda: precompile.precompile(lambda: precompile.collect(calls, caches, runner.dtype))
 
 
 def default_tree(parts: EngineParts) -> TreeSettings:

@@ -376,6 +376,9 @@ class Warmup:
     compiles: CompileCounter = field(default_factory=CompileCounter)
     compiles_during: tuple[int, int] = (0, 0)  # (compiled, disk hits) during the run
     listening: bool = False
+    # compiles the plan's tree-attention variants in worker processes first (ddtree.engine.precompile)
+    precompile: Callable[[], Any] | None = None
+    precompiled: Any = None  # its precompile.Precompiled
     _captures_after: tuple[int, int] = (0, 0)  # graph captures when the run ended (later ones are misses)
     _compiles_after: int = 0  # compilations counted when the run ended
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -413,6 +416,8 @@ class Warmup:
                 self.steps = [s for s in self.steps if not isinstance(s, KeyStep) or s.key in keep]
                 self.dropped += dropped
         t0 = time.perf_counter()
+        if self.precompile is not None:
+            self.precompiled = self.precompile()
         with _progress(self.total) as advance:
             for step in self.steps:
                 try:
@@ -455,6 +460,7 @@ class Warmup:
             "compile_listener": self.listening,
             "triton_compiled": self.compiles_during[0], "triton_disk_hits": self.compiles_during[1],
             "triton_cache_dir": _triton_cache_dir(),
+            "precompiled": None if self.precompiled is None else self.precompiled.info(),
         }
         if self.state == "done":
             rounds, prefills = self._captures()

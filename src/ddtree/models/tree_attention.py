@@ -45,6 +45,7 @@ Launch shapes (tiles, splits) come from the device tuning tables of :mod:`ddtree
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -220,8 +221,9 @@ if triton is not None:
         Program (row tile, row x KV head, head-dim block). The split loop is unrolled over UNROLL >= num_parts
         slots (a compile-time constant) so the partials' loads are all in flight at once: a rolled loop waited for
         each split's load in turn, ~13 us for 16 splits at one decode token (benchmarks/profile_step.py on the
-        H200). UNROLL is num_parts rounded up to a power of two, its slots past num_parts masked off (they weigh
-        0), so split counts 2..16 compile 4 variants instead of 15 (the start-up warm-up compiles each)."""
+        H200). UNROLL is 2^k + 1 >= num_parts (the split count rounded up to a power of two, plus the new tokens'
+        partial), its slots past num_parts masked off (they weigh 0), so split counts 2..16 compile 4 variants
+        instead of 15 (the start-up warm-up compiles each) and power-of-two counts waste no slot."""
         pid_m = tl.program_id(0)
         pid_rk = tl.program_id(1)
         pid_d = tl.program_id(2)
@@ -349,7 +351,7 @@ class Launch(NamedTuple):
     num_stages: int
     splits: int  # context splits; 1 = direct (no combine)
     row_tiles: int
-    combine_splits: int  # the combine's unrolled partial count (a power of two >= splits + 1; 0 when direct)
+    combine_splits: int  # the combine's unrolled partial count (2^k + 1 >= splits + 1; 0 when direct)
 
 
 def plan_launch(requests: int, heads: int, kv_heads: int, tokens: int, head_dim: int, kv_len: int,
@@ -374,7 +376,8 @@ def plan_launch(requests: int, heads: int, kv_heads: int, tokens: int, head_dim:
                                multi_token=tokens > 1)
     if not 1 <= splits <= MAX_SPLITS:
         raise ConfigError(f"tree_attention: splits must be in [1, {MAX_SPLITS}], got {splits}")
-    combine = 0 if splits == 1 else 1 << splits.bit_length()  # next power of two >= splits + 1
+    # splits rounded up to a power of two, plus the new tokens' partial: power-of-two split counts are exact
+    combine = 0 if splits == 1 else (1 << (splits - 1).bit_length()) + 1
     return Launch(block_m, block_n, num_warps, num_stages, splits, row_tiles, combine)
 
 
@@ -397,10 +400,16 @@ def variants(launch: Launch, tokens: int, head_dim: int, *, has_first: bool) -> 
     return split, ("combine", launch.combine_splits, launch.block_m, head_dim, _int_class(tokens))
 
 
+def _launcher(kernel, grid: tuple[int, int, int], compile_only: bool):
+    """``kernel[grid]``, or its binding and compilation without a launch (``JITFunction.warmup``)."""
+    return functools.partial(kernel.warmup, grid=grid) if compile_only else kernel[grid]
+
+
 def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start: Tensor, new_vis: Tensor,
                    kv_len: int, *, first: Tensor | None = None, packed: PackedVisibility | None = None,
                    block_n: int | None = None, splits: int | None = None, block_m: int | None = None,
-                   num_warps: int | None = None, num_stages: int | None = None) -> Tensor:
+                   num_warps: int | None = None, num_stages: int | None = None, combine_unroll: int | None = None,
+                   compile_only: bool = False) -> Tensor:
     """Attention of the new tokens over their rows' cache slots under the tree visibility rule (module docstring).
 
     q [R, H, T, D] (fp32/fp16/bf16, D in 64/128/256); k_cache, v_cache [slots, KV, max_len, D] (one layer of the
@@ -414,7 +423,11 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, s
     ``block_n`` (prefix keys per tile), ``splits`` (prefix splits per row; with more than one the new tokens'
     keys get a program of their own), ``block_m`` (folded query rows per program, a power of two >= 16),
     ``num_warps`` and ``num_stages`` override :func:`choose_tiles`; tests use them to exercise the combine with
-    tiny contexts, ``benchmarks/tree_attention.py`` to tune them on a GPU."""
+    tiny contexts, ``benchmarks/tree_attention.py`` to tune them on a GPU; ``combine_unroll`` (>= splits + 1)
+    overrides the combine's unrolled slots (``benchmarks/first_request.py --combine-check`` times the exact count
+    against the bucketed one). ``compile_only``: bind (and compile, unless
+    a Triton hook intercepts it: :mod:`ddtree.engine.precompile`) both kernels' variants for these inputs without
+    launching them; the result is then uninitialised."""
     _check_inputs(q, k_cache, v_cache, slots, start, new_vis, kv_len)
     if triton is None:
         raise ConfigError("tree_attention needs Triton; install it or use the dense masked path")
@@ -455,7 +468,7 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, s
         part_acc = torch.empty((r * kv, splits + 1, rows_padded, d), dtype=torch.float32, device=q.device)
     scale_log2 = d**-0.5 * math.log2(math.e)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 stays exact; halves ignore the setting
-    _tree_attention_split_kernel[(row_tiles, 1 if direct else splits + 1, r * kv)](
+    _launcher(_tree_attention_split_kernel, (row_tiles, 1 if direct else splits + 1, r * kv), compile_only)(
         q, k_cache, v_cache, slots, start, start if first is None else first, bits, last, out, part_m, part_l,
         part_acc,
         q.stride(0), q.stride(1), q.stride(2),
@@ -469,10 +482,13 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, s
         num_warps=num_warps, num_stages=num_stages,
     )
     if not direct:
+        if combine_unroll is not None and combine_unroll < splits + 1:
+            raise ConfigError(f"tree_attention: combine_unroll must be >= splits + 1 = {splits + 1}, got "
+                              f"{combine_unroll}")
         block_d = min(d, 64)
-        _tree_attention_combine_kernel[(row_tiles, r * kv, d // block_d)](
+        _launcher(_tree_attention_combine_kernel, (row_tiles, r * kv, d // block_d), compile_only)(
             out, part_m, part_l, part_acc, out.stride(0), out.stride(1), out.stride(2),
-            t, g, kv, rows_padded, splits + 1, UNROLL=launch.combine_splits, HEAD_DIM=d, BLOCK_D=block_d,
+            t, g, kv, rows_padded, splits + 1, UNROLL=combine_unroll or launch.combine_splits, HEAD_DIM=d, BLOCK_D=block_d,
             BLOCK_M=block_m, num_warps=4,
         )
     return out

@@ -1,0 +1,167 @@
+"""Ahead-of-time compilation of the warm-up's tree-attention variants in worker processes.
+
+Why: Triton compiles a kernel variant on its first launch, in the launching thread, and its compiler holds the
+GIL for most of the work (two threads compiled four split-kernel variants in 34.5 s against 35.5 s one after the
+other on a 2-core machine), so the warm-up's compilations ran one at a time: on the H200 run of 2026-12-01, 93 of
+them took 64.4 s of a cold start's 105.7 s. The tree-attention kernels are the largest of them and the only ones
+whose variants are known without running the model (:func:`ddtree.models.tree_attention.plan_launch`).
+
+How: for every tree-attention launch the plan will meet, the main process binds the kernels with dummy inputs of
+the real shapes, dtypes and caches (``tree_attention(..., compile_only=True)``), through Triton's own binder, while
+``triton.knobs.runtime.jit_cache_hook`` records each variant's specialisation (Triton's ``specialization_data``, the
+form ``JITFunction.preload`` reads) and skips its compilation. Worker processes (spawned: they never touch CUDA)
+rebuild each variant as ``JITFunction.preload`` does and compile it with ``triton.compile`` for the device's
+target, which stores it in Triton's on-disk cache under the same key; the warm-up's captures then load it from
+disk (a few ms). Anything that fails (no Triton, a worker dying, a key that does not match) only leaves that
+variant to compile in the main process, as without this module.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+
+log = logging.getLogger("ddtree.engine")
+
+Spec = tuple[str, str, str]  # (module, kernel name, Triton's specialization_data JSON)
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """One tree-attention launch to precompile: R rows of T new tokens over ``kv_len`` keys of ``cache`` (one
+    layer's K cache, for its shape, dtype and strides), queries of ``heads`` heads, with or without a window."""
+
+    rows: int
+    tokens: int
+    kv_len: int
+    heads: int
+    has_first: bool
+    cache: str  # "target" or "draft"
+
+
+def collect(calls: Iterable[AttentionCall], caches: dict, dtype) -> list[Spec]:
+    """The variants ``calls`` need that this process has not compiled yet, without compiling or launching any
+    (CUDA only: Triton's binder reads the device). ``caches``: "target" / "draft" -> a K cache layer."""
+    import torch
+    from triton import knobs
+
+    from ddtree.models.tree_attention import tree_attention
+
+    found: dict[str, Spec] = {}
+
+    def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noqa: A002 (Triton's names)
+        found.setdefault(str(key), (str(fn.module), str(fn.name), compile["specialization_data"]))
+        return True  # skip the compilation (and the launch: this is a warm-up call)
+
+    previous = knobs.runtime.jit_cache_hook
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        for call in calls:
+            cache = caches[call.cache]
+            dev = cache.device
+            r, t, d = call.rows, call.tokens, cache.shape[-1]
+            q = torch.empty((r, t, call.heads, d), dtype=dtype, device=dev).transpose(1, 2)  # the layers' layout
+            zeros = torch.zeros(r, dtype=torch.long, device=dev)
+            tree_attention(q, cache, cache, zeros, zeros, torch.ones((r, t, t), dtype=torch.bool, device=dev),
+                           call.kv_len, first=zeros if call.has_first else None, compile_only=True)
+    finally:
+        knobs.runtime.jit_cache_hook = previous
+    return list(found.values())
+
+
+def compile_spec(module: str, name: str, data: str, target) -> float:
+    """Compile one variant into Triton's on-disk cache (a worker's job): ``JITFunction.preload``'s reading of
+    ``data`` (Triton 3.6), then ``triton.compile`` for ``target`` instead of the current device. Returns seconds."""
+    import importlib
+    import json
+
+    import triton
+    import triton.language as tl
+    from triton.compiler import ASTSource, make_backend
+
+    t0 = time.perf_counter()
+    fn = getattr(importlib.import_module(module), name)
+    obj = json.loads(data)
+    constexprs = {}
+    for key, value in zip(obj["constant_keys"], obj["constant_vals"], strict=True):
+        if tl.dtype.is_dtype(value):
+            value = tl.dtype(value)
+        elif isinstance(value, dict) and "constexpr" in value:
+            value = tl.constexpr(value["constexpr"])
+        constexprs[tuple(key)] = value
+    attrs = dict(zip(map(tuple, obj["attrs_keys"]), obj["attrs_vals"], strict=True))
+    signature = {k: tuple(v) if isinstance(v, list) else v for k, v in obj["signature"].items()}
+    options = {k: tuple(v) if isinstance(v, list) else v for k, v in obj["options"].items()}
+    options = make_backend(target).parse_options(options)
+    triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    return time.perf_counter() - t0
+
+
+@dataclass
+class Precompiled:
+    """What a precompilation did: variants found, compiled by the workers, failed; wall seconds; workers."""
+
+    variants: int = 0
+    compiled: int = 0
+    failed: int = 0
+    seconds: float = 0.0
+    workers: int = 0
+
+    def info(self) -> dict:
+        return {"variants": self.variants, "compiled": self.compiled, "failed": self.failed,
+                "seconds": round(self.seconds, 3), "workers": self.workers}
+
+
+def precompile(collect_specs: Callable[[], list[Spec]], *, workers: int | None = None) -> Precompiled:
+    """Collect the specs, compile them in ``workers`` spawned processes (default: the CPUs less one, at most 16)
+    and wait for them. Never raises: a failure is logged and leaves the variants to the main process."""
+    out = Precompiled()
+    t0 = time.perf_counter()
+    try:
+        from triton.runtime import driver
+
+        specs = collect_specs()
+        out.variants = len(specs)
+        if not specs:
+            return out
+        target = driver.active.get_current_target()
+        out.workers = min(len(specs), workers or max(1, min(16, (os.cpu_count() or 2) - 1)))
+        with ProcessPoolExecutor(out.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = [pool.submit(compile_spec, *spec, target) for spec in specs]
+            for future, spec in zip(futures, specs, strict=True):
+                try:
+                    future.result()
+                    out.compiled += 1
+                except Exception as exc:  # one variant failing only leaves it to the main process
+                    out.failed += 1
+                    log.warning("precompile of %s failed (%s: %s)", spec[1], type(exc).__name__, exc)
+    except Exception as exc:
+        log.warning("tree-attention precompilation skipped (%s: %s)", type(exc).__name__, exc)
+    out.seconds = time.perf_counter() - t0
+    log.info("precompiled %d of %d tree-attention variants in %d processes, %.1f s", out.compiled, out.variants,
+             out.workers, out.seconds)
+    return out
+
+
+def planned_calls(plan, dims, cache_len: int) -> list[AttentionCall]:
+    """Every tree-attention launch of a :class:`~ddtree.engine.warmup.WarmupPlan` (``dims``: its
+    :class:`~ddtree.engine.cuda_graphs.AttentionDims`): each round key's verify and drafter block (as
+    :func:`~ddtree.engine.cuda_graphs.round_launches` counts them), each graphed prefill key (over its width) and
+    each eager chunk; distinct calls only."""
+    heads = dims.target[0]
+    calls: dict[AttentionCall, None] = {}
+    for key in plan.rounds:
+        calls[AttentionCall(key.rows, key.max_budget + 1, key.kv_len, heads, False, "target")] = None
+        if key.drafts and dims.draft is not None:
+            calls[AttentionCall(key.rows, key.block_size, min(key.draft_kv_len + key.block_size, cache_len),
+                                dims.draft[0], True, "draft")] = None
+    for key in plan.prefills:
+        calls[AttentionCall(key.rows, key.width, key.width, heads, False, "target")] = None
+    for chunk in plan.eager_chunks:
+        calls[AttentionCall(chunk.rows, chunk.width, chunk.kv_len, heads, False, "target")] = None
+    return list(calls)
