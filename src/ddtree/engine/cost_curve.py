@@ -360,8 +360,9 @@ def default_grid(*, max_batch: int, max_budget: int, cache_len: int, block_size:
 
 def measure_cost_curve(runner: Any, grid: CostGrid, *, graphs: Any = None, device_name: str, model: str,
                        progress: Callable[[str], None] | None = None) -> CostCurve:
-    """Time the engine's real runner on every point of ``grid`` and return the curve (medians of ``grid.repeats``
-    timed rounds after one untimed one, which on CUDA captures the point's graphs).
+    """Time the engine's real runner on every point of ``grid`` and return the curve: one untimed round per point
+    (on CUDA it captures the point's graphs), then ``grid.repeats`` timed passes over the whole grid, the median
+    per point kept.
 
     runner: the engine's :class:`~ddtree.engine.runner.ModelRunner`; graphs: its
     :class:`~ddtree.engine.cuda_graphs.RoundGraphs` (CUDA) or None (eager rounds, the CPU path). Must run while no
@@ -411,14 +412,16 @@ def measure_cost_curve(runner: Any, grid: CostGrid, *, graphs: Any = None, devic
         to_host(result)
         return time.perf_counter() - t0
 
-    seconds: list[float] = []
-    for r in grid.rows:
-        for b in grid.budgets:
-            for k in grid.kv_lens:
-                one_round(r, b, k)  # untimed: a CUDA capture, first-use allocations
-                seconds.append(statistics.median(one_round(r, b, k) for _ in range(grid.repeats)))
-                if progress is not None:
-                    progress(f"rows {r} budget {b} kv_len {k}: {seconds[-1] * 1e3:.2f} ms")
+    points = [(r, b, k) for r in grid.rows for b in grid.budgets for k in grid.kv_lens]  # storage order
+    for point in points:
+        one_round(*point)  # untimed: a CUDA capture, first-use allocations
+    # Repeats sweep the whole grid in turn, so a burst of load from another process lands in one repeat of a few
+    # neighbouring points, not in every repeat of one point, and the median drops it.
+    timed = [[one_round(*point) for point in points] for _ in range(grid.repeats)]
+    seconds = [statistics.median(rep[i] for rep in timed) for i in range(len(points))]
+    if progress is not None:
+        for (r, b, k), sec in zip(points, seconds, strict=True):
+            progress(f"rows {r} budget {b} kv_len {k}: {sec * 1e3:.2f} ms")
 
     dev = runner.device
     one = lambda v: torch.tensor([v], dtype=torch.long, device=dev)  # noqa: E731
@@ -431,11 +434,11 @@ def measure_cost_curve(runner: Any, grid: CostGrid, *, graphs: Any = None, devic
         to_host(logits.argmax(-1))
         return time.perf_counter() - t0
 
-    prefill: list[float] = []
     with torch.inference_mode():
         for t in grid.prefill_tokens:
             one_prefill(t)
-            prefill.append(statistics.median(one_prefill(t) for _ in range(grid.repeats)))
+        timed_prefill = [[one_prefill(t) for t in grid.prefill_tokens] for _ in range(grid.repeats)]
+    prefill = [statistics.median(rep[i] for rep in timed_prefill) for i in range(len(grid.prefill_tokens))]
     return CostCurve(device=device_name, model=model, rows=grid.rows, budgets=grid.budgets, kv_lens=grid.kv_lens,
                      seconds=tuple(seconds), repeats=grid.repeats, measure_seconds=time.perf_counter() - began,
                      prefill_tokens=grid.prefill_tokens, prefill_seconds=tuple(prefill))
