@@ -1,24 +1,26 @@
 """Exact mode's effect and price on the Qwen3-8B stand-in (issue 27): greedy outputs identical to AR at C=1, tok/s.
 
-For the default engine and the exact-mode engine (``EngineConfig.exact``) in turn, bf16, 256 new tokens, greedy:
+Two engines side by side on the same models (the default engine and ``EngineConfig.exact``), bf16, 256 new tokens,
+greedy, and each cell run on both in turn (exact first), so a time-boxed run leaves both modes' numbers for the same
+cells:
 
-- identity: AR at C=1 is the reference; every cell (AR at C=64, the DFlash chain and DDTree at budgets 4-63 at
-  C=1, 8, 64) runs the reference prompts among its own, and the fraction of those whose tokens equal AR's is
-  reported;
-- price: tok/s (completion tokens over the cell's wall time, prefill included) and decode tok/s of AR, the chain and
-  the best DDTree budget at C=1 (1k and 4k context) and C=64 (1k), default against exact.
+- identity: AR at C=1 (1k context) is each mode's reference; every other 1k cell (AR at C=64, the DFlash chain and
+  DDTree at budgets 4-63 at C=1, 8 and 64) runs the reference prompts first among its own, and the count of those
+  whose tokens equal the reference's is reported (4k cells: against AR at C=1 at 4k);
+- price: tok/s (completion tokens over the cell's wall time, prefill included), decode tok/s and round time.
 
-Every cell is run once to warm up (graph capture, Triton compiles) and once timed. Time-boxed: cells run in
-priority order and those that would not fit are recorded as skipped. Writes ``OUT/exact_mode.json``; prints a table.
+Every cell is warmed up once on the same engine (graph capture and Triton compiles out of the timed run: one prompt
+of 32 tokens at C=1, C prompts of 256 tokens otherwise; the engines start with ``warmup="none"``), then timed. Cells
+run in priority order; one that would start past the time budget is recorded as skipped. The 4k cells run on a
+second pair of one-slot engines. Writes ``OUT/exact_mode.json`` after every cell; prints a table.
 
-    python benchmarks/exact_mode.py --out $OUT                                        # H200, the stand-in
+    python benchmarks/exact_mode.py --out $OUT --time-budget 330                    # H200, the stand-in
     python benchmarks/exact_mode.py --out /tmp/x --shape none --device cpu --quick   # a dry run on a CPU
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import time
 from pathlib import Path
@@ -29,59 +31,89 @@ from ddtree.engine import Engine, EngineConfig, TreeSettings
 from ddtree.lab.bench.inprocess import run_cell, synchronize
 from ddtree.lab.bench.workload import held_out_token_stream, prompts_for
 
-C1_BUDGETS = (4, 8, 16, 32, 63)
-C8_BUDGETS = (4, 16, 63)
-C64_BUDGETS = (4, 8, 16)
+MODES = ("exact", "default")
 
 
 def _tree(method: str, budget: int = 0) -> TreeSettings:
     return TreeSettings(method=method, budget=budget) if method == "ddtree" else TreeSettings(method=method)
 
 
-def plan(quick: bool, refs: int) -> list[tuple[str, int, int, int, int]]:
-    """Cells in priority order: (method, budget, concurrency, context, prompts)."""
+def plan(quick: bool) -> list[tuple[str, int, int, int, dict[str, int]]]:
+    """Cells in priority order: (method, budget, concurrency, context, prompts per mode)."""
     if quick:
-        return [("ar", 0, 1, 1024, refs), ("dflash", 0, 1, 1024, refs), ("ddtree", 16, 1, 1024, refs),
-                ("ddtree", 16, 8, 1024, 8)]
-    cells = [("ar", 0, 1, 1024, refs), ("dflash", 0, 1, 1024, refs)]
-    cells += [("ddtree", b, 1, 1024, refs) for b in C1_BUDGETS]
-    cells += [("ar", 0, 64, 1024, 64), ("dflash", 0, 64, 1024, 64)]
-    cells += [("ddtree", b, 64, 1024, 64) for b in C64_BUDGETS]
-    cells += [("ar", 0, 1, 4096, 2), ("dflash", 0, 1, 4096, 2), ("ddtree", 32, 1, 4096, 2)]
-    cells += [("dflash", 0, 8, 1024, 16)] + [("ddtree", b, 8, 1024, 16) for b in C8_BUDGETS]
-    return cells
+        both = {"exact": 3, "default": 3}
+        return [("ar", 0, 1, 1024, both), ("dflash", 0, 1, 1024, both), ("ddtree", 16, 1, 1024, both),
+                ("ddtree", 8, 4, 1024, {"exact": 4, "default": 4}), ("ar", 0, 1, 4096, {"exact": 1, "default": 1})]
+    c1 = {"exact": 32, "default": 32}
+    c64 = {"exact": 64, "default": 64}
+    c4k = {"exact": 4, "default": 4}
+    return [
+        ("ar", 0, 1, 1024, {"exact": 32, "default": 8}),  # the references (default's identity on its first 8)
+        ("dflash", 0, 1, 1024, c1), ("ddtree", 16, 1, 1024, c1),
+        ("ar", 0, 64, 1024, c64), ("dflash", 0, 64, 1024, c64), ("ddtree", 8, 64, 1024, c64),
+        ("ddtree", 63, 1, 1024, c1),
+        ("ar", 0, 1, 4096, c4k), ("dflash", 0, 1, 4096, c4k), ("ddtree", 32, 1, 4096, c4k),
+        ("ddtree", 4, 64, 1024, c64),
+        ("dflash", 0, 8, 1024, c1), ("ddtree", 4, 8, 1024, c1), ("ddtree", 16, 8, 1024, c1), ("ddtree", 63, 8, 1024, c1),
+        ("ddtree", 16, 64, 1024, c64), ("ddtree", 4, 1, 1024, c1), ("ddtree", 32, 1, 1024, c1),
+    ]
 
 
-def run_mode(name: str, engine, stream, cells, new_tokens: int, deadline: float, report: dict, out: Path) -> None:
-    ref: dict[int, list[int]] = {}  # AR at C=1 per prompt index (1k context)
-    for method, budget, conc, ctx, count in cells:
-        key = {"mode": name, "method": method, "budget": budget, "concurrency": conc, "context": ctx}
-        if time.perf_counter() > deadline:
-            report["skipped"].append(key)
-            continue
-        prompts = prompts_for(stream, ctx, 64, salt=ctx)[:count]  # the same first prompts in every cell
-        tree = _tree(method, budget)
-        warm = prompts[:conc] if conc > 1 else prompts[:1]
-        run_cell(engine, warm, tree, new_tokens, concurrency=conc)
-        res = run_cell(engine, prompts, tree, new_tokens, concurrency=conc)
-        if method == "ar" and conc == 1 and ctx == 1024:
-            ref = dict(enumerate(res["tokens"]))
-        same = [res["tokens"][i] == ref[i] for i in range(len(prompts)) if i in ref and ctx == 1024]
-        row = {**key, "prompts": count, "tok_s": res["tok_s"], "decode_tok_s": res["decode_tok_s"],
-               "accept_length": res["accept_length"], "round_ms": res["round_ms"], "wall_s": res["wall_s"],
-               "identical_to_ar_c1": sum(same), "compared": len(same), "errors": res["errors"][:3]}
-        report["cells"].append(row)
-        print(json.dumps(row), flush=True)
-        out.write_text(json.dumps(report, indent=1))
+def run_cells(engines: dict, stream, cells, new_tokens: int, deadline: float, report: dict, out: Path) -> None:
+    refs: dict[tuple[str, int], dict[int, list[int]]] = {}  # (mode, context) -> AR at C=1 per prompt index
+    for method, budget, conc, ctx, counts in cells:
+        for mode in MODES:
+            key = {"mode": mode, "method": method, "budget": budget, "concurrency": conc, "context": ctx}
+            engine = engines.get((mode, ctx > 1024))
+            if engine is None or time.perf_counter() > deadline:
+                report["skipped"].append(key)
+                continue
+            count = counts[mode]
+            prompts = prompts_for(stream, ctx, 64, salt=ctx)[:count]  # the same first prompts in every cell
+            tree = _tree(method, budget)
+            try:
+                if conc == 1:
+                    run_cell(engine, prompts[:1], tree, min(32, new_tokens), concurrency=1)
+                else:
+                    run_cell(engine, prompts[:conc], tree, new_tokens, concurrency=conc)
+                res = run_cell(engine, prompts, tree, new_tokens, concurrency=conc)
+            except Exception as exc:  # a failing cell is recorded; the others still run
+                report["cell_errors"].append({**key, "error": f"{type(exc).__name__}: {exc}"[:1000]})
+                print(f"cell {key} failed: {exc}", flush=True)
+                continue
+            if method == "ar" and conc == 1:
+                refs[(mode, ctx)] = dict(enumerate(res["tokens"]))
+            ref = refs.get((mode, ctx), {})
+            same = [res["tokens"][i] == ref[i] for i in range(len(prompts)) if i in ref]
+            first_diff = [i for i in range(len(prompts)) if i in ref and res["tokens"][i] != ref[i]][:5]
+            row = {**key, "prompts": count, "tok_s": res["tok_s"], "decode_tok_s": res["decode_tok_s"],
+                   "accept_length": res["accept_length"], "round_ms": res["round_ms"], "wall_s": res["wall_s"],
+                   "identical_to_ar_c1": sum(same), "compared": len(same), "differing_prompts": first_diff,
+                   "errors": res["errors"][:3]}
+            report["cells"].append(row)
+            print(json.dumps(row), flush=True)
+            out.write_text(json.dumps(report, indent=1))
 
 
 def table(report: dict) -> str:
-    lines = ["| mode | method | budget | C | ctx | tok/s | decode tok/s | accept | identical to AR C=1 |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    by = {(r["method"], r["budget"], r["concurrency"], r["context"], r["mode"]): r for r in report["cells"]}
+    lines = ["| cell | default tok/s | round ms | =AR | exact tok/s | round ms | =AR | exact / default |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    seen = []
     for r in report["cells"]:
-        lines.append(f"| {r['mode']} | {r['method']} | {r['budget']} | {r['concurrency']} | {r['context']} | "
-                     f"{r['tok_s']:.1f} | {r['decode_tok_s']:.1f} | {r['accept_length']:.2f} | "
-                     f"{r['identical_to_ar_c1']}/{r['compared']} |")
+        cell = (r["method"], r["budget"], r["concurrency"], r["context"])
+        if cell in seen:
+            continue
+        seen.append(cell)
+        d, e = by.get((*cell, "default")), by.get((*cell, "exact"))
+        name = f"{cell[0]}{' ' + str(cell[1]) if cell[1] else ''}, C={cell[2]}, {cell[3] // 1024}k"
+
+        def part(x):
+            return (f"{x['tok_s']:.0f} | {x['round_ms']:.2f} | {x['identical_to_ar_c1']}/{x['compared']}" if x
+                    else "- | - | -")
+
+        ratio = f"{100 * e['tok_s'] / d['tok_s']:.0f} %" if d and e else "-"
+        lines.append(f"| {name} | {part(d)} | {part(e)} | {ratio} |")
     return "\n".join(lines)
 
 
@@ -91,9 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shape", default="qwen3-8b", help="stand-in shape, or 'none' for the demo pair as is")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--refs", type=int, default=4, help="prompts of the C=1 cells (AR at C=1 is the reference)")
-    ap.add_argument("--modes", default="exact,default")
-    ap.add_argument("--time-budget", type=float, default=300.0, help="seconds for the cells of all modes")
+    ap.add_argument("--time-budget", type=float, default=330.0, help="seconds from start after which no cell starts")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
     out_dir = Path(args.out)
@@ -110,30 +140,32 @@ def main(argv: list[str] | None = None) -> None:
     target, drafter, tokenizer_dir = load_demo_benchmark_pair(args.shape, device, dtype)
     tokenizer = load_tokenizer(tokenizer_dir)
     synchronize(device)
-    cells = plan(args.quick, args.refs)
+    cells = plan(args.quick)
     stream = held_out_token_stream(tokenizer, 4096 * 2 + 4096)
     report = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
-              "shape": args.shape, "new_tokens": args.new_tokens, "dtype": str(dtype), "cells": [], "skipped": []}
-    modes = args.modes.split(",")
-    max_len = max(c[3] for c in cells) + args.new_tokens + 16
-    per_mode = args.time_budget / len(modes)
-    for i, mode in enumerate(modes):
-        config = EngineConfig(max_batch=max(c[2] for c in cells), max_len=max_len, max_budget=64, max_queue=4096,
-                              exact=mode == "exact")
-        engine = None
-        try:  # a mode that fails is recorded, and the other still runs
-            engine = Engine(target, drafter, tokenizer, config, model_name=f"standin-{args.shape}-{mode}")
-            engine.start()
-            run_mode(mode, engine, stream, cells, args.new_tokens, t0 + per_mode * (i + 1), report, out)
-        except Exception as exc:
-            report.setdefault("mode_errors", {})[mode] = f"{type(exc).__name__}: {exc}"[:2000]
-            print(f"mode {mode} failed: {exc}", flush=True)
-        if engine is not None:
-            engine.shutdown(drain_timeout=0)
-        del engine
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
+              "shape": args.shape, "new_tokens": args.new_tokens, "dtype": str(dtype), "cells": [], "skipped": [],
+              "cell_errors": [], "engines": {}}
+    engines: dict[tuple[str, bool], Engine] = {}
+    short = [c for c in cells if c[3] <= 1024]
+    for mode in MODES:
+        for long in (False, True):
+            group = [c for c in cells if (c[3] > 1024) == long] or short
+            config = EngineConfig(max_batch=max(c[2] for c in group), max_len=max(c[3] for c in group) + args.new_tokens
+                                  + 16, max_budget=64, max_queue=4096, exact=mode == "exact", warmup="none")
+            t = time.perf_counter()
+            try:  # a mode that fails to build is recorded, and the other still runs
+                engine = Engine(target, drafter, tokenizer, config, model_name=f"standin-{args.shape}-{mode}")
+                engine.start()
+                engines[(mode, long)] = engine
+                report["engines"][f"{mode}{'-4k' if long else ''}"] = {"build_s": time.perf_counter() - t,
+                                                                        "exact": engine.info()["exact"]}
+            except Exception as exc:
+                report["engines"][f"{mode}{'-4k' if long else ''}"] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+                print(f"engine {mode} failed: {exc}", flush=True)
+    print(json.dumps(report["engines"]), flush=True)
+    run_cells(engines, stream, cells, args.new_tokens, t0 + args.time_budget, report, out)
+    for engine in engines.values():
+        engine.shutdown(drain_timeout=0)
     report["total_s"] = time.perf_counter() - t0
     out.write_text(json.dumps(report, indent=1))
     print(table(report))
