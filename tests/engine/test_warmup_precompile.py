@@ -1,5 +1,6 @@
 """The warm-up's precompilation worker (ddtree.engine.precompile.compile_spec): a variant it compiles from Triton's
-own specialisation data is what a later ``triton.compile`` of the same source finds in the on-disk cache.
+own specialisation data is what a later ``triton.compile`` of the same source finds in the on-disk cache, and
+``on_disk`` tells before and after.
 
 No GPU needed: Triton compiles for an explicit H100/H200 target (sm_90) without a device. The device-side half
 (the binder's specialisation data, the warm-up's disk hits) is measured on the H200 (docs/benchmarks.md,
@@ -40,7 +41,12 @@ SCRIPT = textwrap.dedent("""
     extra = {"target": target} if "target" in inspect.signature(serialize_specialization_data).parameters else {}
     data = serialize_specialization_data("ddtree.models.tree_attention._write_kv_kernel", sig, {head_dim: 128},
                                          attrs, options, "key", **extra)
-    compile_spec("ddtree.models.tree_attention", "_write_kv_kernel", data, target)
+    from ddtree.engine.precompile import on_disk
+
+    spec = ("ddtree.models.tree_attention", "_write_kv_kernel", data)
+    print("before", on_disk(*spec, target))
+    compile_spec(*spec, target)
+    print("after", on_disk(*spec, target))
     hits = []
     knobs.compilation.listener = lambda **kw: hits.append(kw["cache_hit"])
     triton.compile(ASTSource(fn, sig, {head_dim: 128}, attrs), target=target, options=options.__dict__)
@@ -59,4 +65,5 @@ def test_worker_compiles_into_the_disk_cache_under_the_jit_key(tmp_path):
         pytest.skip("Triton without its CUDA backend")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "hits [True, False]" in proc.stdout, proc.stdout
+    assert "before False" in proc.stdout and "after True" in proc.stdout, proc.stdout  # the disk lookup
     assert any(tmp_path.iterdir())  # the worker stored its variant on disk

@@ -74,17 +74,15 @@ def collect(calls: Iterable[AttentionCall], caches: dict, dtype) -> list[Spec]:
     return list(found.values())
 
 
-def compile_spec(module: str, name: str, data: str, target) -> float:
-    """Compile one variant into Triton's on-disk cache (a worker's job): ``JITFunction.preload``'s reading of
-    ``data`` (Triton 3.6), then ``triton.compile`` for ``target`` instead of the current device. Returns seconds."""
+def _source(module: str, name: str, data: str, target):
+    """``JITFunction.preload``'s reading of Triton's specialisation ``data`` (Triton 3.6) -> (ASTSource, options
+    dict) for ``target``: what ``triton.compile`` takes, and what its cache key is made of."""
     import importlib
     import json
 
-    import triton
     import triton.language as tl
     from triton.compiler import ASTSource, make_backend
 
-    t0 = time.perf_counter()
     fn = getattr(importlib.import_module(module), name)
     obj = json.loads(data)
     constexprs = {}
@@ -98,22 +96,59 @@ def compile_spec(module: str, name: str, data: str, target) -> float:
     signature = {k: tuple(v) if isinstance(v, list) else v for k, v in obj["signature"].items()}
     options = {k: tuple(v) if isinstance(v, list) else v for k, v in obj["options"].items()}
     options = make_backend(target).parse_options(options)
-    triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    return ASTSource(fn, signature, constexprs, attrs), options.__dict__
+
+
+def compile_spec(module: str, name: str, data: str, target) -> float:
+    """Compile one variant into Triton's on-disk cache (a worker's job): ``triton.compile`` for ``target`` instead
+    of the current device. Returns seconds."""
+    import triton
+
+    t0 = time.perf_counter()
+    src, options = _source(module, name, data, target)
+    triton.compile(src, target=target, options=options)
     return time.perf_counter() - t0
+
+
+def on_disk(module: str, name: str, data: str, target) -> bool:
+    """Whether Triton's on-disk cache holds the variant already (the lookup ``triton.compile`` starts with: its
+    cache key, then the kernel's metadata file in that key's group), so that a warm cache spawns no workers (on the
+    H200 the 15 workers took 6.8 s to find all 43 variants on disk)."""
+    import hashlib
+
+    from triton import knobs
+    from triton.compiler import get_cache_key, make_backend
+    from triton.runtime.cache import get_cache_manager
+
+    if knobs.compilation.always_compile:
+        return False
+    src, options = _source(module, name, data, target)
+    backend = make_backend(target)
+    key = get_cache_key(src, backend, backend.parse_options(options), env_vars=_env_vars())
+    group = get_cache_manager(hashlib.sha256(key.encode("utf-8")).hexdigest()).get_group(f"{src.name[:150]}.json")
+    return bool(group) and f"{src.name[:150]}.json" in group
+
+
+def _env_vars() -> dict:
+    from triton.compiler.compiler import get_cache_invalidating_env_vars
+
+    return get_cache_invalidating_env_vars()
 
 
 @dataclass
 class Precompiled:
-    """What a precompilation did: variants found, compiled by the workers, failed; wall seconds; workers."""
+    """What a precompilation did: variants found, already on disk, compiled by the workers, failed; wall seconds;
+    workers."""
 
     variants: int = 0
+    on_disk: int = 0
     compiled: int = 0
     failed: int = 0
     seconds: float = 0.0
     workers: int = 0
 
     def info(self) -> dict:
-        return {"variants": self.variants, "compiled": self.compiled, "failed": self.failed,
+        return {"variants": self.variants, "on_disk": self.on_disk, "compiled": self.compiled, "failed": self.failed,
                 "seconds": round(self.seconds, 3), "workers": self.workers}
 
 
@@ -127,9 +162,20 @@ def precompile(collect_specs: Callable[[], list[Spec]], *, workers: int | None =
 
         specs = collect_specs()
         out.variants = len(specs)
-        if not specs:
-            return out
         target = driver.active.get_current_target()
+        missing = []
+        for spec in specs:
+            try:
+                found = on_disk(*spec, target)
+            except Exception:  # a lookup that fails only means the worker looks again
+                found = False
+            if not found:
+                missing.append(spec)
+        out.on_disk = len(specs) - len(missing)
+        specs = missing
+        if not specs:
+            out.seconds = time.perf_counter() - t0
+            return out
         out.workers = min(len(specs), workers or max(1, min(16, (os.cpu_count() or 2) - 1)))
         with ProcessPoolExecutor(out.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
             futures = [pool.submit(compile_spec, *spec, target) for spec in specs]
@@ -143,8 +189,8 @@ def precompile(collect_specs: Callable[[], list[Spec]], *, workers: int | None =
     except Exception as exc:
         log.warning("tree-attention precompilation skipped (%s: %s)", type(exc).__name__, exc)
     out.seconds = time.perf_counter() - t0
-    log.info("precompiled %d of %d tree-attention variants in %d processes, %.1f s", out.compiled, out.variants,
-             out.workers, out.seconds)
+    log.info("precompiled %d of %d tree-attention variants in %d processes (%d on disk already), %.1f s",
+             out.compiled, out.variants, out.workers, out.on_disk, out.seconds)
     return out
 
 

@@ -405,6 +405,12 @@ class Warmup:
         self.state = "running"
         self.listening = self.compiles.install()
         before = (self.compiles.compiled, self.compiles.disk_hits)
+        if free_bytes is not None:
+            # Each capture empties torch's cache (torch.cuda.graph does), so blocks cached before the run would
+            # leave it and make the reserved delta negative (-4.1 GiB on the H200 run of 2026-12-01b): start empty.
+            import torch
+
+            torch.cuda.empty_cache()
         free0 = free_bytes() if free_bytes is not None else None
         torch0 = _torch_memory(self.device) if free0 is not None else None
         if free0 is not None and self.dims is not None:
