@@ -492,7 +492,8 @@ class Scheduler:
                 lambda r, b, k: auto_budget.time_round(run, scratch=scratch, block_size=block, rows=r, budget=b,
                                                        kv_len=k),
                 device=str(self.device), model=self.model_name, rows=rows, budgets=self._auto_candidates, kv_lens=kv)
-            log.warning("budget auto: cost curve measured in %.1f s", self.cost_curve.measure_seconds)
+            log.warning("budget auto: cost curve measured in %.1f s: %s", self.cost_curve.measure_seconds,
+                        self.cost_curve.to_json())
         return self.cost_curve
 
     def _collect_guarded(self, flight: _Flight) -> list[RowResult]:
