@@ -248,3 +248,9 @@ def test_auto_uses_the_cost_curve_the_engine_config_names(tiny_engine_factory, t
                                                  sampling=SamplingParams(max_tokens=8, ignore_eos=True))])[0]
     assert out.stats.auto_budgets and "no cost curve" not in caplog.text
     assert engine.prepare_auto().seconds == hand_curve(8, 1e-4).seconds
+
+
+def test_rising_costs_by_hand():
+    cost = {1: 0.02, 3: 0.01, 7: 0.03, 15: 0.025}.__getitem__  # a noisy curve: b3 "cheaper" than b1
+    up = ab.rising(cost, (1, 3, 7, 15))
+    assert [up(b) for b in (1, 3, 7, 15)] == [0.02, 0.02, 0.03, 0.03]

@@ -29,7 +29,8 @@ fewer nodes than the round verifies: every auto row takes the round's whole budg
 ``floor``: the largest budget of a fixed row (its tree, or a chain's depth, sets the round's width anyway);
 ``cap_i``: a fixed row's own budget (its ``E`` stops growing there), none for auto rows; ``E_i`` beyond the sizes a
 row has reported is held at its last value (a lower bound: ``E`` never decreases), so unexplored sizes are never
-favoured. ``T`` is the cost curve (:mod:`ddtree.engine.cost_curve`). Worked example: one auto row with
+favoured. ``T`` is the cost curve (:mod:`ddtree.engine.cost_curve`), made non-decreasing in the budget
+(:func:`rising`: a noisy curve must not make a larger tree look cheaper). Worked example: one auto row with
 ``E = (1.8, 2.4, 2.6)`` at b1, b3, b7 (so 1 + p1 = 1.8, ...) and ``T = 10, 12, 20`` ms: 180, 200, 130 tokens/s: b3.
 
 Smoothing: a row's reported curve is averaged with its previous one (weight :data:`SMOOTHING` on the newest), over
@@ -104,6 +105,16 @@ def options(cands: Sequence[int], floor: int) -> tuple[int, ...]:
 def objective(rows: Sequence[RowCurve], budget: int, cost: Callable[[int], float]) -> float:
     """Expected committed tokens per second of the round at ``budget``."""
     return sum(r.expected(budget) for r in rows) / cost(budget)
+
+
+def rising(cost: Callable[[int], float], opts: Sequence[int]) -> Callable[[int], float]:
+    """``cost`` over ``opts`` made non-decreasing in the budget (each value the largest at or below it): a bigger tree
+    never costs less, so a curve measured with noise (a busy CPU) cannot make a larger size look cheaper."""
+    out, top = {}, 0.0
+    for b in sorted(opts):
+        top = max(top, cost(b))
+        out[b] = top
+    return out.__getitem__
 
 
 def choose_budget(rows: Sequence[RowCurve], opts: Sequence[int], cost: Callable[[int], float], *,
@@ -185,5 +196,6 @@ def grid_kv_lens(cache_len: int) -> tuple[int, ...]:
 
 
 __all__ = ["AUTO", "MARGIN", "SMOOTHING", "RowCurve", "candidates", "choose_budget", "curve_width", "grid_kv_lens",
-           "grid_rows", "initial_budget", "mean_curve", "measure_cost_curve", "objective", "options", "smoothed",
+           "grid_rows", "initial_budget", "mean_curve", "measure_cost_curve", "objective", "options", "rising",
+           "smoothed",
            "time_round"]

@@ -450,7 +450,7 @@ class Scheduler:
         n = bucket_rows(len(states), self.config.max_batch) if self.graphs is not None else len(states)
         reach = max(s.root_position + len(pending.get(s.request_id, ())) for s in states)
         return auto_budget.choose_budget(
-            rows, opts, lambda b: curve.round_seconds(n, b, reach + b + 1),
+            rows, opts, auto_budget.rising(lambda b: curve.round_seconds(n, b, reach + b + 1), opts),
             previous=self._auto_previous, margin=auto_budget.MARGIN)
 
     def prepare_auto(self, timeout: float | None = None) -> CostCurve:
