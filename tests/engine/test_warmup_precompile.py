@@ -67,3 +67,14 @@ def test_worker_compiles_into_the_disk_cache_under_the_jit_key(tmp_path):
     assert "hits [True, False]" in proc.stdout, proc.stdout
     assert "before False" in proc.stdout and "after True" in proc.stdout, proc.stdout  # the disk lookup
     assert any(tmp_path.iterdir())  # the worker stored its variant on disk
+
+
+def test_a_failing_precompilation_is_logged_and_never_raises(caplog):
+    from ddtree.engine.precompile import precompile
+
+    def broken() -> list:
+        raise RuntimeError("binder refused")
+
+    out = precompile(broken)
+    assert out.compiled == out.variants == out.workers == 0
+    assert "precompilation skipped (RuntimeError: binder refused)" in caplog.text

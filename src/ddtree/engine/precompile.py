@@ -153,8 +153,9 @@ class Precompiled:
 
 
 def precompile(collect_specs: Callable[[], list[Spec]], *, workers: int | None = None) -> Precompiled:
-    """Collect the specs, compile them in ``workers`` spawned processes (default: the CPUs less one, at most 16)
-    and wait for them. Never raises: a failure is logged and leaves the variants to the main process."""
+    """Collect the specs, compile those not on disk yet in ``workers`` spawned processes (default: the CPUs this
+    process may run on, less one, at most 16) and wait for them. Never raises: a failure is logged and leaves the
+    variants to the main process."""
     out = Precompiled()
     t0 = time.perf_counter()
     try:
@@ -176,7 +177,8 @@ def precompile(collect_specs: Callable[[], list[Spec]], *, workers: int | None =
         if not specs:
             out.seconds = time.perf_counter() - t0
             return out
-        out.workers = min(len(specs), workers or max(1, min(16, (os.cpu_count() or 2) - 1)))
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+        out.workers = min(len(specs), workers or max(1, min(16, cpus - 1)))
         with ProcessPoolExecutor(out.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
             futures = [pool.submit(compile_spec, *spec, target) for spec in specs]
             for future, spec in zip(futures, specs, strict=True):
