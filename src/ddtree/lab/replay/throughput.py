@@ -165,9 +165,9 @@ def predicted_document(cells: Sequence[CellPrediction], *, curve: CostCurve, cur
     """The JSON ``ddtree replay predict --cost-curve`` writes (``predicted.json`` in a run directory)."""
     return {
         "schema": TOK_S_SCHEMA,
-        "model": ("closed loop; per engine step: prefill chunks of the admitted prompts, then one round of every "
-                  "decoding request at round_seconds(rows, budget, furthest committed length); host work between "
-                  "rounds not modelled (ddtree.lab.replay.throughput)"),
+        "model": ("closed loop; per engine step: one prefill step of at most prefill_chunk prompt tokens, then one "
+                  "round of every decoding request at round_seconds(rows, budget, furthest root position); host "
+                  "work between rounds not modelled (ddtree.lab.replay.throughput)"),
         "prefill_modelled": bool(curve.prefill_tokens),
         "prefill_chunk": prefill_chunk,
         "trace": dict(trace),

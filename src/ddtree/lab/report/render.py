@@ -271,7 +271,7 @@ def predicted_section(results: RunResults, predicted: Predicted) -> Section:
     curve = predicted.curve
     mean = predicted.mean_abs_error_pct()
     text = (f"`ddtree replay predict --run` from one trace and a cost curve measured on {curve.get('device', '?')} "
-            f"for {curve.get('model', '?')}; error = (predicted - measured) / measured"
+            f"for {curve.get('model', '?')} (`{curve.get('path') or '?'}`); error = (predicted - measured) / measured"
             + ("" if mean is None else f", mean |error| {mean:.1f}% over {len(predicted.compared)} cells")
             + ". * = the cost curve was read outside its grid (extrapolated)."
             + ("" if predicted.prefill_modelled else " Prefill time is not modelled (the curve has no prefill points).")
