@@ -476,3 +476,17 @@ def test_prefill_graph_padding_rows_write_only_the_scratch_slot(tiny_pair, monke
             torch.testing.assert_close(got.v[:, slot, :, :n], ref.v[:, slot, :, :n], rtol=1e-5, atol=1e-5)
     for cache, (k, v) in zip((graphed.target_cache, graphed.drafter_cache), before, strict=True):
         assert torch.equal(cache.k[:, 3], k) and torch.equal(cache.v[:, 3], v)
+
+
+def test_start_freezes_what_start_up_made_and_shutdown_unfreezes(tiny_engine_factory):
+    """Engine.start() moves start-up's objects out of the collector's generations (a full collection in the serving
+    loop then walks only what requests allocate); shutdown() hands them back."""
+    import gc
+
+    gc.unfreeze()
+    engine = tiny_engine_factory()
+    assert gc.get_freeze_count() > 0
+    (out,) = engine.generate([_req(max_tokens=4, ignore_eos=True)])
+    assert len(out.token_ids) == 4  # serving still works frozen
+    engine.shutdown(drain_timeout=0)
+    assert gc.get_freeze_count() == 0

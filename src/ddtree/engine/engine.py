@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import itertools
 import threading
 import time
@@ -127,12 +128,18 @@ class Engine(Scheduler):
         warm = GenerationRequest(prompt_token_ids=[self._any_token()],
                                  sampling=SamplingParams(max_tokens=2, ignore_eos=True), request_id="warmup")
         self._run_to_completion([warm], max_in_flight=None, counted=False)
+        # What start-up made (weights' wrappers, captured graphs, Triton's compiled kernels) lives as long as the
+        # engine: move it out of the collector's generations, so a full collection in the serving loop walks only
+        # what requests allocate (vLLM and SGLang freeze after start-up too). Process-wide; shutdown() unfreezes.
+        gc.collect()
+        gc.freeze()
         self._ready = True
 
     def shutdown(self, *, drain_timeout: float = 30.0) -> None:
         """Refuse new work, let in-flight requests finish (cancel what is left after ``drain_timeout``), stop."""
         self._accepting = False
         self._ready = False
+        gc.unfreeze()  # start()'s freeze: what this engine leaves behind is collectable again
         self.parts.warmup.close()
         deadline = time.monotonic() + drain_timeout
         while self._thread is not None and (self._active or self._waiting) and time.monotonic() < deadline:
