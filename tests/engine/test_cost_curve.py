@@ -161,7 +161,7 @@ def test_config_names_a_missing_curve_file(tmp_path):
 def demo_engine():
     from ddtree.engine import Engine
 
-    engine = Engine.from_config(EngineConfig(device="cpu", max_batch=2, max_len=256, max_budget=8, warmup="none"))
+    engine = Engine.from_config(EngineConfig(device="cpu", max_batch=2, max_len=256, max_budget=16, warmup="none"))
     yield engine
     engine.shutdown(drain_timeout=0)
 
@@ -190,11 +190,11 @@ def test_engine_start_measures_caches_and_reports_the_curve(tiny_pair, tiny_toke
     from ddtree.engine import Engine
 
     target, drafter = tiny_pair
-    config = EngineConfig(max_batch=2, max_len=128, max_budget=4, cost_curve="auto", warmup="none")
+    config = EngineConfig(max_batch=2, max_len=128, max_budget=16, cost_curve="auto", warmup="none")
     engine = Engine.from_models(target, drafter, tiny_tokenizer, config, model_name="tiny")
     first = curve_at_start(engine.parts, cache_dir=tmp_path)
     assert first.source == "measured" and Path(first.path).parent == tmp_path
-    assert first.curve.rows == (1, 2) and first.curve.budgets == (0, 3, 4)
+    assert first.curve.rows == (1, 2) and first.curve.budgets == (0, 3, 15, 16)
     assert all(s > 0 for s in first.curve.seconds)
     again = curve_at_start(engine.parts, cache_dir=tmp_path)
     assert again.source == "cache" and again.curve == first.curve
