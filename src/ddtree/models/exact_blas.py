@@ -9,11 +9,14 @@ That is a property of the device, the library version and the shape, not a promi
 start for every row count the engine can run (:func:`check_row_invariance`), and only the weights that pass go to
 cuBLAS; the rest stay on the Triton kernel.
 
-The check: ``D`` distinct random rows computed one at a time (``F.linear`` of one row, as a single decode step of
-one request computes them) are the reference; for every row count M, ``F.linear`` of M rows (row i a copy of
-reference row ``i mod D``) must equal the references bit for bit at every position. Kernel choice depends on the
-shapes (and bias, dtype, layout), not on the values, so random data stands for the real activations; a shape that
-changes its reduction at some M shows it on random rows at once.
+The check: a random weight of the shape (and a random bias where the layer has one) and ``D`` distinct random
+rows computed one at a time (``F.linear`` of one row, as a single decode step of one request computes them) are the
+reference; for every row count M, ``F.linear`` of M rows (row i a copy of reference row ``i mod D``) must equal the
+references bit for bit at every position. Kernel choice depends on the shapes (and bias, dtype, layout), not on the
+values, so the result holds for every weight of that shape; random values are what make a changed reduction show.
+Not the model's own weights: where those are structured, a changed reduction can leave the bits alone by accident
+(the Qwen3-8B stand-in's zero-padded o_proj and down passed with its layer 0's weights, 2026-12-01), which says
+nothing about the next weight of that shape.
 """
 
 from __future__ import annotations
@@ -62,9 +65,9 @@ class BlasCheck:
 def check_row_invariance(weights: Mapping[str, tuple[Tensor, Tensor | None]], row_counts: Iterable[int], *,
                          distinct_rows: int = DISTINCT_ROWS, seed: int = 0,
                          matmul: Callable[..., Tensor] = F.linear) -> BlasCheck:
-    """Check ``matmul`` (``F.linear``, what exact mode then calls) for each named (weight [N, K], bias [N] or None)
-    at every row count in ``row_counts`` against its rows computed alone (module docstring). A weight stops at its
-    first failing row count."""
+    """Check ``matmul`` (``F.linear``, what exact mode then calls) for the shape of each named (weight [N, K], bias
+    [N] or None; their shapes, dtype and device are used, with random values) at every row count in ``row_counts``
+    against its rows computed alone (module docstring). A weight stops at its first failing row count."""
     counts = sorted({int(m) for m in row_counts if m > 0})
     t0 = time.perf_counter()
     first: dict[str, int | None] = {}
@@ -73,9 +76,11 @@ def check_row_invariance(weights: Mapping[str, tuple[Tensor, Tensor | None]], ro
         raise ValueError("check_row_invariance needs at least one row count")
     max_rows = counts[-1]
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    for name, (w, b) in weights.items():
-        n, k = w.shape
+    for name, (weight, bias) in weights.items():
+        n, k = weight.shape
         shapes[name] = (n, k)
+        w = (torch.randn(n, k, generator=gen) * k**-0.5).to(device=weight.device, dtype=weight.dtype)
+        b = None if bias is None else torch.randn(n, generator=gen).to(device=bias.device, dtype=bias.dtype)
         d = min(distinct_rows, max_rows)
         base = torch.randn(d, k, generator=gen).to(device=w.device, dtype=w.dtype)
         alone = torch.cat([matmul(base[i:i + 1], w, b) for i in range(d)])  # [D, N]
