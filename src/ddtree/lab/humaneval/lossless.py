@@ -15,7 +15,8 @@ which is about outputs.
     {"baseline", "compared", "identical", "near_tie", "real", "verdict", "near_tie_margin",
      "differing_tasks": [task_id], "divergences": [{"task_id", "kind", "position", "baseline_token",
      "other_token", "baseline_logprob", "other_logprob", "gap", "margin", "reason", "baseline_next", "other_next", "drift", "drift_position"}],
-     "drifting": [{"task_id", "drift", "position"}]}
+     "drifting": [{"task_id", "drift", "position"}], "exact": bool (both runs from our engine in exact mode: every
+     difference is real)}
 
 Schema ``/1`` results (no token traces, no classification) are still read as baselines: their differing tasks are
 then real divergences ("no token trace"), since nothing shows them to be ties.
@@ -23,6 +24,7 @@ then real divergences ("no token trace"), since nothing shows them to be ties.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Mapping
@@ -74,10 +76,13 @@ def divergence_of(task: Mapping[str, Any], base: Mapping[str, Any], margin: floa
 
 
 def compare_with_baseline(result: Mapping[str, Any], baseline: Path, *,
-                          near_tie_margin: float = DEFAULT_NEAR_TIE_MARGIN) -> dict[str, Any]:
+                          near_tie_margin: float = DEFAULT_NEAR_TIE_MARGIN, exact: bool = False) -> dict[str, Any]:
     """The ``lossless`` object of ``result`` against a baseline run's result JSON (see the module docstring).
 
-    A task missing from the baseline is not compared; one that errored in either run is a real divergence."""
+    A task missing from the baseline is not compared; one that errored in either run is a real divergence.
+    ``exact``: both runs came from our engine in exact mode (``EngineConfig.exact``), whose speculative outputs are
+    bit-identical to AR's by construction, so every difference is real, a near-tie too (it is still classified,
+    and its reason says what the classifier alone would have called it)."""
     margin = check_margin(near_tie_margin)
     try:
         data = json.loads(Path(baseline).read_text())
@@ -105,6 +110,9 @@ def compare_with_baseline(result: Mapping[str, Any], baseline: Path, *,
                             drift[1], drift[0], margin)
             continue
         differing.append(task["task_id"])
+        if exact and div.kind != "real":
+            div = dataclasses.replace(div, kind="real", reason=f"exact mode: any difference from AR is a bug (the "
+                                      f"classifier alone: a near-tie, {div.reason or 'within the margin'})")
         divergences.append({"task_id": task["task_id"], **div.to_json()})
         if div.kind == "real":
             log.warning("%s", div.warning(task["task_id"]))
@@ -113,7 +121,7 @@ def compare_with_baseline(result: Mapping[str, Any], baseline: Path, *,
     verdict = "failed" if real else ("near_ties" if near else "identical")
     return {"baseline": str(baseline), "identical": identical, "compared": compared, "near_tie": near, "real": real,
             "verdict": verdict, "near_tie_margin": margin, "differing_tasks": differing, "divergences": divergences,
-            "drifting": drifting}
+            "drifting": drifting, "exact": exact}
 
 
 def _identical_drift(task: Mapping[str, Any], base: Mapping[str, Any]) -> tuple[float, int] | None:

@@ -88,13 +88,20 @@ def run_bench_cell(
 
 def run_gate(
     target: SweepTarget, endpoint: Endpoint, config: SweepConfig, tasks: tuple[str, ...], baseline: Path | None,
-    *, near_tie_margin: float | None = None,
+    *, near_tie_margin: float | None = None, exact: bool = False,
 ) -> dict[str, Any]:
     """The coding gate through ``run_humaneval``; greedy, compared with AR's outputs when ``baseline`` is given,
     each differing output classified (near-tie within ``near_tie_margin`` nats, default
-    :data:`~ddtree.lab.humaneval.DEFAULT_NEAR_TIE_MARGIN`, or real divergence)."""
-    from ddtree.lab.humaneval import DEFAULT_NEAR_TIE_MARGIN, run_humaneval
+    :data:`~ddtree.lab.humaneval.DEFAULT_NEAR_TIE_MARGIN`, or real divergence).
 
+    ``exact``: ``endpoint`` is our engine in exact mode; the result says so (``"exact": true``), and against a
+    baseline that was exact too every difference is real (:func:`~ddtree.lab.humaneval.lossless.compare_with_baseline`
+    with ``exact``); against any other baseline the classifier decides as usual."""
+    from ddtree.lab.humaneval import DEFAULT_NEAR_TIE_MARGIN, run_humaneval
+    from ddtree.lab.humaneval.lossless import compare_with_baseline
+    from ddtree.lab.sweep.layout import read_json
+
+    margin = DEFAULT_NEAR_TIE_MARGIN if near_tie_margin is None else near_tie_margin
     result = run_humaneval(
         _bench_target(target, endpoint),
         tasks=list(tasks),
@@ -104,8 +111,11 @@ def run_gate(
         baseline=baseline,
         concurrency=GATE_CONCURRENCY,
         logprobs=GATE_LOGPROBS,
-        near_tie_margin=DEFAULT_NEAR_TIE_MARGIN if near_tie_margin is None else near_tie_margin,
+        near_tie_margin=margin,
     )
+    result["exact"] = exact
+    if exact and baseline is not None and (read_json(baseline) or {}).get("exact") is True:
+        result["lossless"] = compare_with_baseline(result, baseline, near_tie_margin=margin, exact=True)
     errors = int(result.get("errors") or 0)
     if errors:
         failed = [t.get("task_id") for t in result.get("tasks") or [] if t.get("reason", "").startswith("error")]

@@ -42,6 +42,7 @@ def build_config(
     text: str | None = None,
     gate_tasks: str | None = None,
     gate_max_tokens: int | None = None,
+    gate_exact: bool | None = None,
     launch: str | None = None,
     launch_ar: str | None = None,
     launch_dflash: str | None = None,
@@ -77,7 +78,7 @@ def build_config(
         tasks = tuple(t.strip() for t in gate_tasks.split(",") if t.strip())
         changes["gate_tasks"] = () if tasks in ((), ("none",)) else tasks
     changes.update(output_tokens=output_tokens, num_requests=num_requests, repeats=repeats, seed=seed,
-                   gate_max_tokens=gate_max_tokens, prompt_text=text)
+                   gate_max_tokens=gate_max_tokens, gate_exact=gate_exact, prompt_text=text)
     spec = base.launch
     if launch is not None or (spec is not None and any(v is not None for v in (launch_ar, launch_dflash,
                                                                                  launch_timeout, stop_timeout, port))):
@@ -156,6 +157,9 @@ def sweep(
     text: str | None = typer.Option(None, help="Prompt filler: words (English) or code (held-out stdlib Python)."),
     gate_tasks: str | None = typer.Option(None, help="HumanEval task ids for the coding gate, or none to skip it."),
     gate_max_tokens: int | None = typer.Option(None, help="Answer length limit of the coding gate."),
+    gate_exact: bool | None = typer.Option(None, "--gate-exact/--no-gate-exact", help="Run the gate on our in-process "
+                                           "engine in exact mode, where any difference from AR is a bug (default "
+                                           "on); off: the divergence classifier tells near-ties from real ones."),
     url: str | None = typer.Option(None, help="A running ddtree server to sweep (settings per request)."),
     launch: str | None = typer.Option(None, help="Command template started per config, e.g. \"ddtree serve --port {port} --budget {budget}\"."),
     launch_ar: str | None = typer.Option(None, help="Template for the AR baseline (default: --launch)."),
@@ -202,13 +206,14 @@ def sweep(
         raise ConfigError("--engine-args/--engine-opt need --engine sglang|vllm|ddtree with --model")
     slo_limits = parse_slo(slo) if slo else None
     grid_flags = (preset, config, method, budget, topk, block_size, draft_window, dim, contexts, concurrency,
-                  output_tokens, num_requests, repeats, seed, text, gate_tasks, gate_max_tokens, launch, launch_ar,
+                  output_tokens, num_requests, repeats, seed, text, gate_tasks, gate_max_tokens, gate_exact, launch,
+                  launch_ar,
                   launch_dflash, launch_timeout, stop_timeout, port)
     cfg = build_config(
         preset=preset, config_file=config, methods=method, budgets=budget, topks=topk, block_sizes=block_size,
         draft_windows=draft_window, dims=dim, contexts=contexts, concurrency=concurrency,
         output_tokens=output_tokens, num_requests=num_requests, repeats=repeats, seed=seed, text=text,
-        gate_tasks=gate_tasks,
+        gate_tasks=gate_tasks, gate_exact=gate_exact,
         gate_max_tokens=gate_max_tokens, launch=launch, launch_ar=launch_ar, launch_dflash=launch_dflash,
         launch_timeout=launch_timeout, stop_timeout=stop_timeout, port=port, profile=profile,
     )

@@ -170,6 +170,10 @@ class SweepConfig:
     warmup: bool = True
     gate_tasks: tuple[str, ...] | None = None  # HumanEval task ids; None = the bench's GATE_TASKS; () = no gate
     gate_max_tokens: int = 512
+    # The gate runs our own in-process engine in exact mode (EngineConfig.exact): AR and every speculative config
+    # bit-identical by construction, so any difference is a real bug. False: the sweep's engine as it is, and the
+    # divergence classifier tells near-ties from real divergences (as it always does for other engines).
+    gate_exact: bool = True
     launch: LaunchSpec | None = None
     profile: EngineProfile | None = None  # --engine sglang|vllm|ddtree --model M: flags rendered per config
 
@@ -215,7 +219,9 @@ class SweepConfig:
             kwargs["gate_tasks"] = gate.pop("tasks")
         if "max_tokens" in gate:
             kwargs["gate_max_tokens"] = gate.pop("max_tokens")
-        _no_leftovers("gate", gate, ["tasks", "max_tokens"])
+        if "exact" in gate:
+            kwargs["gate_exact"] = gate.pop("exact")
+        _no_leftovers("gate", gate, ["tasks", "max_tokens", "exact"])
         launch = dict(_section(data, "launch"))
         if launch:
             known = [f.name for f in dataclasses.fields(LaunchSpec)]
@@ -338,6 +344,8 @@ class SweepConfig:
         _check_ints("repeats", (self.repeats,), 1)
         _check_ints("seed", (self.seed,), 0)
         _check_ints("gate_max_tokens", (self.gate_max_tokens,), 1)
+        if not isinstance(self.gate_exact, bool):
+            raise ConfigError(f"gate exact must be true or false, got {self.gate_exact!r}")
         if self.num_requests is not None:
             _check_ints("num_requests", (self.num_requests,), 1)
         if self.prompt_text not in ("words", "code"):

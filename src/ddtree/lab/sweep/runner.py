@@ -93,6 +93,8 @@ class _InProcessBackend:
         self._engine = engine
         self._owns_engine = engine is None
         self._server: Any = None
+        self._gate_engine: Any = None  # exact mode's engine for the gate, on the sweep engine's models
+        self._gate_server: Any = None
         self.load_s: float | None = None
 
     def _ensure(self) -> None:
@@ -131,7 +133,41 @@ class _InProcessBackend:
             tokenizer=self._engine.tokenizer,
         )
 
+    def gate_endpoint(self, point: SweepPoint) -> Endpoint:
+        """The lossless gate's endpoint: our engine in exact mode (``EngineConfig.exact``), so that any difference
+        from AR is a real bug. The sweep's engine itself when it is exact already; else a second engine on the same
+        models (shared weights, its own small KV cache for the gate's requests) behind its own loopback server."""
+        self._ensure()
+        assert self._engine is not None
+        if self._engine.config.exact:
+            server, engine = self._server, self._engine
+        else:
+            if self._gate_engine is None:
+                from ddtree.engine import Engine
+                from ddtree.lab.sweep.cells import GATE_CONCURRENCY
+                from ddtree.server.app import create_app
+                from ddtree.server.threaded import ThreadedServer
+
+                config = dataclasses.replace(self._engine.config, exact=True, max_batch=GATE_CONCURRENCY,
+                                             kv_memory_fraction=None, warmup="none")
+                self.console.print("starting the gate's engine in exact mode ...")
+                self._gate_engine = Engine(self._engine.target, self._engine.drafter, self._engine.tokenizer,
+                                           config, model_name=self._engine.model_name)
+                self._gate_engine.start()
+                self._gate_server = ThreadedServer(create_app(self._gate_engine))
+                self._gate_server.start()
+            server, engine = self._gate_server, self._gate_engine
+        return Endpoint(url=server.url, engine="ddtree", model=engine.model_name,
+                        extra_body={**self.target.extra_body, "ddtree": point.tree_settings()}, alive=server.alive,
+                        tokenizer=engine.tokenizer)
+
     def close(self) -> None:
+        if self._gate_server is not None:
+            self._gate_server.stop()
+            self._gate_server = None
+        if self._gate_engine is not None:
+            self._gate_engine.shutdown(drain_timeout=5.0)
+            self._gate_engine = None
         if self._server is not None:
             self._server.stop()
             self._server = None
@@ -421,7 +457,9 @@ def _run_point(
                     if name == GATE_CELL:
                         baseline = layout.eval_path(_baseline_point(point).config_id)
                         use = baseline if point.method != "ar" and layout.eval_done(baseline.parent.name) else None
-                        result = run_gate(target, endpoint, config, gate_tasks, use)
+                        exact = config.gate_exact and isinstance(backend, _InProcessBackend)  # our engine: exact
+                        gate_at = backend.gate_endpoint(point) if exact else endpoint
+                        result = run_gate(target, gate_at, config, gate_tasks, use, exact=exact)
                         atomic_write_json(layout.eval_path(cid), result)
                         lossless = result.get("lossless") or {}
                         summary = f"{result.get('passed')}/{result.get('total')} passed" + (
