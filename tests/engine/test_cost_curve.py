@@ -194,7 +194,7 @@ def test_engine_start_measures_caches_and_reports_the_curve(tiny_pair, tiny_toke
     engine = Engine.from_models(target, drafter, tiny_tokenizer, config, model_name="tiny")
     first = curve_at_start(engine.parts, cache_dir=tmp_path)
     assert first.source == "measured" and Path(first.path).parent == tmp_path
-    assert first.curve.rows == (1, 2) and first.curve.budgets == (0, 3, 15, 16)
+    assert first.curve.rows == (1, 2) and first.curve.budgets == (0, 4, 16)  # no graphs: no node buckets
     assert all(s > 0 for s in first.curve.seconds)
     again = curve_at_start(engine.parts, cache_dir=tmp_path)
     assert again.source == "cache" and again.curve == first.curve
@@ -210,3 +210,14 @@ def test_engine_start_measures_caches_and_reports_the_curve(tiny_pair, tiny_toke
         assert started.cost_curve == first.curve  # what budget "auto" reads
     finally:
         started.shutdown(drain_timeout=0)
+
+
+def test_default_grid_is_the_declared_one():
+    from ddtree.engine.cost_curve import default_grid
+
+    g = default_grid(max_batch=16, max_budget=64, cache_len=4200, block_size=16, prefill_chunk=512)
+    assert (g.rows, g.budgets, g.kv_lens, g.prefill_tokens) == ((1, 4, 16), (0, 3, 15, 63, 64), (64, 512, 4096),
+                                                                (16, 64, 256, 512))
+    g = default_grid(max_batch=64, max_budget=64, cache_len=700, block_size=16, prefill_chunk=512, buckets=False)
+    assert (g.rows, g.budgets, g.kv_lens) == ((1, 4, 16, 64), (0, 4, 16, 64), (64, 512, 700 - 65 - 1))
+    assert default_grid(max_batch=3, max_budget=8, cache_len=300, block_size=None, prefill_chunk=128).budgets == (0,)

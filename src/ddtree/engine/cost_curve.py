@@ -306,6 +306,9 @@ class CostGrid:
     block_size: int  # the draft block of every drafting round (L + 1); AR rounds draft nothing
     prefill_tokens: tuple[int, ...] = ()
     repeats: int = 3  # timed rounds per point (the median is kept), after one untimed round
+    # a point whose untimed round took longer is timed once: it is long against the few milliseconds of noise, and
+    # it is what bounds the measurement's cost (on a CPU its untimed round is that one timing: nothing is captured)
+    long_round_s: float = 0.05
 
     def __post_init__(self) -> None:
         _axis("rows", self.rows, 1)
@@ -317,6 +320,9 @@ class CostGrid:
             raise CostCurveError(f"cost grid block_size must be an integer >= 1, got {self.block_size!r}")
         if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
             raise CostCurveError(f"cost grid repeats must be an integer >= 1, got {self.repeats!r}")
+        if isinstance(self.long_round_s, bool) or not isinstance(self.long_round_s, (int, float)) or not (
+                self.long_round_s > 0):
+            raise CostCurveError(f"cost grid long_round_s must be > 0 seconds, got {self.long_round_s!r}")
 
     @property
     def points(self) -> int:
@@ -330,12 +336,13 @@ def reach_limit(cache_len: int, budget: int, block_size: int) -> int:
 
 
 def default_grid(*, max_batch: int, max_budget: int, cache_len: int, block_size: int | None, prefill_chunk: int,
-                 budgets: Sequence[int] | None = None, repeats: int = 3) -> CostGrid:
+                 budgets: Sequence[int] | None = None, repeats: int = 3, buckets: bool = True) -> CostGrid:
     """The grid engine start measures, at most 4 x 5 x 3 points (so a CPU engine pays seconds, not minutes):
 
     rows: 1, ``max_batch`` and up to two powers of two between, spread by factors of 4 (CUDA rows buckets);
-    budgets: 0 (AR), 3, 15, 63 below ``max_budget`` and ``max_budget`` itself (2^k - 1 fills a node bucket exactly,
-    the cheapest budget of its bucket), or 0 plus the ``budgets`` given; kv_lens: 64, 512 and 4096, capped at what
+    budgets: 0 (AR), 3, 15, 63 below ``max_budget`` and ``max_budget`` itself (with ``buckets``, CUDA graphs:
+    2^k - 1 fills a node bucket exactly, the cheapest budget of its bucket; without, 4 and 16: a CPU round's cost
+    is smooth in the budget), or 0 plus the ``budgets`` given; kv_lens: 64, 512 and 4096, capped at what
     the cache leaves room for (:func:`reach_limit`); prefill steps of 16, 64, 256 .. tokens up to ``prefill_chunk``.
     ``block_size`` None (no drafter) measures AR only."""
     rows = sorted({1, max_batch} | {1 << i for i in range(2, 8, 2) if (1 << i) < max_batch})
@@ -347,7 +354,7 @@ def default_grid(*, max_batch: int, max_budget: int, cache_len: int, block_size:
     else:
         block = block_size
         if budgets is None:
-            chosen = sorted({0, max_budget} | {b for b in (3, 15, 63) if b < max_budget})
+            chosen = sorted({0, max_budget} | {b for b in ((3, 15, 63) if buckets else (4, 16)) if b < max_budget})
         else:
             chosen = sorted({int(b) for b in budgets} | {0})
     top = reach_limit(cache_len, max(chosen), block)
@@ -362,7 +369,8 @@ def measure_cost_curve(runner: Any, grid: CostGrid, *, graphs: Any = None, devic
                        progress: Callable[[str], None] | None = None) -> CostCurve:
     """Time the engine's real runner on every point of ``grid`` and return the curve: one untimed round per point
     (on CUDA it captures the point's graphs), then ``grid.repeats`` timed passes over the whole grid, the median
-    per point kept.
+    per point kept; a point whose untimed round took over ``grid.long_round_s`` is timed once (without graphs,
+    its untimed round is that timing).
 
     runner: the engine's :class:`~ddtree.engine.runner.ModelRunner`; graphs: its
     :class:`~ddtree.engine.cuda_graphs.RoundGraphs` (CUDA) or None (eager rounds, the CPU path). Must run while no
@@ -413,12 +421,17 @@ def measure_cost_curve(runner: Any, grid: CostGrid, *, graphs: Any = None, devic
         return time.perf_counter() - t0
 
     points = [(r, b, k) for r in grid.rows for b in grid.budgets for k in grid.kv_lens]  # storage order
-    for point in points:
-        one_round(*point)  # untimed: a CUDA capture, first-use allocations
+    warm = [one_round(*point) for point in points]  # untimed: a CUDA capture, first-use allocations
+    long = [w > grid.long_round_s for w in warm]
+    captures = graphs is not None
+    samples: list[list[float]] = [[w] if is_long and not captures else [] for w, is_long in zip(warm, long, strict=True)]
     # Repeats sweep the whole grid in turn, so a burst of load from another process lands in one repeat of a few
-    # neighbouring points, not in every repeat of one point, and the median drops it.
-    timed = [[one_round(*point) for point in points] for _ in range(grid.repeats)]
-    seconds = [statistics.median(rep[i] for rep in timed) for i in range(len(points))]
+    # neighbouring points, not in every repeat of one point, and the median drops it. A long point is timed once.
+    for _ in range(grid.repeats):
+        for i, point in enumerate(points):
+            if not (long[i] and samples[i]):
+                samples[i].append(one_round(*point))
+    seconds = [statistics.median(s) for s in samples]
     if progress is not None:
         for (r, b, k), sec in zip(points, seconds, strict=True):
             progress(f"rows {r} budget {b} kv_len {k}: {sec * 1e3:.2f} ms")
@@ -477,7 +490,7 @@ def engine_grid(parts: Any) -> CostGrid:
     config = parts.config
     block = int(config.default_tree.block_size or parts.trained_block_size) if parts.drafter is not None else None
     return default_grid(max_batch=config.max_batch, max_budget=config.max_budget, cache_len=parts.cache_len,
-                        block_size=block, prefill_chunk=config.prefill_chunk)
+                        block_size=block, prefill_chunk=config.prefill_chunk, buckets=parts.graphs is not None)
 
 
 def curve_at_start(parts: Any, *, cache_dir: Path | None = None,
