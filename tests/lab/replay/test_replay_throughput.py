@@ -151,3 +151,12 @@ def test_predict_cli_writes_tok_s(tmp_path):
     assert got[("dflash", 1)] == pytest.approx(10 / (6 * 0.02))
     result = CliRunner().invoke(app, ["replay", "predict", str(trace), "--run", str(tmp_path)])
     assert result.exit_code != 0 and "--run needs --cost-curve" in str(result.exception or result.output)
+
+
+def test_each_repeat_is_its_own_run():
+    preds = [p for p in predict(hand_trace(), budgets=[], baselines=True) if p.setting.method == "dflash"]
+    (cell,) = predict_cells(preds, flat_curve(), depth=2, contexts=(2,), concurrency=(1,), num_requests=1,
+                            max_tokens=MAX_TOKENS, sequences={(2, 1): [0, 1]})
+    # two runs of one request: sequence 0 (2 rounds of 0.02 s) and sequence 1 (4 rounds); tok/s is their mean
+    assert cell.tok_s == pytest.approx((5 / 0.04 + 5 / 0.08) / 2)
+    assert cell.accept_length == pytest.approx(10 / 6) and cell.rounds == 6

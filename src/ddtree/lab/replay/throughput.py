@@ -52,9 +52,9 @@ class CellPrediction:
     topk: int | None
     context: int
     concurrency: int
-    num_requests: int
+    num_requests: int  # per run (repeat)
     max_tokens: int
-    tok_s: float  # completion tokens / (round seconds + prefill seconds)
+    tok_s: float  # completion tokens / (round seconds + prefill seconds), the mean over the cell's runs
     accept_length: float  # completion tokens per verify round of the replayed sequences
     rounds: int  # decode rounds the engine runs (batched: one round serves every row)
     round_seconds: float  # summed round times
@@ -132,8 +132,10 @@ def predict_cells(predictions: Sequence[Prediction], curve: CostCurve, *, depth:
                   prefill_chunk: int = 512) -> list[CellPrediction]:
     """Every setting of ``predictions`` (which must carry per-round ``commits``) at every (context, concurrency).
 
-    num_requests: requests per cell, one number or one per concurrency; sequences: the trace sequences each
-    (context, concurrency) cell's requests replay, in request order (default: all of them in turn)."""
+    num_requests: requests per run of a cell, one number or one per concurrency; sequences: the trace sequences
+    each (context, concurrency) cell's requests replay, in request order, repeat after repeat (a multiple of the
+    requests: one simulated run per repeat, tok/s their mean as the bench reports it; otherwise one run whose
+    requests take the sequences in turn; default: all of them)."""
     out = []
     for pred in predictions:
         per_seq = [s.get("commits") for s in pred.per_sequence]
@@ -144,18 +146,26 @@ def predict_cells(predictions: Sequence[Prediction], curve: CostCurve, *, depth:
             for conc in concurrency:
                 n = num_requests[conc] if isinstance(num_requests, Mapping) else int(num_requests)
                 chosen = list((sequences or {}).get((ctx, conc)) or range(len(per_seq)))
-                commits = [per_seq[chosen[i % len(chosen)]] for i in range(n)]
-                round_s, prefill_s, rounds, extra = simulate_cell(
-                    curve, commits, context=ctx, concurrency=conc, max_tokens=max_tokens, budget=budget,
-                    prefill_chunk=prefill_chunk)
-                total = round_s + prefill_s
-                verify_rounds = sum(len(c) for c in commits)
+                # a cell's prompts, repeat after repeat (n each): every repeat is its own run, as the bench runs them
+                if len(chosen) % n == 0:
+                    runs = [chosen[i : i + n] for i in range(0, len(chosen), n)]
+                else:
+                    runs = [[chosen[i % len(chosen)] for i in range(n)]]
+                speeds, round_s, prefill_s, rounds, verify_rounds, extra = [], 0.0, 0.0, 0, 0, False
+                for run in runs:
+                    commits = [per_seq[s] for s in run]
+                    r_s, p_s, r_n, r_extra = simulate_cell(curve, commits, context=ctx, concurrency=conc,
+                                                           max_tokens=max_tokens, budget=budget,
+                                                           prefill_chunk=prefill_chunk)
+                    speeds.append(n * max_tokens / (r_s + p_s) if r_s + p_s > 0 else math.inf)
+                    round_s, prefill_s, rounds, extra = round_s + r_s, prefill_s + p_s, rounds + r_n, extra or r_extra
+                    verify_rounds += sum(len(c) for c in commits)
                 out.append(CellPrediction(
                     config=pred.setting.label, method=pred.setting.method,
                     budget=pred.setting.budget if pred.setting.method == "ddtree" else None, topk=pred.setting.topk,
                     context=ctx, concurrency=conc, num_requests=n, max_tokens=max_tokens,
-                    tok_s=n * max_tokens / total if total > 0 else math.inf,
-                    accept_length=n * max_tokens / verify_rounds if verify_rounds else 0.0,
+                    tok_s=sum(speeds) / len(speeds),  # the bench's cell: the mean of its runs' tok/s
+                    accept_length=len(runs) * n * max_tokens / verify_rounds if verify_rounds else 0.0,
                     rounds=rounds, round_seconds=round_s, prefill_seconds=prefill_s, extrapolated=extra))
     return out
 
