@@ -7,6 +7,7 @@ time) or not (a split-K that starts at 9 rows, as cuBLAS's down projection does 
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -80,3 +81,29 @@ def test_engine_info_reports_exact_mode(tiny_engine_factory):
     engine = tiny_engine_factory(exact=True, max_len=128)
     assert engine.info()["exact"] == {"on": True, "check": None}  # the CPU runs the row-at-a-time path: no check
     assert engine.runner.kernels.exact_blas == ()
+
+
+def test_exact_forward_sends_only_trusted_shapes_to_torch(monkeypatch):
+    from ddtree.models import exact_forward
+
+    calls = []
+    monkeypatch.setattr(exact_forward.bi, "linear", lambda x, w, b=None: calls.append(tuple(w.shape)) or x @ w.T)
+    ops = exact_forward._Ops(triton=True, blas=frozenset({(24, 16)}))
+    x = torch.randn(3, 16)
+    trusted, other = torch.randn(24, 16), torch.randn(8, 16)
+    assert torch.equal(ops.linear(x, trusted), F.linear(x, trusted))  # torch's matmul, as the check measured it
+    ops.linear(x, other)
+    assert calls == [(8, 16)]  # the rest through the Triton kernel
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_pinned_blas_runs_cublas_and_restores_the_choice():
+    before = torch.backends.cuda.preferred_blas_library()
+    try:
+        torch.backends.cuda.preferred_blas_library("cublaslt")  # what the default engine's rule sets at 32-192 rows
+        with exact_blas.pinned_blas(torch.device("cuda")):
+            assert torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublas
+        assert torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublaslt
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)

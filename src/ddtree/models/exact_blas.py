@@ -21,9 +21,10 @@ nothing about the next weight of that shape.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,27 @@ from torch import Tensor
 log = logging.getLogger("ddtree.exact")
 
 DISTINCT_ROWS = 256  # reference rows computed alone; larger row counts repeat them
+
+
+BLAS_LIBRARY = "cublas"  # the library the check measures and exact mode's forward then runs
+
+
+@contextlib.contextmanager
+def pinned_blas(device: torch.device) -> Iterator[None]:
+    """torch's matmuls on :data:`BLAS_LIBRARY` inside the block (the check and exact mode's forward alike), the
+    process-wide choice restored after it: the default engine's rule (``models.gemm_backend``) switches to cuBLASLt
+    for some row counts, whose kernels the check did not measure. Like that rule it is one process-wide setting, so
+    a second engine's forward on another thread at the same moment could still switch it; a graph replays the
+    kernels it captured either way. Off CUDA nothing changes."""
+    if device.type != "cuda":
+        yield
+        return
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(BLAS_LIBRARY)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
 
 
 @dataclass(frozen=True)
@@ -77,22 +99,9 @@ def check_row_invariance(weights: Mapping[str, tuple[Tensor, Tensor | None]], ro
     max_rows = counts[-1]
     gen = torch.Generator(device="cpu").manual_seed(seed)
     for name, (weight, bias) in weights.items():
-        n, k = weight.shape
-        shapes[name] = (n, k)
-        w = (torch.randn(n, k, generator=gen) * k**-0.5).to(device=weight.device, dtype=weight.dtype)
-        b = None if bias is None else torch.randn(n, generator=gen).to(device=bias.device, dtype=bias.dtype)
-        d = min(distinct_rows, max_rows)
-        base = torch.randn(d, k, generator=gen).to(device=w.device, dtype=w.dtype)
-        alone = torch.cat([matmul(base[i:i + 1], w, b) for i in range(d)])  # [D, N]
-        reps = -(-max_rows // d)
-        x = base.repeat(reps, 1)[:max_rows]
-        expected = alone.repeat(reps, 1)[:max_rows]
-        first[name] = None
-        for m in counts:
-            if not torch.equal(matmul(x[:m], w, b), expected[:m]):
-                first[name] = m
-                break
-        del x, expected, alone
+        with pinned_blas(weight.device):
+            first[name] = _first_failing(weight, bias, counts, gen, distinct_rows, matmul)
+        shapes[name] = tuple(weight.shape)
     result = BlasCheck(first_failing=first, shapes=shapes, row_counts=len(counts), max_rows=max_rows,
                        seconds=time.perf_counter() - t0, library=f"torch {torch.__version__}, CUDA {torch.version.cuda}")
     log.info("exact mode: cuBLAS row-invariant for %s at %d row counts up to %d (%.2f s); Triton for %s",
@@ -100,11 +109,19 @@ def check_row_invariance(weights: Mapping[str, tuple[Tensor, Tensor | None]], ro
     return result
 
 
-def target_weights(target) -> dict[str, tuple[Tensor, Tensor | None]]:
-    """The decoder layers' projections exact mode can hand to cuBLAS, by name, from layer 0 (every layer has the
-    same shapes; the fused q/k/v and gate/up matrices where the engine fused them). The LM head stays on the Triton
-    kernel: at decode widths it is as fast (the H200 tuning run), and checking it at every prefill width costs
-    seconds more at start."""
-    from ddtree.models.exact_forward import layer_weights
-
-    return layer_weights(target.layers[0])
+def _first_failing(weight: Tensor, bias: Tensor | None, counts: list[int], gen: torch.Generator, distinct_rows: int,
+                   matmul: Callable[..., Tensor]) -> int | None:
+    n, k = weight.shape
+    max_rows = counts[-1]
+    w = (torch.randn(n, k, generator=gen) * k**-0.5).to(device=weight.device, dtype=weight.dtype)
+    b = None if bias is None else torch.randn(n, generator=gen).to(device=bias.device, dtype=bias.dtype)
+    d = min(distinct_rows, max_rows)
+    base = torch.randn(d, k, generator=gen).to(device=w.device, dtype=w.dtype)
+    alone = torch.cat([matmul(base[i:i + 1], w, b) for i in range(d)])  # [D, N]
+    reps = -(-max_rows // d)
+    x = base.repeat(reps, 1)[:max_rows]
+    expected = alone.repeat(reps, 1)[:max_rows]
+    for m in counts:
+        if not torch.equal(matmul(x[:m], w, b), expected[:m]):
+            return m
+    return None

@@ -20,13 +20,15 @@ none; the drafter, which may, needs no exactness: it only proposes).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from ddtree.errors import ConfigError
 from ddtree.models import batch_invariant as bi
-from ddtree.models import fused_ops, tree_attention
+from ddtree.models import exact_blas, fused_ops, tree_attention
 from ddtree.models.kv_cache import KVCache
 from ddtree.models.layers import DecoderLayer, RMSNorm, apply_rope
 from ddtree.speculative.attention import TreeVisibility
@@ -162,7 +164,9 @@ def forward(target, input_ids: Tensor, positions: Tensor, cache: KVCache, slots:
         return ops.attention(q, cache.k[layer], cache.v[layer], slots, start, positions, anc, chain, kv_len)
 
     head = target.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
-    out = target.run_layers(input_ids, positions, lambda layer, h, cos, sin: _layer(layer, h, cos, sin, ops, attend),
-                            lambda h: ops.norm(h, target.norm), lambda h: ops.linear(h, head), logits_at,
-                            hidden_layers)
+    with exact_blas.pinned_blas(input_ids.device) if blas else contextlib.nullcontext():  # the library it checked
+        out = target.run_layers(input_ids, positions,
+                                lambda layer, h, cos, sin: _layer(layer, h, cos, sin, ops, attend),
+                                lambda h: ops.norm(h, target.norm), lambda h: ops.linear(h, head), logits_at,
+                                hidden_layers)
     return out.logits, out.hidden
