@@ -262,3 +262,20 @@ def test_gpu_tree_node_equals_its_ar_decode(start):
             ar = bi.attention(q[:, :, node:node + 1], kc, vc, torch.tensor([1], device="cuda"), pt, pt[:, None],
                               a1, c1, kv_len)
             assert torch.equal(ar[0, :, 0], out[0, :, node]), f"node {node} at kv_len {kv_len}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shape", [(4096, 4096), (4096, 12288)])  # o_proj and down: split count 4
+def test_gpu_split_and_fused_launches_agree_at_every_row_count(shape):
+    # split programs + the ordered sum kernel and fused programs walking the segments: the same bits for every row
+    # at every row count 1..2048, whichever launch the table would pick
+    n, k = shape
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    x = torch.randn(2048, k, device="cuda", dtype=torch.bfloat16)
+    ref = bi.linear(x, w, launch=bi.MATMUL_WIDE_LAUNCH)
+    launches = [launch for _, launch in bi.MATMUL_LAUNCHES] + [bi.MATMUL_WIDE_LAUNCH]
+    assert {launch.fused for launch in launches} == {True, False}
+    for m in range(1, 2049):
+        for launch in launches:
+            assert torch.equal(bi.linear(x[:m], w, launch=launch), ref[:m]), f"{launch} at {m} rows"
