@@ -153,12 +153,12 @@ class _InProcessBackend:
                 self.console.print("starting the gate's engine in exact mode ...")
                 self._gate_engine = Engine(self._engine.target, self._engine.drafter, self._engine.tokenizer,
                                            config, model_name=self._engine.model_name)
-                # budget "auto" on the gate divides by the sweep engine's curve (outputs, not speed, matter there)
-                self._gate_engine.cost_curve = self._engine.cost_curve
                 self._gate_engine.start()
                 self._gate_server = ThreadedServer(create_app(self._gate_engine))
                 self._gate_server.start()
             server, engine = self._gate_server, self._gate_engine
+            if engine.cost_curve is None:  # budget "auto": the sweep engine's curve (outputs matter here, not speed)
+                engine.cost_curve = self._engine.cost_curve
         return Endpoint(url=server.url, engine="ddtree", model=engine.model_name,
                         extra_body={**self.target.extra_body, "ddtree": point.tree_settings()}, alive=server.alive,
                         tokenizer=engine.tokenizer)
