@@ -254,3 +254,16 @@ def test_rising_costs_by_hand():
     cost = {1: 0.02, 3: 0.01, 7: 0.03, 15: 0.025}.__getitem__  # a noisy curve: b3 "cheaper" than b1
     up = ab.rising(cost, (1, 3, 7, 15))
     assert [up(b) for b in (1, 3, 7, 15)] == [0.02, 0.02, 0.03, 0.03]
+
+
+def test_calibration_by_hand():
+    """Decayed sums of accepted and predicted draft tokens; the curve's draft part scaled by their ratio."""
+    sums = ab.gain_update((0.0, 0.0), 3, 1.5, decay=0.5)  # 2 drafts accepted where 0.5 were predicted
+    assert sums == (2.0, 0.5)
+    assert ab.gain_update(sums, 1, 1.0) == sums  # AR-like rounds leave the sums alone
+    sums = ab.gain_update(sums, 2, 1.5, decay=0.5)  # (1 + 1, 0.25 + 0.5)
+    assert sums == (2.0, 0.75)
+    assert ab.calibrated((1.5, 2.0), (3.0, 1.5)) == (2.0, 3.0)  # gain 2
+    assert ab.calibrated((1.5,), (0.5, 0.5), prior=(4.0, 2.0)) == (2.0,)  # too little evidence: the prior's gain
+    assert ab.calibrated((1.5,), (0.0, 0.0)) == (1.5,)  # nothing known: the surrogate itself
+    assert ab.calibrated((2.0,), (100.0, 1.0)) == (21.0,)  # clamped at 20

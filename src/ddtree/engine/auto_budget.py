@@ -33,6 +33,13 @@ favoured. ``T`` is the cost curve (:mod:`ddtree.engine.cost_curve`), made non-de
 (:func:`rising`: a noisy curve must not make a larger tree look cheaper). Worked example: one auto row with
 ``E = (1.8, 2.4, 2.6)`` at b1, b3, b7 (so 1 + p1 = 1.8, ...) and ``T = 10, 12, 20`` ms: 180, 200, 130 tokens/s: b3.
 
+Calibration (a departure from the issue's pure surrogate): the drafter's factorised probabilities can be far
+from what the target accepts (the demo drafter's say ``E(15) = 1.6`` where b16 accepts 3.9 tokens a round), which
+would make auto choose trees that are too small. Each row keeps decayed sums of the draft tokens its rounds
+accepted and of those its surrogate predicted for the verified tree (:func:`gain_update`), and the choice uses
+``1 + g (E(n) - 1)`` with ``g`` their ratio (:func:`calibrated`): the drafter sets the curve's shape, the row's
+own acceptance its level.
+
 Smoothing: a row's reported curve is averaged with its previous one (weight :data:`SMOOTHING` on the newest), over
 the sizes both cover. A row that has not reported yet (its first round) takes the mean curve of the round's rows
 that have; a round where no row has takes :func:`initial_budget`. Hysteresis: the round keeps the size of the
@@ -46,7 +53,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
@@ -60,6 +67,7 @@ log = logging.getLogger("ddtree.engine")
 AUTO = "auto"  # TreeSettings.budget of a request whose tree size the engine chooses per round
 SMOOTHING = 0.5  # weight of a row's newest curve against its running one
 MARGIN = 0.02  # another size must beat the previous round's by this fraction to replace it
+GAIN_DECAY = 0.9  # weight of a row's older rounds in its calibration sums (about the last 10 rounds count)
 
 
 def candidates(max_budget: int) -> tuple[int, ...]:
@@ -130,6 +138,26 @@ def choose_budget(rows: Sequence[RowCurve], opts: Sequence[int], cost: Callable[
     return best
 
 
+def gain_update(sums: tuple[float, float], committed: int, expected: float,
+                decay: float = GAIN_DECAY) -> tuple[float, float]:
+    """A row's calibration sums after a round that committed ``committed`` tokens (bonus included) with a tree
+    whose surrogate expected length was ``expected``: decayed sums of the draft tokens accepted and predicted."""
+    if expected <= 1.0 + 1e-6:  # AR, or a tree the drafter gave no probability: nothing to calibrate against
+        return sums
+    return decay * sums[0] + (committed - 1), decay * sums[1] + (expected - 1.0)
+
+
+def calibrated(curve: Sequence[float], sums: tuple[float, float],
+               prior: tuple[float, float] = (0.0, 0.0)) -> tuple[float, ...]:
+    """``curve`` with its draft part scaled by the row's measured gain (accepted / predicted draft tokens, clamped
+    to [1/20, 20]): ``1 + g (E(n) - 1)``. The drafter's factorised probabilities set the shape (which sizes add
+    most), what the row really accepts sets the level. A row whose sums predict less than one draft token yet
+    takes the gain of ``prior`` (the engine's sums over every row), 1 when that is empty too."""
+    use = sums if sums[1] >= 1.0 else prior
+    gain = min(max(use[0] / use[1], 0.05), 20.0) if use[1] > 0 else 1.0
+    return tuple(1.0 + gain * (float(v) - 1.0) for v in curve)
+
+
 def smoothed(old: Sequence[float] | None, new: Sequence[float], weight: float = SMOOTHING) -> tuple[float, ...]:
     """A row's running curve after a round that reported ``new``: the weighted mean where both cover a size, the
     new values past the old; sizes the new round did not report are dropped (they were measured on older trees)."""
@@ -164,7 +192,7 @@ def measure_cost_curve(run_round: Callable[[int, int, int], float], *, device: s
 
 
 def time_round(queue: Callable[[PackedRows, RoundShape], Tensor], *, scratch: int, block_size: int, rows: int,
-               budget: int, kv_len: int, repeats: int = 2) -> float:
+               budget: int, kv_len: int, repeats: int = 3) -> float:
     """The fastest of ``repeats`` timed runs (after one untimed: capture, compilation) of a greedy DDTree round of
     ``rows`` rows at ``budget`` whose furthest root reads ``kv_len`` keys, every row in the KV caches' scratch slot
     (its contents are garbage; a round's cost does not depend on them). ``queue`` runs a round and returns its
@@ -183,6 +211,31 @@ def time_round(queue: Callable[[PackedRows, RoundShape], Tensor], *, scratch: in
     return best
 
 
+def engine_curve(sched: Any, cands: Sequence[int]) -> CostCurve:
+    """The fallback curve of a scheduler (:class:`ddtree.engine.scheduler.Scheduler`) that was given none: its
+    rounds timed over ``cands`` at :func:`grid_rows` x :func:`grid_kv_lens`, on its graphs (CUDA) or eagerly; logged
+    with the values, since a busy machine makes them noisy."""
+    from ddtree.engine.round import RoundInputs
+    from ddtree.engine.runner import StageTimer
+
+    rows, kv = grid_rows(sched.config.max_batch), grid_kv_lens(sched.cache_len)
+    log.warning("budget auto: no cost curve set on the engine; measuring one now (%d rows x %d budgets x %d lengths, "
+                "greedy rounds in the scratch slot)", len(rows), len(cands), len(kv))
+    block, scratch = max(2, int(sched.trained_block_size)), sched.runner.target_cache.scratch_slot
+
+    def run(packed: PackedRows, shape: RoundShape) -> Tensor:
+        timer = StageTimer(sched.device)
+        if sched.graphs is not None and sched.graphs.can_run(packed.rows):
+            return sched.graphs.run(packed, shape, timer)[0]
+        return sched.runner.round(RoundInputs.from_packed(packed.to(sched.device), shape), timer)
+
+    curve = measure_cost_curve(
+        lambda r, b, k: time_round(run, scratch=scratch, block_size=block, rows=r, budget=b, kv_len=k),
+        device=str(sched.device), model=sched.model_name, rows=rows, budgets=tuple(cands), kv_lens=kv)
+    log.warning("budget auto: cost curve measured in %.1f s: %s", curve.measure_seconds, curve.to_json())
+    return curve
+
+
 def grid_rows(max_batch: int) -> tuple[int, ...]:
     """Rows a fallback curve is measured at: powers of two up to ``max_batch``, and ``max_batch``."""
     out = {1 << k for k in range(0, 16) if 1 << k <= max_batch} | {max_batch}
@@ -195,7 +248,8 @@ def grid_kv_lens(cache_len: int) -> tuple[int, ...]:
     return tuple(sorted({min(128, cache_len // 2), cache_len // 2}))
 
 
-__all__ = ["AUTO", "MARGIN", "SMOOTHING", "RowCurve", "candidates", "choose_budget", "curve_width", "grid_kv_lens",
+__all__ = ["AUTO", "GAIN_DECAY", "MARGIN", "SMOOTHING", "RowCurve", "calibrated", "candidates", "choose_budget",
+           "curve_width", "engine_curve", "gain_update", "grid_kv_lens",
            "grid_rows", "initial_budget", "mean_curve", "measure_cost_curve", "objective", "options", "rising",
            "smoothed",
            "time_round"]

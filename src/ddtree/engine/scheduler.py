@@ -96,6 +96,7 @@ class Scheduler:
         self.cost_curve: CostCurve | None = None
         self._auto_candidates = auto_budget.candidates(parts.config.max_budget)
         self._auto_previous: int | None = None  # the budget of the last auto round launched
+        self._auto_gain = (0.0, 0.0)  # calibration sums over every row (the prior of a row without its own)
 
     # ---- the inbox (any thread) --------------------------------------------------------------------------------
     def _enqueue(self, state: RequestState) -> None:
@@ -406,7 +407,12 @@ class Scheduler:
                 st.stage_s[name] = st.stage_s.get(name, 0.0) + secs
             if flight.shape.auto_width and flight.shape.drafts:
                 width = flight.shape.auto_width  # the last columns: this row's E(1 .. W) (auto_budget)
-                state.auto_curve = auto_budget.smoothed(state.auto_curve, bits_to_floats(row[-width:]))
+                reported = bits_to_floats(row[-width:])
+                used = min(flight.shape.max_budget if state.tree.auto else state.budget, width)  # its verified tree
+                e_used = reported[used - 1] if used else 1.0
+                state.auto_gain = auto_budget.gain_update(state.auto_gain, n, e_used)
+                self._auto_gain = auto_budget.gain_update(self._auto_gain, n, e_used, decay=0.99)
+                state.auto_curve = auto_budget.smoothed(state.auto_curve, reported)
                 if state.tree.auto:
                     b = flight.shape.max_budget
                     st.auto_budgets[b] = st.auto_budgets.get(b, 0) + 1
@@ -434,16 +440,17 @@ class Scheduler:
         fixed = [s for s in states if not s.tree.auto]
         floor = max((s.budget for s in fixed), default=0)
         opts = auto_budget.options(self._auto_candidates, floor)
-        prior = auto_budget.mean_curve([s.auto_curve for s in auto])
+        curves = {s.request_id: auto_budget.calibrated(s.auto_curve, s.auto_gain, self._auto_gain) for s in states}
+        prior = auto_budget.mean_curve([curves[s.request_id] for s in auto])
         if not prior:
             first = auto_budget.initial_budget(self._auto_candidates)
             return first if first in opts else opts[0]
-        rows = [auto_budget.RowCurve(s.auto_curve or prior) for s in auto]
+        rows = [auto_budget.RowCurve(curves[s.request_id] or prior) for s in auto]
         for s in fixed:
             if s.tree.method == "ar":
                 rows.append(auto_budget.RowCurve((), cap=0))
             elif s.auto_curve:
-                rows.append(auto_budget.RowCurve(s.auto_curve, cap=s.budget))
+                rows.append(auto_budget.RowCurve(curves[s.request_id], cap=s.budget))
             else:
                 rows.append(auto_budget.RowCurve((s.stats.accept_length or 1.0,), cap=s.budget))
         curve = self._auto_cost()
@@ -475,25 +482,7 @@ class Scheduler:
         if self.cost_curve is None and source is not None and source.curve is not None:
             self.cost_curve = source.curve
         if self.cost_curve is None:
-            rows = auto_budget.grid_rows(self.config.max_batch)
-            kv = auto_budget.grid_kv_lens(self.cache_len)
-            log.warning("budget auto: no cost curve set on the engine; measuring one now (%d rows x %d budgets x %d "
-                        "lengths, greedy rounds in the scratch slot)", len(rows), len(self._auto_candidates), len(kv))
-            block = max(2, int(self.trained_block_size))
-            scratch = self.runner.target_cache.scratch_slot
-
-            def run(packed: PackedRows, shape: RoundShape) -> torch.Tensor:
-                timer = StageTimer(self.device)
-                if self.graphs is not None and self.graphs.can_run(packed.rows):
-                    return self.graphs.run(packed, shape, timer)[0]
-                return self.runner.round(RoundInputs.from_packed(packed.to(self.device), shape), timer)
-
-            self.cost_curve = auto_budget.measure_cost_curve(
-                lambda r, b, k: auto_budget.time_round(run, scratch=scratch, block_size=block, rows=r, budget=b,
-                                                       kv_len=k),
-                device=str(self.device), model=self.model_name, rows=rows, budgets=self._auto_candidates, kv_lens=kv)
-            log.warning("budget auto: cost curve measured in %.1f s: %s", self.cost_curve.measure_seconds,
-                        self.cost_curve.to_json())
+            self.cost_curve = auto_budget.engine_curve(self, self._auto_candidates)
         return self.cost_curve
 
     def _collect_guarded(self, flight: _Flight) -> list[RowResult]:
