@@ -34,8 +34,8 @@ favoured. ``T`` is the cost curve (:mod:`ddtree.engine.cost_curve`), made non-de
 ``E = (1.8, 2.4, 2.6)`` at b1, b3, b7 (so 1 + p1 = 1.8, ...) and ``T = 10, 12, 20`` ms: 180, 200, 130 tokens/s: b3.
 
 Calibration (a departure from the issue's pure surrogate): the drafter's factorised probabilities can be far
-from what the target accepts (the demo drafter's say ``E(15) = 1.6`` where b16 accepts 3.9 tokens a round), which
-would make auto choose trees that are too small. Each row keeps decayed sums of the draft tokens its rounds
+from what the target accepts (the demo drafter's predicted about 1 / 1.3 of the draft tokens its trees got
+accepted on a code prompt), which makes auto choose trees that are too small. Each row keeps decayed sums of the draft tokens its rounds
 accepted and of those its surrogate predicted for the verified tree (:func:`gain_update`), and the choice uses
 ``1 + g (E(n) - 1)`` with ``g`` their ratio (:func:`calibrated`): the drafter sets the curve's shape, the row's
 own acceptance its level.
