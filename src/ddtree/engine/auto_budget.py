@@ -10,7 +10,8 @@ candidates
 expected length ``E(n)``
     The expected tokens a round commits with the best tree of ``n`` draft nodes under the drafter's factorised
     surrogate: ``1 + sum of the n largest node probabilities``. DDTree's nodes come in descending-score order, so
-    ``E(n) = 1 + cumsum(exp(scores))[n]`` gives it for every ``n`` at once (:func:`expected_lengths`). ``E(0) = 1``.
+    ``E(n) = 1 + cumsum(exp(scores))[n]`` gives it for every ``n`` at once
+    (:func:`ddtree.speculative.tree_select.expected_lengths`). ``E(0) = 1``.
 curve width ``W``
     How many sizes an auto round reports: the next candidate above the round's node bucket (its own size at the
     top). The tree stage then selects ``W`` nodes, verifies the first ``N - 1`` (the best tree of ``N - 1`` nodes is
@@ -35,10 +36,10 @@ favoured. ``T`` is the cost curve (:mod:`ddtree.engine.cost_curve`), made non-de
 
 Calibration (a departure from the issue's pure surrogate): the drafter's factorised probabilities can be far
 from what the target accepts (the demo drafter's predicted about 1 / 1.3 of the draft tokens its trees got
-accepted on a code prompt), which makes auto choose trees that are too small. Each row keeps decayed sums of the draft tokens its rounds
-accepted and of those its surrogate predicted for the verified tree (:func:`gain_update`), and the choice uses
-``1 + g (E(n) - 1)`` with ``g`` their ratio (:func:`calibrated`): the drafter sets the curve's shape, the row's
-own acceptance its level.
+accepted on a code prompt), which makes auto choose trees that are too small. Each row keeps decayed sums of the
+draft tokens its rounds accepted and of those its surrogate predicted for the verified tree (:func:`gain_update`),
+and the choice uses ``1 + g (E(n) - 1)`` with ``g`` their ratio (:func:`calibrated`): the drafter sets the curve's
+shape, the row's own acceptance its level.
 
 Smoothing: a row's reported curve is averaged with its previous one (weight :data:`SMOOTHING` on the newest), over
 the sizes both cover. A row that has not reported yet (its first round) takes the mean curve of the round's rows
