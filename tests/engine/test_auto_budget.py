@@ -111,7 +111,7 @@ def test_choice_is_the_argmax_of_the_objective_against_brute_force():
         curve = make_curve("cpu", "random", (1, 8), tuple(budgets), (64, 512),
                            lambda r, b, k: rng.uniform(0.001, 0.02) + r * b * rng.uniform(1e-5, 1e-3) + k * 1e-6)
         rows = len(curves)
-        cost = lambda b: curve.round_seconds(rows, b, 100 + b)  # noqa: E731
+        cost = lambda b, curve=curve, rows=rows: curve.round_seconds(rows, b, 100 + b)  # noqa: E731
         opts = ab.options(cands, floor)
         got = ab.choose_budget([ab.RowCurve(c, cap) for c, cap in zip(curves, caps, strict=True)], opts, cost)
         assert got == brute_choice(curves, caps, opts, cost), f"trial {trial}"
