@@ -79,6 +79,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--contexts", default="60,1024,4096,8192")
     ap.add_argument("--concurrency", default="1,8,32,64")
     ap.add_argument("--budgets", default=",".join(map(str, BUDGETS)))
+    ap.add_argument("--auto", action="store_true", help='also DDTree with budget "auto" in every cell (the engine '
+                    "measures its cost curve at start: EngineConfig.cost_curve auto)")
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--max-verify-tokens", type=int, default=4096)
     ap.add_argument("--time-budget", type=float, default=500.0, help="seconds for the matrix")
@@ -144,12 +146,13 @@ def _run(args: argparse.Namespace, compiles: CompileLog, listening: bool) -> Non
     plan = MatrixPlan(contexts=tuple(contexts), concurrency=tuple(concurrency), budgets=tuple(budgets),
                       new_tokens=args.new_tokens, max_verify_tokens=args.max_verify_tokens,
                       c1_prompts=args.c1_prompts, waves=args.waves, warm_up=args.warm_up,
-                      retime=args.retime).validated()
+                      retime=args.retime, auto=args.auto).validated()
     max_len = max(contexts) + args.new_tokens + 16
     config = EngineConfig(max_batch=max(concurrency), max_len=max_len, max_budget=max(*budgets, 32),
                           prefill_chunk=args.prefill_chunk, max_queue=4096, cuda_graphs=True, gpu_kernels=not args.no_kernels,
                           prefill_graphs=not args.no_prefill_graphs, draft_fp8=args.draft_fp8,
-                          blas_rule=not args.no_blas_rule, warmup=args.engine_warmup)
+                          blas_rule=not args.no_blas_rule, warmup=args.engine_warmup,
+                          cost_curve="auto" if args.auto else "off")
     engine = Engine(target, drafter, tokenizer, config, model_name=f"standin-{args.shape}")
     engine.start()
     eager = Engine(target, drafter, tokenizer, dataclasses.replace(config, cuda_graphs=False, max_batch=2, warmup="none"),

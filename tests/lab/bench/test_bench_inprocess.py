@@ -121,3 +121,24 @@ def test_extra_body_tree_settings():
     assert tree_from_extra_body({"ddtree": {"budget": 8, "method": "ddtree"}}) == TreeSettings(budget=8)
     with pytest.raises(ConfigError, match="chat_template_kwargs"):
         tree_from_extra_body({"chat_template_kwargs": {}})
+
+
+def test_an_auto_cell_reports_the_budgets_auto_chose(demo_engine, stream):
+    """budget "auto" through run_cell: the same tokens as AR (lossless), and one chosen budget per verify round of
+    every request (the engine's RequestStats.auto_budgets summed); a fixed budget reports none."""
+    from ddtree.engine.auto_budget import candidates
+    from ddtree.lab.bench.matrix import plan_cells
+
+    prompts = prompts_for(stream, 32, 2, salt=3)
+    cell = run_cell(demo_engine, prompts, TreeSettings(method="ddtree", budget="auto"), NEW_TOKENS, concurrency=2)
+    ar = run_cell(demo_engine, prompts, TreeSettings(method="ar"), NEW_TOKENS, concurrency=2)
+    assert cell["tokens"] == ar["tokens"] and cell["errors"] == []
+    rounds = round(2 * NEW_TOKENS / cell["accept_length"])
+    assert sum(cell["auto_budgets"].values()) == rounds
+    assert set(cell["auto_budgets"]) <= set(candidates(16))
+    assert run_cell(demo_engine, prompts, TreeSettings(method="ddtree", budget=4), NEW_TOKENS)["auto_budgets"] == {}
+    # the matrix plans auto last in every cell, and only when asked
+    (_, _, methods), = plan_cells([64], [2], [4, 8], 4096, auto=True)
+    assert methods == [("ar", 0), ("dflash", 0), ("ddtree", 4), ("ddtree", 8), ("ddtree", "auto")]
+    (_, _, methods), = plan_cells([64], [2], [4, 8], 4096)
+    assert ("ddtree", "auto") not in methods

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -127,7 +127,17 @@ def run_cell(engine: Any, prompts: Sequence[Sequence[int]], tree: TreeSettings, 
         "errors": errors,
         "tokens": [o.token_ids for o in outs],
         "timeline": run.timeline(),
+        # budget "auto": rounds per chosen budget over the cell's requests ({} for a fixed budget)
+        "auto_budgets": _summed(o.stats.auto_budgets for o in outs),
     }
+
+
+def _summed(counts: Iterable[dict[int, int]]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for c in counts:
+        for k, v in c.items():
+            out[k] = out.get(k, 0) + v
+    return dict(sorted(out.items()))
 
 
 # ---- ddtree bench --in-process: the cell files of the HTTP target, measured by the engine ----------------------

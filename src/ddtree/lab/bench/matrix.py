@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ddtree.engine.api import TreeSettings
+from ddtree.engine.api import AUTO_BUDGET, TreeSettings
 from ddtree.errors import ConfigError
 from ddtree.lab.bench.inprocess import mean_in_flight, run_cell
 from ddtree.lab.bench.workload import prompts_for
@@ -41,6 +41,7 @@ class MatrixPlan:
     waves: int = 4
     warm_up: str = "cell"
     retime: bool = True
+    auto: bool = False  # also DDTree with budget "auto" in every cell (ddtree.engine.auto_budget), after the budgets
 
     def validated(self) -> MatrixPlan:
         for name in ("contexts", "concurrency", "budgets"):
@@ -51,6 +52,8 @@ class MatrixPlan:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.auto, bool):
+            raise ConfigError(f"auto must be true or false, got {self.auto!r}")
         if self.warm_up not in WARM_UPS:
             raise ConfigError(f"--warm-up must be one of {', '.join(WARM_UPS)}, got {self.warm_up!r}")
         return self
@@ -119,17 +122,18 @@ def warm_up_lengths(concurrency: int, longest: int) -> list[int]:
 
 
 def plan_cells(contexts: Sequence[int], concurrency: Sequence[int], budgets: Sequence[int],
-               max_verify_tokens: int) -> list[tuple[int, int, list[tuple[str, int]]]]:
+               max_verify_tokens: int, *, auto: bool = False) -> list[tuple[int, int, list[tuple[str, int | str]]]]:
     """Cells in priority order: the headline (C=1, 1k) first, then the concurrencies and contexts in the order
     given on the command line (so a time-boxed run measures what was listed first). Large budgets only where the
-    verify batch ``C * (budget + 1)`` stays within ``max_verify_tokens`` (past that the forward is compute-bound)."""
+    verify batch ``C * (budget + 1)`` stays within ``max_verify_tokens`` (past that the forward is compute-bound).
+    ``auto``: DDTree with budget "auto" last in every cell (the engine keeps its choice within its own limits)."""
     contexts, concurrency = list(contexts), list(concurrency)
     cells = []
     for conc in concurrency:
         for ctx in contexts:
             methods = [("ar", 0), ("dflash", 0)] + [
                 ("ddtree", b) for b in budgets if conc * (b + 1) <= max_verify_tokens
-            ]
+            ] + ([("ddtree", AUTO_BUDGET)] if auto else [])
             cells.append((conc, ctx, methods))
     cells.sort(key=lambda c: (c[0] != 1 or c[1] != 1024, concurrency.index(c[0]), contexts.index(c[1])))
     return cells
@@ -150,16 +154,18 @@ def run_matrix(engine: Any, stream: list[int], plan: MatrixPlan, report: dict, *
     cells past ``deadline`` (perf_counter) to ``report["skipped"]``; ``on_row`` after each row."""
     plan = plan.validated()
     device = engine.device
-    for conc, ctx, methods in plan_cells(plan.contexts, plan.concurrency, plan.budgets, plan.max_verify_tokens):
+    for conc, ctx, methods in plan_cells(plan.contexts, plan.concurrency, plan.budgets, plan.max_verify_tokens,
+                                         auto=plan.auto):
         prompts = prompts_for(stream, ctx, plan.c1_prompts if conc == 1 else plan.waves * conc, salt=ctx + conc)
         ar_tokens = None
         ar_tok_s = None
         for method, budget in methods:
-            name = method if method != "ddtree" else f"ddtree-b{budget}"
+            auto = budget == AUTO_BUDGET
+            name = method if method != "ddtree" else ("ddtree-auto" if auto else f"ddtree-b{budget}")
             if time.perf_counter() > deadline:
                 report["skipped"].append({"concurrency": conc, "context": ctx, "method": name})
                 continue
-            tree = TreeSettings(method=method, budget=max(budget, 1))
+            tree = TreeSettings(method=method, budget=budget if auto else max(budget, 1))
             t_warm, captures_before = time.perf_counter(), graph_captures(engine)
             if plan.warm_up == "short":  # staggered short prompts, the row buckets only
                 longest = min(plan.new_tokens, max(plan.new_tokens if ctx <= 60 else 24, 16 * conc.bit_length()))
@@ -206,6 +212,7 @@ def run_matrix(engine: Any, stream: list[int], plan: MatrixPlan, report: dict, *
                 "captures": {"warm_up": captures_warm - captures_before,
                              "cell": graph_captures(engine) - captures_cell},
                 "retimed": retimed,  # the first timed run, when it met first-use costs and was run again
+                "auto_budgets": cell.get("auto_budgets", {}),  # budget "auto": rounds per chosen budget
             }
             report["cells"].append(row)
             on_row(row)
@@ -233,6 +240,15 @@ def summary_lines(cells: list[dict]) -> list[str]:
     return out
 
 
+def _method(cell: dict) -> str:
+    """The row's method, with the budgets auto chose (rounds-weighted mean, and the sizes it used)."""
+    chosen = {int(k): v for k, v in cell.get("auto_budgets", {}).items()}
+    if not chosen:
+        return cell["method"]
+    mean = sum(k * v for k, v in chosen.items()) / max(sum(chosen.values()), 1)
+    return f"{cell['method']} (mean {mean:.1f}; {', '.join(map(str, sorted(chosen)))})"
+
+
 def render_markdown(report: dict) -> str:
     """``gpu.md``: the header line, the table of every cell, the DDTree summary, first-use costs, skipped cells."""
     lines = [
@@ -252,7 +268,7 @@ def render_markdown(report: dict) -> str:
         st = c["stage_ms_per_round"]
         split = " / ".join(f"{st.get(k, 0):.2f}" for k in ("draft", "tree", "verify", "commit"))
         lines.append(
-            f"| {c['concurrency']} | {c['context']} | {c['method']} | {c['tok_s']} | {c.get('decode_tok_s', '-')} | "
+            f"| {c['concurrency']} | {c['context']} | {_method(c)} | {c['tok_s']} | {c.get('decode_tok_s', '-')} | "
             f"{c['accept_length']} | "
             f"{c['speedup_vs_ar']} | {c['efficiency']} | {split} | {c.get('round_ms', '-')} | "
             f"{c.get('mean_in_flight', '-')} | {c['peak_mem_gib']} | "
