@@ -160,3 +160,27 @@ def test_each_repeat_is_its_own_run():
     # two runs of one request: sequence 0 (2 rounds of 0.02 s) and sequence 1 (4 rounds); tok/s is their mean
     assert cell.tok_s == pytest.approx((5 / 0.04 + 5 / 0.08) / 2)
     assert cell.accept_length == pytest.approx(10 / 6) and cell.rounds == 6
+
+
+def test_sweep_cells_are_the_manifest_ones_and_their_prompts_the_benchs(tmp_path, tiny_tokenizer):
+    from ddtree.lab.bench.workload import build_prompts
+    from ddtree.lab.replay.throughput import SweepCells
+    from ddtree.lab.sweep.grid import SweepConfig
+    from ddtree.lab.sweep.layout import RunLayout
+    from ddtree.lab.sweep.manifest import Manifest
+
+    config = SweepConfig(name="t", budgets=(4,), contexts=(24, 40), concurrency=(1, 2), output_tokens=8,
+                         num_requests=3, repeats=2, seed=5)
+    Manifest.open(RunLayout(tmp_path / "run"), config, {"mode": "inprocess", "engine_config": {"prefill_chunk": 128}},
+                  resume=False)
+    cells = SweepCells.from_run(tmp_path / "run")
+    assert (cells.contexts, cells.concurrency, cells.output_tokens, cells.num_requests, cells.repeats,
+            cells.prefill_chunk) == ((24, 40), (1, 2), 8, {1: 3, 2: 3}, 2, 128)
+    prompts = cells.prompts(tiny_tokenizer)
+    assert sorted(prompts) == [(24, 1), (24, 2), (40, 1), (40, 2)]
+    assert all(len(v) == 6 and all(len(p) == ctx for p in v) for (ctx, _), v in prompts.items())
+    # the bench's own prompts of the second repeat at (40, 2), in order
+    bench = build_prompts(tiny_tokenizer, 40, 3, phase="r1-", seed=5, context=40, concurrency=2, text=cells.text)
+    assert prompts[(40, 2)][3:] == [list(p.ids) for p in bench]
+    with pytest.raises(ConfigError, match="no sweep manifest"):
+        SweepCells.from_run(tmp_path / "absent")
