@@ -219,5 +219,6 @@ def test_default_grid_is_the_declared_one():
     assert (g.rows, g.budgets, g.kv_lens, g.prefill_tokens) == ((1, 4, 16), (0, 3, 15, 63, 64), (64, 512, 4096),
                                                                 (16, 64, 256, 512))
     g = default_grid(max_batch=64, max_budget=64, cache_len=700, block_size=16, prefill_chunk=512, buckets=False)
-    assert (g.rows, g.budgets, g.kv_lens) == ((1, 4, 16, 64), (0, 4, 16, 64), (64, 512, 700 - 65 - 1))
+    # the tightest budget is 4: its 16-token draft block from a root at kv_len - 5 ends inside the cache
+    assert (g.rows, g.budgets, g.kv_lens) == ((1, 4, 16, 64), (0, 4, 16, 64), (64, 512, 700 - 16 + 4 - 1))
     assert default_grid(max_batch=3, max_budget=8, cache_len=300, block_size=None, prefill_chunk=128).budgets == (0,)

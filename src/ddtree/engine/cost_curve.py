@@ -3,7 +3,8 @@
 Terms:
     rows     requests in the round (the batch; padding rows included: on CUDA a round pays its rows bucket).
     budget   tree nodes past the root per request; 0 is AR (the root alone), a chain of depth d is budget d.
-    kv_len   the furthest committed length any row reads (the verify's key length), in tokens.
+    kv_len   the keys the round's verify reads: the furthest root's position + budget + 1 (``RoundShape.kv_len``),
+             in tokens; a row whose root is at ``p`` (``p`` committed tokens before it) reads ``p + budget + 1``.
     round seconds  wall time of one decode round for that many rows: draft + tree + verify + commit, as the engine's
              ``StageTimer`` and round timing measure it (the one host sync included).
 
@@ -330,9 +331,9 @@ class CostGrid:
 
 
 def reach_limit(cache_len: int, budget: int, block_size: int) -> int:
-    """The largest kv_len (root position) a round of ``budget`` can be timed at: it writes ``budget + 1`` tree
-    nodes into the target cache and a block into the drafter's, past the root, inside ``cache_len``."""
-    return cache_len - max(budget + 1, block_size) - 1
+    """The largest kv_len a round of ``budget`` can be timed at: from its root at ``kv_len - budget - 1`` it writes
+    ``budget + 1`` tree nodes into the target cache and a block into the drafter's, inside ``cache_len``."""
+    return cache_len - max(budget + 1, block_size) + budget - 1
 
 
 def default_grid(*, max_batch: int, max_budget: int, cache_len: int, block_size: int | None, prefill_chunk: int,
@@ -357,7 +358,7 @@ def default_grid(*, max_batch: int, max_budget: int, cache_len: int, block_size:
             chosen = sorted({0, max_budget} | {b for b in ((3, 15, 63) if buckets else (4, 16)) if b < max_budget})
         else:
             chosen = sorted({int(b) for b in budgets} | {0})
-    top = reach_limit(cache_len, max(chosen), block)
+    top = min(reach_limit(cache_len, b, block if b else 1) for b in chosen)
     if top < 1:
         raise CostCurveError(f"cache length {cache_len} leaves no room to time a round of budget {max(chosen)}")
     kv = sorted({min(v, top) for v in (64, 512, 4096)})
@@ -377,7 +378,8 @@ def measure_cost_curve(runner: Any, grid: CostGrid, *, graphs: Any = None, devic
     request holds a KV slot (engine start, before the loop): the synthetic rows are
     :meth:`~ddtree.engine.round.RowInputs.padding` rows moved to slots ``0 .. rows - 1`` (a real batch reads as
     many different caches; all on the scratch slot, a GPU would serve them from its L2 and undercount long
-    contexts), each with the point's budget and its root at ``kv_len``; a graph bucket's padding rows take the
+    contexts), each with the point's budget and its root at ``kv_len - budget - 1`` (at 1 where that is smaller:
+    a kv_len below the budget's own nodes is not a real round, and times the smallest one); a graph bucket's padding rows take the
     scratch slot as in serving. Their cache contents are garbage and stay unread: a request's prefill writes every
     position of its slot it will read. A round's time is wall time from packing its rows to reading its result on
     the host (the engine's one sync), so it includes the launch and the copy. Prefill points are one row of that
@@ -406,10 +408,11 @@ def measure_cost_curve(runner: Any, grid: CostGrid, *, graphs: Any = None, devic
 
     def one_round(rows: int, budget: int, kv_len: int) -> float:
         block = grid.block_size if budget else 1
-        row_list = [dataclasses.replace(pad, slot=i, root_token=0, start=kv_len, budget=budget,
+        start = max(kv_len - budget - 1, 1)  # the root: the verify reads start + budget + 1 keys
+        row_list = [dataclasses.replace(pad, slot=i, root_token=0, start=start, budget=budget,
                                         depth_limit=block - 1, window=NO_WINDOW) for i in range(rows)]
-        shape = RoundShape(rows=rows, max_budget=budget, block_size=block, kv_len=kv_len + budget + 1,
-                           draft_kv_len=max(1, kv_len), greedy=True, filtered=False, contiguous=budget == 0)
+        shape = RoundShape(rows=rows, max_budget=budget, block_size=block, kv_len=start + budget + 1,
+                           draft_kv_len=start, greedy=True, filtered=False, contiguous=budget == 0)
         t0 = time.perf_counter()
         packed = PackedRows.pack(row_list)
         timer = StageTimer(runner.device)

@@ -95,12 +95,15 @@ def test_prefill_steps_are_added():
 
 
 def test_rounds_read_the_furthest_root():
-    # seconds = 0.01 + 0.0001 kv_len; one AR request with a 10-token prompt: roots at positions 10 and 11
-    curve = make_curve("cpu", "hand", (1,), (0,), (1, 1001), lambda r, b, k: 0.01 + 0.0001 * k)
+    # seconds = 0.01 + 0.0001 kv_len; one request with a 10-token prompt: roots at positions 10 and 11, so an AR
+    # verify reads 11 and 12 keys, a budget-4 one 15 and 16
+    curve = make_curve("cpu", "hand", (1,), (0, 4), (1, 1001), lambda r, b, k: 0.01 + 0.0001 * k)
     round_s, prefill_s, rounds, extrapolated = simulate_cell(curve, [[1, 1]], context=10, concurrency=1,
                                                              max_tokens=3, budget=0)
-    assert round_s == pytest.approx(0.011 + 0.0111) and rounds == 2 and prefill_s == 0 and not extrapolated
-    _, _, _, extrapolated = simulate_cell(curve, [[1, 1]], context=10, concurrency=2, max_tokens=3, budget=4)
+    assert round_s == pytest.approx(0.0111 + 0.0112) and rounds == 2 and prefill_s == 0 and not extrapolated
+    round_s, _, _, _ = simulate_cell(curve, [[1, 1]], context=10, concurrency=1, max_tokens=3, budget=4)
+    assert round_s == pytest.approx(0.0115 + 0.0116)
+    _, _, _, extrapolated = simulate_cell(curve, [[1, 1]], context=10, concurrency=2, max_tokens=3, budget=8)
     assert extrapolated
 
 

@@ -8,8 +8,8 @@ loop: a finished request's place goes to the next one at once), on one engine wh
   arrival order, costing :meth:`~ddtree.engine.cost_curve.CostCurve.prefill_step_seconds` of its tokens (zero
   when the curve has no prefill points; said in the result); a request whose prompt completes gets its first
   token from it and decodes from then on;
-* a **decode round** for every decoding request: ``rows`` = those requests, ``kv_len`` = the furthest of their
-  committed lengths (prompt + tokens so far: what the verify reads), each row committing the next count of its
+* a **decode round** for every decoding request: ``rows`` = those requests, ``kv_len`` = the keys the verify
+  reads (the furthest root's position, prompt + tokens so far - 1, plus ``budget + 1``), each row committing the next count of its
   replayed sequence (:func:`ddtree.lab.replay.predict.predict`'s per-round commits), costing
   ``round_seconds(rows, budget, kv_len)``, with ``budget`` the setting's tree nodes past the root (AR 0, the DFlash
   chain its depth, DDTree its budget).
@@ -112,7 +112,8 @@ def simulate_cell(curve: CostCurve, commits: Sequence[Sequence[int]], *, context
                 decoding[prefilling.popleft()[0]] = [0, 1]
         rows = [i for i, (_, done) in decoding.items() if done < max_tokens]
         if rows:
-            kv_len = context + max(decoding[i][1] for i in rows) - 1  # the furthest root's position
+            # the keys the verify reads: the furthest root's position (prompt + tokens so far - 1) + budget + 1
+            kv_len = context + max(decoding[i][1] for i in rows) + budget
             round_s += curve.round_seconds(len(rows), budget, kv_len)
             extrapolated |= not curve.covers(len(rows), budget, kv_len)
             rounds += 1
@@ -176,7 +177,7 @@ def predicted_document(cells: Sequence[CellPrediction], *, curve: CostCurve, cur
     return {
         "schema": TOK_S_SCHEMA,
         "model": ("closed loop; per engine step: one prefill step of at most prefill_chunk prompt tokens, then one "
-                  "round of every decoding request at round_seconds(rows, budget, furthest root position); host "
+                  "round of every decoding request at round_seconds(rows, budget, keys read: furthest root + budget + 1); host "
                   "work between rounds not modelled (ddtree.lab.replay.throughput)"),
         "prefill_modelled": bool(curve.prefill_tokens),
         "prefill_chunk": prefill_chunk,
