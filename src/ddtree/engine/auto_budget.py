@@ -181,13 +181,18 @@ def mean_curve(curves: Sequence[Sequence[float]]) -> tuple[float, ...]:
 # ---- the fallback cost curve: measured on the engine ---------------------------------------------------------------
 
 def measure_cost_curve(run_round: Callable[[int, int, int], float], *, device: str, model: str,
-                       rows: Sequence[int], budgets: Sequence[int], kv_lens: Sequence[int]) -> CostCurve:
-    """A :class:`CostCurve` from ``run_round(rows, budget, kv_len) -> seconds`` at every grid point (the engine's
-    fallback when it was given none: :meth:`ddtree.engine.scheduler.Scheduler._auto_cost`)."""
+                       rows: Sequence[int], budgets: Sequence[int], kv_lens: Sequence[int],
+                       passes: int = 3) -> CostCurve:
+    """A :class:`CostCurve` from ``run_round(rows, budget, kv_len) -> seconds``: the fastest of ``passes`` passes
+    over the whole grid at every point (the engine's fallback when it was given none: :func:`engine_curve`). Passes
+    rather than repeats in a row, so a burst of load from other processes slows one pass of a point, not all."""
     from ddtree.engine.cost_curve import CostCurve
 
     t0 = time.perf_counter()
-    seconds = [max(run_round(r, b, k), 1e-9) for r in rows for b in budgets for k in kv_lens]
+    grid = [(r, b, k) for r in rows for b in budgets for k in kv_lens]
+    seconds = [math.inf] * len(grid)
+    for _ in range(passes):
+        seconds = [min(s, max(run_round(*point), 1e-9)) for s, point in zip(seconds, grid, strict=True)]
     return CostCurve(device=device, model=model, rows=tuple(rows), budgets=tuple(budgets), kv_lens=tuple(kv_lens),
                      seconds=tuple(seconds), measure_seconds=time.perf_counter() - t0)
 
@@ -214,8 +219,9 @@ def time_round(queue: Callable[[PackedRows, RoundShape], Tensor], *, scratch: in
 
 def engine_curve(sched: Any, cands: Sequence[int]) -> CostCurve:
     """The fallback curve of a scheduler (:class:`ddtree.engine.scheduler.Scheduler`) that was given none: its
-    rounds timed over ``cands`` at :func:`grid_rows` x :func:`grid_kv_lens`, on its graphs (CUDA) or eagerly; logged
-    with the values, since a busy machine makes them noisy."""
+    rounds timed over ``cands`` at :func:`grid_rows` x :func:`grid_kv_lens` (one untimed and one timed round a point,
+    the fastest of three passes), on its graphs (CUDA) or eagerly; logged with the values, since a busy machine makes
+    them noisy."""
     from ddtree.engine.round import RoundInputs
     from ddtree.engine.runner import StageTimer
 
@@ -231,7 +237,7 @@ def engine_curve(sched: Any, cands: Sequence[int]) -> CostCurve:
         return sched.runner.round(RoundInputs.from_packed(packed.to(sched.device), shape), timer)
 
     curve = measure_cost_curve(
-        lambda r, b, k: time_round(run, scratch=scratch, block_size=block, rows=r, budget=b, kv_len=k),
+        lambda r, b, k: time_round(run, scratch=scratch, block_size=block, rows=r, budget=b, kv_len=k, repeats=1),
         device=str(sched.device), model=sched.model_name, rows=rows, budgets=tuple(cands), kv_lens=kv)
     log.warning("budget auto: cost curve measured in %.1f s: %s", curve.measure_seconds, curve.to_json())
     return curve
