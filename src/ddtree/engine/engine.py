@@ -28,8 +28,6 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from ddtree.engine.api import (
     MAX_STOP_IDS,
     GenerationOutput,
@@ -43,6 +41,7 @@ from ddtree.engine.build import build, default_tree, load_models
 from ddtree.engine.config import EngineConfig
 from ddtree.engine.cost_curve import CurveSource, attach_curve
 from ddtree.engine.detok import IncrementalDetokenizer
+from ddtree.engine.info import engine_info
 from ddtree.engine.request_state import RequestState
 from ddtree.engine.scheduler import Scheduler
 from ddtree.engine.warmup import Warmup, free_device_bytes
@@ -353,37 +352,8 @@ class Engine(Scheduler):
             )
 
     def info(self) -> dict[str, Any]:
-        import transformers
-
-        from ddtree import __version__
-
-        cfg = self.config
-        return {
-            "model": self.model_name,
-            "versions": {"ddtree": __version__, "torch": torch.__version__, "transformers": transformers.__version__},
-            "device": str(self.device),
-            "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
-            "dtype": cfg.dtype,
-            "config": {k: (v.to_dict() if isinstance(v, TreeSettings) else v) for k, v in cfg.__dict__.items()},
-            "defaults": self._defaults.to_dict(),
-            "limits": {
-                "max_batch": cfg.max_batch,
-                "max_len": cfg.max_len,
-                "max_budget": cfg.max_budget,
-                "max_block_size": self.max_block_size,
-                "trained_block_size": self.trained_block_size if self.drafter is not None else None,
-            },
-            "kv_cache": {
-                "slots": cfg.max_batch,
-                "tokens_per_slot": self.cache_len,
-                "capacity_tokens": cfg.max_batch * cfg.max_len,
-                "bytes": self.runner.kv_bytes,
-            },
-            "drafter": self.drafter is not None,
-            "warmup": self.parts.warmup.info(),
-            "exact": self.parts.exact_info(),
-            "cost_curve": self.cost_curve_source.info(),
-        }
+        """What ``/server_info`` reports (:func:`ddtree.engine.info.engine_info`)."""
+        return engine_info(self)
 
     # ---- validation helpers ------------------------------------------------------------------------------------
     def _validate_tree(self, tree: TreeSettings) -> TreeSettings:
