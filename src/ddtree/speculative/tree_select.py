@@ -295,7 +295,7 @@ def expected_lengths(scores: Tensor) -> Tensor:
     """``scores [R, W + 1]`` (a tree's float32 cumulative log-probs in node order, root first, padding -inf) ->
     ``E [R, W]`` float32: ``E[:, n - 1]`` = 1 + the sum of the first ``n`` node probabilities, the expected tokens
     a round of the best ``n``-node tree commits under the drafter's factorised surrogate. No host sync."""
-    probs = torch.exp(scores[:, 1:].float())  # exp(-inf) = 0: invalid nodes add nothing
+    probs = torch.exp(scores[:, 1:].to(torch.float32))  # exp(-inf) = 0: invalid nodes add nothing
     return 1.0 + torch.cumsum(probs, dim=1)
 
 
