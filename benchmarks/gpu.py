@@ -81,6 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--budgets", default=",".join(map(str, BUDGETS)))
     ap.add_argument("--auto", action="store_true", help='also DDTree with budget "auto" in every cell (the engine '
                     "measures its cost curve at start: EngineConfig.cost_curve auto)")
+    ap.add_argument("--cost-curve", default=None, help="EngineConfig.cost_curve (off|auto|path); default auto with "
+                    "--auto (off: budget auto measures its own curve at its first round), else off")
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--max-verify-tokens", type=int, default=4096)
     ap.add_argument("--time-budget", type=float, default=500.0, help="seconds for the matrix")
@@ -152,7 +154,7 @@ def _run(args: argparse.Namespace, compiles: CompileLog, listening: bool) -> Non
                           prefill_chunk=args.prefill_chunk, max_queue=4096, cuda_graphs=True, gpu_kernels=not args.no_kernels,
                           prefill_graphs=not args.no_prefill_graphs, draft_fp8=args.draft_fp8,
                           blas_rule=not args.no_blas_rule, warmup=args.engine_warmup,
-                          cost_curve="auto" if args.auto else "off")
+                          cost_curve=args.cost_curve or ("auto" if args.auto else "off"))
     engine = Engine(target, drafter, tokenizer, config, model_name=f"standin-{args.shape}")
     engine.start()
     eager = Engine(target, drafter, tokenizer, dataclasses.replace(config, cuda_graphs=False, max_batch=2, warmup="none"),
