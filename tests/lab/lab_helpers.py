@@ -41,3 +41,32 @@ class Replay:
 
 def load_json_fixture(name: str) -> Any:
     return json.loads((FIXTURES / name).read_text())
+
+
+def shifted_tree_positions(node: int, shift: int):
+    """``benchmarks/divergence_gate.py``'s broken verify (a tree node's RoPE position shifted), loaded from the
+    script by path: the gate tests use the very double the GPU benchmark runs."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "divergence_gate.py"
+    spec = importlib.util.spec_from_file_location("divergence_gate", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.shifted_tree_positions(node, shift)
+
+
+def md_section(md: str, title: str) -> str:
+    """The body of the markdown section ``## title`` (up to the next ``## `` heading)."""
+    import re
+
+    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", md, flags=re.S | re.M)
+    assert match, f"section {title!r} missing"
+    return match.group(1)
+
+
+def md_table(text: str) -> list[list[str]]:
+    """The header and body rows of the first markdown table in ``text``, cells stripped (escaped pipes kept)."""
+    import re
+
+    rows = [line for line in text.splitlines() if line.startswith("|")]
+    return [[c.strip() for c in re.split(r"(?<!\\)\|", row)[1:-1]] for row in rows[:1] + rows[2:]]

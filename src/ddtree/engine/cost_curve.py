@@ -41,15 +41,14 @@ import hashlib
 import json
 import logging
 import math
-import os
 import re
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ddtree.errors import ConfigError
+from ddtree.files import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -239,18 +238,7 @@ def cache_key(device: str, model: str, **extra: Any) -> str:
 def save_curve(curve: CostCurve, path: Path) -> Path:
     """Write ``curve`` to ``path`` atomically: a temporary file beside it, flushed and synced, then ``os.replace``."""
     path = Path(path)
-    text = json.dumps(curve.to_json(), indent=1)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_text(path, json.dumps(curve.to_json(), indent=1))
     return path
 
 

@@ -9,13 +9,11 @@ the drift of the two runs' log-probs of the same tokens is what shows the broken
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-from pathlib import Path
 
 import pytest
 import torch
-from lab_helpers import ThreadedUvicorn
+from lab_helpers import ThreadedUvicorn, shifted_tree_positions
 
 from ddtree import speculative
 from ddtree.lab.client import BenchTarget
@@ -41,15 +39,6 @@ def demo_server():
             yield server.url
 
 
-def _shift_node(node: int, shift: int):
-    """benchmarks/divergence_gate.py's broken verify (a script, loaded by path)."""
-    path = Path(__file__).resolve().parents[3] / "benchmarks" / "divergence_gate.py"
-    spec = importlib.util.spec_from_file_location("divergence_gate", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.shifted_tree_positions(node, shift)
-
-
 def test_broken_verify_is_a_real_divergence_and_the_healthy_engine_is_identical(demo_server, tmp_path,
                                                                                   monkeypatch, caplog):
     baseline = tmp_path / "ar.json"
@@ -73,7 +62,7 @@ def test_broken_verify_is_a_real_divergence_and_the_healthy_engine_is_identical(
     assert (lossless["identical"], lossless["near_tie"], lossless["real"]) == (len(tasks), 0, 0)
     assert lossless["verdict"] == "identical" and lossless["divergences"] == lossless["drifting"] == []
 
-    monkeypatch.setattr(speculative, "tree_positions", _shift_node(1, 1))
+    monkeypatch.setattr(speculative, "tree_positions", shifted_tree_positions(1, 1))
     with caplog.at_level(logging.WARNING, logger="ddtree.lab.humaneval"):
         broken = run_humaneval(BenchTarget(url=demo_server, extra_body=tree), tasks=tasks, limit=None,
                                max_tokens=MAX_TOKENS, out=None, baseline=baseline, logprobs=TOP_LOGPROBS,

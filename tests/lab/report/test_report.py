@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import typer
+from lab_helpers import md_section, md_table
 from report_synthetic import CONFIG, make_run
 from typer.testing import CliRunner
 
@@ -27,17 +28,6 @@ def report_dir(tmp_path_factory) -> Path:
     return root
 
 
-def _section(md: str, title: str) -> str:
-    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", md, flags=re.S | re.M)
-    assert match, f"section {title!r} missing"
-    return match.group(1)
-
-
-def _table(text: str) -> list[list[str]]:
-    rows = [line for line in text.splitlines() if line.startswith("|")]
-    return [[c.strip() for c in re.split(r"(?<!\\)\|", row)[1:-1]] for row in rows[:1] + rows[2:]]
-
-
 def test_summary_sections_in_order(report_dir):
     md = (report_dir / "summary.md").read_text()
     titles = re.findall(r"^## (.+)$", md, flags=re.M)
@@ -47,7 +37,7 @@ def test_summary_sections_in_order(report_dir):
 
 
 def test_recommendations_name_winner_margin_and_spread(report_dir):
-    table = _table(_section((report_dir / "summary.md").read_text(), "Recommendations"))
+    table = md_table(md_section((report_dir / "summary.md").read_text(), "Recommendations"))
     assert table[0] == ["workload", "cell", "winner", "tok/s", "runner-up", "tok/s", "margin", "beyond spread?",
                         "vs AR", "vs DFlash"]
     rows = {row[0]: row for row in table[1:]}
@@ -67,7 +57,7 @@ def test_recommendations_name_winner_margin_and_spread(report_dir):
 
 
 def test_best_setting_per_concurrency(report_dir):
-    table = _table(_section((report_dir / "summary.md").read_text(), "Best setting per concurrency"))
+    table = md_table(md_section((report_dir / "summary.md").read_text(), "Best setting per concurrency"))
     assert table == [
         ["concurrency", "ctx 60", "ctx 1024"],
         ["C=1", "ddtree b8 (61.0)", "ddtree b8 k=4 (50.0)"],
@@ -76,7 +66,7 @@ def test_best_setting_per_concurrency(report_dir):
 
 
 def test_users_table_sorted_with_gate_and_lossless(report_dir):
-    table = _table(_section((report_dir / "summary.md").read_text(), "Results"))
+    table = md_table(md_section((report_dir / "summary.md").read_text(), "Results"))
     assert table[0] == ["config", "method", "budget", "top-k", "block", "window", "C=1 ctx 60 tok/s",
                         "C=1 ctx 1024 tok/s", "C=8 ctx 60 tok/s", "accept len", "vs AR (C=1)", "coding", "lossless"]
     assert [row[0] for row in table[1:]] == [
@@ -91,15 +81,15 @@ def test_users_table_sorted_with_gate_and_lossless(report_dir):
 
 
 def test_all_cells_marks_the_failed_cell(report_dir):
-    table = _table(_section((report_dir / "summary.md").read_text(), "All cells"))
+    table = md_table(md_section((report_dir / "summary.md").read_text(), "All cells"))
     row = next(r for r in table if r[0] == "ddtree b4")
     assert row[1:] == ["51.0 [51.0..51.0] a3.10", "170.0 [169.0..171.0] a3.10", "40.0 [40.0..40.0] a3.10", "failed"]
-    failures = _table(_section((report_dir / "summary.md").read_text(), "Failures"))
+    failures = md_table(md_section((report_dir / "summary.md").read_text(), "Failures"))
     assert failures[1] == ["ddtree b4", "ctx1024-c8", "http", "HTTP 500: boom"]
 
 
 def test_conclusions(report_dir):
-    bullets = [line[2:] for line in _section((report_dir / "summary.md").read_text(), "Conclusions").splitlines()
+    bullets = [line[2:] for line in md_section((report_dir / "summary.md").read_text(), "Conclusions").splitlines()
                if line.startswith("- ")]
     assert bullets[0].startswith("Latency (ctx 60, C=1): **ddtree b8** at 61.0 tok/s, +1.7%")
     assert "within the run-to-run spread" in bullets[0]
@@ -182,7 +172,7 @@ def test_report_cli(tmp_path):
     result = CliRunner().invoke(app, ["report", str(root)])
     assert result.exit_code == 0, result.output
     assert (root / "report.html").is_file() and "summary.md" in result.output
-    table = _table(_section((root / "summary.md").read_text(), "Results"))
+    table = md_table(md_section((root / "summary.md").read_text(), "Results"))
     assert next(r for r in table if r[0] == "ar")[6] == "-"  # listed from the manifest, but unmeasured
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -3,8 +3,7 @@ measured numbers were chosen by hand (report_synthetic.py)."""
 
 from __future__ import annotations
 
-import re
-
+from lab_helpers import md_section, md_table
 from report_synthetic import make_run
 
 from ddtree.lab.report import load_run, write_report
@@ -29,17 +28,6 @@ PREDICTED = {
 }
 
 
-def _section(md: str, title: str) -> str:
-    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", md, flags=re.S | re.M)
-    assert match, f"section {title!r} missing"
-    return match.group(1)
-
-
-def _table(text: str) -> list[list[str]]:
-    rows = [line for line in text.splitlines() if line.startswith("|")]
-    return [[c.strip() for c in re.split(r"(?<!\\)\|", row)[1:-1]] for row in rows[:1] + rows[2:]]
-
-
 def test_predicted_beside_measured_with_the_error(tmp_path):
     root = make_run(tmp_path / "run")
     atomic_write_json(root / "predicted.json", PREDICTED)
@@ -52,9 +40,9 @@ def test_predicted_beside_measured_with_the_error(tmp_path):
 
     write_report(root)
     md = (root / "summary.md").read_text()
-    section = _section(md, "Predicted vs measured")
+    section = md_section(md, "Predicted vs measured")
     assert "mean |error| 7.5% over 2 cells" in section
-    table = _table(section)
+    table = md_table(section)
     assert table[0] == ["config", "cell", "measured tok/s", "predicted tok/s", "error"]
     label = results.label
     assert table[1:] == [

@@ -9,12 +9,11 @@ References: the sweep's own AR gate outputs (byte-identical expected), the broke
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
+from lab_helpers import shifted_tree_positions
 
 from ddtree import speculative
 from ddtree.engine import Engine
@@ -25,15 +24,6 @@ from ddtree.lab.sweep.runner import SweepTarget, run_sweep
 
 GATE = SweepConfig(name="gate", budgets=(6,), topks=(None,), contexts=(12,), concurrency=(1,), output_tokens=4,
                    num_requests=1, repeats=1, gate_tasks=("HumanEval/0", "HumanEval/23"), gate_max_tokens=16)
-
-
-def _shift_node(node: int, shift: int):
-    """benchmarks/divergence_gate.py's broken verify (a script, loaded by path)."""
-    path = Path(__file__).resolve().parents[3] / "benchmarks" / "divergence_gate.py"
-    spec = importlib.util.spec_from_file_location("divergence_gate", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.shifted_tree_positions(node, shift)
 
 
 def _started_configs(monkeypatch) -> list:
@@ -84,7 +74,7 @@ def demo_exact_engine():
 @pytest.mark.slow
 def test_a_broken_verify_fails_the_exact_gate(demo_exact_engine, tmp_path, monkeypatch):
     started = _started_configs(monkeypatch)
-    monkeypatch.setattr(speculative, "tree_positions", _shift_node(1, 1))
+    monkeypatch.setattr(speculative, "tree_positions", shifted_tree_positions(1, 1))
     config = GATE.replace(methods=("ar", "ddtree"), gate_max_tokens=24)
     no_stop = SweepTarget(extra_body={"stop": ["\x00"]})  # whole answers of gate_max_tokens, as the bf16 study ran
     outcome = run_sweep(config, no_stop, tmp_path / "run", engine=demo_exact_engine, report=False)

@@ -219,8 +219,8 @@ def run_engine_bench(engine: Any, workload: Any, *, out_dir: Path | None, config
     import sys
 
     from ddtree import __version__
+    from ddtree.files import atomic_write_json
     from ddtree.lab.bench.run import _Progress, cell_filename
-    from ddtree.lab.files import atomic_write_json
 
     workload = workload.validated()
     tokenizer, tokenizer_name = engine.tokenizer, engine.model_name

@@ -40,11 +40,11 @@ from pathlib import Path
 from typing import Any
 
 from ddtree import __version__
+from ddtree.files import atomic_write_json
 from ddtree.lab.bench.metrics import request_record, summarize_cell, summarize_run
 from ddtree.lab.bench.workload import Prompt, Workload, build_prompts, load_tokenizer
 from ddtree.lab.client import BenchTarget, Completion, OpenAIClient
 from ddtree.lab.engines import REQUEST_EXTRAS, CounterAcceptance
-from ddtree.lab.files import atomic_write_json
 
 CELL_SCHEMA = "ddtree.bench.cell/1"
 

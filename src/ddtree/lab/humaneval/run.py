@@ -43,9 +43,9 @@ import httpx
 
 from ddtree import __version__
 from ddtree.errors import ConfigError
+from ddtree.files import atomic_write_json
 from ddtree.lab.client import BenchTarget, OpenAIClient
 from ddtree.lab.engines import REQUEST_EXTRAS
-from ddtree.lab.files import atomic_write_json
 from ddtree.lab.humaneval.divergence import DEFAULT_NEAR_TIE_MARGIN, TokenTrace, TopEntry, check_margin
 from ddtree.lab.humaneval.extract import build_program, extract_code
 from ddtree.lab.humaneval.lossless import EVAL_SCHEMA, compare_with_baseline

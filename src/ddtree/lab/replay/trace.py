@@ -97,7 +97,7 @@ class Trace:
         """Write the trace as safetensors (atomically: a temp file renamed over ``path``)."""
         from safetensors.torch import save
 
-        from ddtree.lab.files import atomic_write_bytes
+        from ddtree.files import atomic_write_bytes
 
         tensors = {
             "tokens": self.tokens,

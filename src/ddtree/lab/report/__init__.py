@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddtree.lab.files import atomic_write_text
+from ddtree.files import atomic_write_text
 from ddtree.lab.report.collect import RunResults, load_run
 
 

@@ -24,7 +24,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen before pyplot is imported)
 
-from ddtree.lab.files import atomic_write_bytes  # noqa: E402
+from ddtree.files import atomic_write_bytes  # noqa: E402
 from ddtree.lab.report.analysis import rank  # noqa: E402
 from ddtree.lab.report.collect import ConfigResult, RunResults  # noqa: E402
 from ddtree.lab.report.latency import pareto_front  # noqa: E402

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddtree.lab.files import atomic_write_bytes, atomic_write_json, atomic_write_text, finite_json
+from ddtree.files import atomic_write_bytes, atomic_write_json, atomic_write_text, finite_json
 
 BENCH_SCHEMA = "ddtree.bench.cell/1"
 EVAL_SCHEMA = "ddtree.eval.humaneval/2"  # the same string as ddtree.lab.humaneval.EVAL_SCHEMA

@@ -1,4 +1,5 @@
-"""Files the lab writes: atomically (a killed sweep or benchmark never leaves a half-written file) and as strict JSON.
+"""Files ddtree writes: atomically (a killed sweep, benchmark or engine start never leaves a half-written file)
+and as strict JSON.
 
 Hand-written because the standard library has no atomic replace-with-fsync helper and the needs are small: a
 temporary file in the same directory, fsync, ``os.replace``.
