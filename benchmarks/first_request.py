@@ -89,6 +89,37 @@ def cell_block(engine, prompts, compiles: CompileLog, device, repeats: int, new_
             "captures": sum(r["captures"] for r in runs), "compiles": sum(r["compiles"]["count"] for r in runs)}
 
 
+def recapture(engine, count: int, device) -> list[dict]:
+    """Capture the first ``count`` planned round keys again, with the collector's generations frozen and not
+    (alternating, twice each): what one capture costs once nothing compiles, and how much of it is the
+    ``gc.collect()`` that ``torch.cuda.graph`` runs at every capture (it walks every unfrozen object)."""
+    import gc
+
+    graphs = engine.graphs
+    keys = [k for k in engine.warmup.plan.rounds if k in graphs.graphs][:count]
+    rows = []
+    for mode in ("unfrozen", "frozen", "unfrozen", "frozen"):
+        if mode == "unfrozen":
+            gc.unfreeze()
+        else:
+            gc.freeze()
+        for key in keys:
+            graphs.graphs.pop(key, None)
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for key in keys:
+            graphs.capture(key)
+        torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - t0
+        rows.append({"mode": mode, "keys": len(keys), "seconds": round(seconds, 3),
+                     "per_key_ms": round(1e3 * seconds / max(len(keys), 1), 1),
+                     "tracked_objects": len(gc.get_objects()), "frozen_objects": gc.get_freeze_count()})
+        print(f"recapture {mode}: {len(keys)} round keys in {seconds:.2f} s "
+              f"({rows[-1]['per_key_ms']} ms a key; {rows[-1]['tracked_objects']} tracked objects)", flush=True)
+    gc.freeze()
+    return rows
+
+
 def memory_stats(device) -> dict | None:
     """torch's allocator counters (allocated, reserved, their peaks): graph pools' blocks are reserved by torch."""
     if device.type != "cuda":
@@ -142,6 +173,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prefill-chunk", type=int, default=512)
     ap.add_argument("--combine-check", action="store_true", help="after the run, time the combine's unroll "
                                                                   "bucketing against the exact unroll")
+    ap.add_argument("--recapture", type=int, default=0, help="after the run, capture this many planned round "
+                    "keys again, the collector frozen and not (what a capture costs once nothing compiles)")
     ap.add_argument("--cell-repeats", type=int, default=3)
     ap.add_argument("--cell-tokens", type=int, default=512, help="new tokens per request in the sweep cell")
     ap.add_argument("--quick", action="store_true", help="dry run: contexts / 16, 8 new tokens, at most 4 requests")
@@ -212,6 +245,8 @@ def main(argv: list[str] | None = None) -> None:
     report["cell_last"] = cell_block(engine, cell_prompts, compiles, device, args.cell_repeats, args.cell_tokens)
     report["engine_warmup_end"] = engine.info()["warmup"]
     report["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device) if cuda else None
+    if args.recapture and cuda:
+        report["recapture"] = recapture(engine, args.recapture, device)
     engine.shutdown()
     compiles.uninstall()
     if args.combine_check and cuda:
