@@ -35,7 +35,7 @@ def test_gate_answers_are_the_engines_greedy_outputs_and_lossless(live_ddtree, t
     assert tree["extra_body"] == {"ddtree": {"method": "ddtree", "budget": 8}}
     assert tree["lossless"] == {"baseline": str(baseline), "identical": 3, "compared": 3, "near_tie": 0, "real": 0,
                                 "verdict": "identical", "near_tie_margin": 0.5, "differing_tasks": [],
-                                "divergences": [], "drifting": []}
+                                "divergences": [], "drifting": [], "exact": False}
     assert all(t["trace"] is None for t in tree["tasks"])  # no log-probs asked, no trace
 
 
