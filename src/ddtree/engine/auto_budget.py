@@ -49,6 +49,7 @@ previous round unless another beats it by :data:`MARGIN`, so near-ties do not br
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -204,8 +205,7 @@ def time_round(queue: Callable[[PackedRows, RoundShape], Tensor], *, scratch: in
     (its contents are garbage; a round's cost does not depend on them). ``queue`` runs a round and returns its
     device result (the scheduler's graph or eager path); reading it back is the sync that ends the timing."""
     start = max(kv_len - budget - 1, 1)
-    row = RowInputs(slot=scratch, root_token=0, start=start, budget=budget, topk=0, depth_limit=block_size - 1,
-                    window=1 << 30, top_k=0, seed=0, step=0, min_tokens=0, temperature=0.0, top_p=1.0)
+    row = dataclasses.replace(RowInputs.padding(scratch), start=start, budget=budget, depth_limit=block_size - 1)
     shape = RoundShape(rows=rows, max_budget=budget, block_size=block_size, kv_len=start + budget + 1,
                        draft_kv_len=start, greedy=True, filtered=False, contiguous=False)
     best = math.inf
