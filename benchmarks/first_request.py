@@ -90,33 +90,35 @@ def cell_block(engine, prompts, compiles: CompileLog, device, repeats: int, new_
 
 
 def recapture(engine, count: int, device) -> list[dict]:
-    """Capture the first ``count`` planned round keys again, with the collector's generations frozen and not
-    (alternating, twice each): what one capture costs once nothing compiles, and how much of it is the
-    ``gc.collect()`` that ``torch.cuda.graph`` runs at every capture (it walks every unfrozen object)."""
-    import gc
-
+    """Capture the first ``count`` planned round keys again (their shared draft and tree stages too) with 2, 1 and
+    0 eager passes before each capture (``graph_capture.Recorder.eager_runs``), twice each: what one capture costs
+    once nothing compiles, and where it goes (the recorder's clock per phase)."""
     graphs = engine.graphs
+    recorder = graphs.recorder
     keys = [k for k in engine.warmup.plan.rounds if k in graphs.graphs][:count]
     rows = []
-    for mode in ("unfrozen", "frozen", "unfrozen", "frozen"):
-        if mode == "unfrozen":
-            gc.unfreeze()
-        else:
-            gc.freeze()
+    kept = recorder.eager_runs
+    for runs in (2, 1, 0, 2, 1, 0):
         for key in keys:
-            graphs.graphs.pop(key, None)
+            if key in graphs.graphs:
+                del graphs.graphs[key]
+                graphs._drop(key)
+        recorder.eager_runs = runs
+        before = {k: v for k, v in recorder.clock.seconds.items()}
         torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         for key in keys:
             graphs.capture(key)
         torch.cuda.synchronize(device)
         seconds = time.perf_counter() - t0
-        rows.append({"mode": mode, "keys": len(keys), "seconds": round(seconds, 3),
-                     "per_key_ms": round(1e3 * seconds / max(len(keys), 1), 1),
-                     "tracked_objects": len(gc.get_objects()), "frozen_objects": gc.get_freeze_count()})
-        print(f"recapture {mode}: {len(keys)} round keys in {seconds:.2f} s "
-              f"({rows[-1]['per_key_ms']} ms a key; {rows[-1]['tracked_objects']} tracked objects)", flush=True)
-    gc.freeze()
+        phases = {k: round(v - before.get(k, 0.0), 3) for k, v in recorder.clock.seconds.items()
+                  if v - before.get(k, 0.0) > 0}
+        rows.append({"eager_runs": runs, "keys": len(keys), "seconds": round(seconds, 3),
+                     "per_key_ms": round(1e3 * seconds / max(len(keys), 1), 1), "phases_s": phases,
+                     "stage_graphs": graphs.stage_graphs()})
+        print(f"recapture, {runs} eager runs: {len(keys)} round keys in {seconds:.2f} s "
+              f"({rows[-1]['per_key_ms']} ms a key; {phases})", flush=True)
+    recorder.eager_runs = kept
     return rows
 
 
@@ -174,7 +176,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--combine-check", action="store_true", help="after the run, time the combine's unroll "
                                                                   "bucketing against the exact unroll")
     ap.add_argument("--recapture", type=int, default=0, help="after the run, capture this many planned round "
-                    "keys again, the collector frozen and not (what a capture costs once nothing compiles)")
+                    "keys again with 2, 1 and 0 eager passes (what a capture costs once nothing compiles)")
+    ap.add_argument("--eager-runs", type=int, default=None, help="eager passes before each capture in the warm-up "
+                    "(graph_capture.Recorder.eager_runs; default the engine's)")
+    ap.add_argument("--no-workloads", action="store_true", help="start-up only: no workloads, no sweep cell")
     ap.add_argument("--cell-repeats", type=int, default=3)
     ap.add_argument("--cell-tokens", type=int, default=512, help="new tokens per request in the sweep cell")
     ap.add_argument("--quick", action="store_true", help="dry run: contexts / 16, 8 new tokens, at most 4 requests")
@@ -210,6 +215,8 @@ def main(argv: list[str] | None = None) -> None:
     free_before = torch.cuda.mem_get_info(device)[0] if cuda else None
     memory_before = memory_stats(device)
     engine = Engine(target, drafter, tokenizer, config, model_name=f"standin-{args.shape}")
+    if args.eager_runs is not None and engine.graphs is not None:
+        engine.graphs.recorder.eager_runs = args.eager_runs
     t_engine = time.perf_counter()
     engine.start()
     t_ready = time.perf_counter()
@@ -230,6 +237,13 @@ def main(argv: list[str] | None = None) -> None:
     }
     # written now and again at the end: a run cut short still leaves its start-up numbers
     (out_dir / "first_request.json").write_text(json.dumps(report, indent=1, default=str))
+    print(f"ready in {t_ready - T_PROCESS:.1f} s (start {t_ready - t_engine:.1f} s); capture phases "
+          f"{report['engine_warmup'].get('capture')}; stage graphs {report['engine_warmup'].get('stage_graphs')}",
+          flush=True)
+    if args.no_workloads:
+        engine.shutdown()
+        compiles.uninstall()
+        return
     stream = held_out_token_stream(tokenizer, sum(w[1] * w[2] for w in (*WORKLOADS, CELL)) + 8192)
     cell_prompts = prompts_for(stream, CELL[2], CELL[1], salt=99)
     report["cell_first"] = cell_block(engine, cell_prompts, compiles, device, args.cell_repeats, args.cell_tokens)

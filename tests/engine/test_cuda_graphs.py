@@ -1,7 +1,9 @@
 """The engine with CUDA graphs (rounds and whole-prompt prefills) decodes exactly like the same engine without them.
 
 GPU only: graphs need a CUDA device. fp32 on the shipped demo pair, so both engines run the same kernels in the
-same order and must give the same tokens.
+same order and must give the same tokens. The requests mix budgets 4 and 8 and greedy and sampled rows, so graph
+keys share their draft and tree stages (``cuda_graphs.RoundGraphs``: one draft graph per rows, block and length,
+one tree graph per node bucket) and a wrong share shows as a different token.
 """
 
 from __future__ import annotations
@@ -34,6 +36,13 @@ def _decode(graphs: bool) -> tuple[list[list[int]], Engine]:
                                       sampling=SamplingParams(max_tokens=24, ignore_eos=True))
                     for p in PROMPTS for method in ("ddtree", "ar")]
         outputs = engine.generate(requests)
+        # one at a time: each budget and sampling variant in a round of its own rows bucket
+        for budget, temperature in ((4, 0.0), (8, 0.8), (4, 0.8)):
+            for p in PROMPTS[:2]:
+                outputs += engine.generate([GenerationRequest(
+                    prompt_token_ids=tokenizer.encode(p, add_special_tokens=False),
+                    tree=TreeSettings(method="ddtree", budget=budget),
+                    sampling=SamplingParams(max_tokens=24, ignore_eos=True, temperature=temperature, seed=7))])
     finally:
         engine.shutdown()
     assert all(o.error is None for o in outputs), [o.error for o in outputs]
@@ -45,4 +54,7 @@ def test_graphed_rounds_and_prefills_equal_eager():
     graphed, engine = _decode(True)
     assert engine.prefill_graphs.captures > 0 and engine.graphs.captures > 0
     assert graphed == eager
-    assert graphed[0::2] == graphed[1::2]  # DDTree == AR, prompt by prompt
+    assert graphed[0:6:2] == graphed[1:6:2]  # DDTree == AR, prompt by prompt
+    assert graphed[6:8] == graphed[0:4:2][:2]  # greedy budget 4 == greedy budget 8 (== AR)
+    stages = engine.graphs.stage_graphs()
+    assert stages["tree"] < stages["verify"] or stages["draft"] < stages["tree"], stages  # something was shared

@@ -49,3 +49,39 @@ def test_graph_key_is_the_shape_rounded_up():
     assert key == RoundShape(rows=4, max_budget=15, block_size=16, kv_len=2048, draft_kv_len=2048, greedy=True,
                              filtered=False, contiguous=False)
     assert graph_key(key, max_rows=8, cache_len=4096) == key  # a key is its own bucket
+
+
+class _ReadLog:
+    """A RoundShape stand-in that records which fields a stage reads."""
+
+    def __init__(self, shape: RoundShape) -> None:
+        self._shape, self.read = shape, set()
+
+    def __getattr__(self, name: str):
+        value = getattr(self._shape, name)
+        self.read.add("block_size" if name == "drafts" else name)  # drafts is block_size > 1
+        return value
+
+
+def test_the_draft_and_tree_stages_read_only_their_declared_shape_fields(tiny_pair):
+    """cuda_graphs.RoundGraphs shares a draft (tree) stage's graph among keys equal on STAGE_SHAPE_FIELDS; a stage
+    reading any other field would replay the wrong graph for some key. Both an auto round and a plain tree round."""
+    from ddtree.engine.kernels import KernelSet
+    from ddtree.engine.round import RoundWork
+    from ddtree.engine.runner import STAGE_SHAPE_FIELDS, ModelRunner
+
+    target, drafter = tiny_pair
+    runner = ModelRunner(target, drafter, slots=3, cache_len=64, kernels=KernelSet.torch())
+    rows = [dataclasses.replace(_row(i), slot=i, root_token=3 + i, start=4 + i, window=99) for i in range(2)]
+    for auto_width in (0, 7):
+        shape = RoundShape(rows=2, max_budget=3, block_size=8, kv_len=20, draft_kv_len=20, greedy=False,
+                           filtered=True, contiguous=False, logprobs=True, min_tokens=True, auto_width=auto_width)
+        logs = {}
+        work = RoundWork()
+        for name, stage in runner.stages()[:2]:
+            logs[name] = _ReadLog(shape)
+            stage(RoundInputs.from_packed(PackedRows.pack(rows), logs[name]), work)
+        assert work.draft_logits is not None and work.tree is not None
+        for name, log in logs.items():
+            assert log.read - {"rows"} <= set(STAGE_SHAPE_FIELDS[name]), (name, log.read)
+        assert "draft_kv_len" in logs["draft"].read and "max_budget" in logs["tree"].read

@@ -137,14 +137,16 @@ def build(target, drafter, tokenizer, config: EngineConfig, *, model_name: str) 
     graphs = prefill_graphs = None
     if config.cuda_graphs and device.type == "cuda":
         from ddtree.engine.cuda_graphs import PrefillGraphs, RoundGraphs
+        from ddtree.engine.graph_capture import Recorder
 
         # Room for the whole plan and as many lazy shapes again as before the plan (its LRU never drops planned ones
         # while misses stay below that).
+        recorder = Recorder(device)  # one capture stream and one clock for both graph sets
         graphs = RoundGraphs(runner, max_rows=max_batch, cache_len=cache_len, max_graphs=96 + len(plan.rounds),
-                             attention=attention)
+                             attention=attention, recorder=recorder)
         if config.prefill_graphs:
             prefill_graphs = PrefillGraphs(runner, max_rows=max_batch, max_width=prefill_width,
-                                           max_graphs=max(32, len(plan.prefills) + 8))
+                                           max_graphs=max(32, len(plan.prefills) + 8), recorder=recorder)
     warmup = Warmup(plan=plan, steps=build_steps(plan, graphs=graphs, prefill_graphs=prefill_graphs, runner=runner,
                                                  dims=dims),
                     graphs=graphs, prefill_graphs=prefill_graphs, dims=dims, device=device,

@@ -26,15 +26,13 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import TypeVar
 
 import torch
 from torch import Tensor
 
-from ddtree.engine.round import PackedRows, RoundInputs, RoundShape, RoundWork, RowInputs
-from ddtree.engine.runner import ModelRunner, PrefillInputs, StageTimer
-
-T = TypeVar("T")
+from ddtree.engine.graph_capture import Recorder
+from ddtree.engine.round import PackedRows, RoundInputs, RoundShape, RoundWork, RowInputs, TreeStage
+from ddtree.engine.runner import STAGE_SHAPE_FIELDS, ModelRunner, PrefillInputs, StageTimer
 
 
 def bucket_rows(rows: int, max_rows: int) -> int:
@@ -173,28 +171,65 @@ def eager_chunk_dims(width: int, starts: list[int], cache_len: int) -> tuple[int
 
 
 @dataclass
-class _Captured:
-    static: RoundInputs  # per-row fields are views of packed
-    packed: PackedRows  # [F, rows] device buffers
+class _Front:
+    """What keys with the same draft key share (:data:`~ddtree.engine.runner.STAGE_SHAPE_FIELDS`): the static
+    inputs, their staging copies, and the draft stage's graph and output."""
+
+    packed: PackedRows  # [F, rows] device buffers every sharing key's static inputs are views of
     host: PackedRows  # pinned staging copies of the two
     pad: PackedRows  # device copies of the padding rows, for rounds whose inputs are already on the device
+    draft: torch.cuda.CUDAGraph | None  # None: the stage does nothing (no row drafts)
+    draft_logits: Tensor | None
+    users: int = 0  # captured keys that replay it
+
+
+@dataclass
+class _Tree:
+    """The tree stage's graph and output, shared by keys with the same tree key (every sampling flag)."""
+
+    graph: torch.cuda.CUDAGraph
+    tree: TreeStage
+    users: int = 0
+
+
+@dataclass
+class _Captured:
+    static: RoundInputs  # per-row fields are views of front.packed
+    front: _Front
+    tree: _Tree
     work: RoundWork
     graphs: list  # [torch.cuda.CUDAGraph | None] * 4, in ModelRunner.STAGES order (None: the stage does nothing)
 
 
+def stage_key(shape: RoundShape, stage: str) -> tuple:
+    """The part of a graph key that ``stage`` reads: keys equal on it share the stage's graph."""
+    return tuple(getattr(shape, name) for name in STAGE_SHAPE_FIELDS[stage])
+
+
 class RoundGraphs:
-    """Captures and replays rounds; :meth:`run` is the graphed counterpart of :meth:`ModelRunner.round`."""
+    """Captures and replays rounds; :meth:`run` is the graphed counterpart of :meth:`ModelRunner.round`.
+
+    Stage sharing: a round key's draft graph (and its static inputs) is shared by every key with the same rows,
+    block size and draft length, its tree graph by every key that also has the same node bucket, key length and
+    auto width (:func:`stage_key`); only the verify and the commit are captured per key. Why: ``full`` warm-up plans
+    every node bucket and three sampling variants per length bucket, and the sampling flags reach only the verify.
+    Sharing is safe because a round replays its four graphs back to back on one stream and reads a shared stage's
+    output only within the round, and it keeps one copy of the draft logits ``[R, L, V]`` per draft key."""
 
     def __init__(self, runner: ModelRunner, *, max_rows: int, cache_len: int, max_graphs: int = 96,
-                 attention: AttentionDims | None = None) -> None:
-        """attention: the launches' dimensions (:meth:`AttentionDims.of`): keys that launch alike share graphs."""
+                 attention: AttentionDims | None = None, recorder: Recorder | None = None) -> None:
+        """attention: the launches' dimensions (:meth:`AttentionDims.of`): keys that launch alike share graphs.
+        recorder: how captures run (:class:`~ddtree.engine.graph_capture.Recorder`; default one eager pass)."""
         self.runner = runner
         self.attention = attention
         self.max_rows = max_rows
         self.cache_len = cache_len
         self.max_graphs = max_graphs
+        self.recorder = recorder if recorder is not None else Recorder(runner.device)
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: OrderedDict[RoundShape, _Captured] = OrderedDict()
+        self.fronts: dict[tuple, _Front] = {}
+        self.trees: dict[tuple, _Tree] = {}
         self.scratch = runner.target_cache.scratch_slot
         self.captures = 0
         self._pad = PackedRows.pack([RowInputs.padding(self.scratch)])  # [F, 1] host
@@ -206,6 +241,11 @@ class RoundGraphs:
         """The graph key of a round of ``shape`` (the shared one: :func:`shared_key`)."""
         return shared_key(graph_key(shape, max_rows=self.max_rows, cache_len=self.cache_len), self.attention,
                           self.cache_len)
+
+    def stage_graphs(self) -> dict[str, int]:
+        """Stage graphs held, by stage (shared ones once)."""
+        return {"draft": sum(f.draft is not None for f in self.fronts.values()), "tree": len(self.trees),
+                "verify": len(self.graphs), "commit": len(self.graphs)}
 
     @torch.inference_mode()
     def run(self, rows_in: PackedRows, shape: RoundShape, timer: StageTimer) -> tuple[Tensor, PackedRows]:
@@ -222,7 +262,7 @@ class RoundGraphs:
             cap = self._capture(key)
         else:
             self.graphs.move_to_end(key)
-        packed, host, pad = cap.packed, cap.host, cap.pad
+        packed, host, pad = cap.front.packed, cap.front.host, cap.front.pad
         if rows_in.longs.is_cuda:  # inputs already on the device (a round advanced there from the previous one)
             packed.longs[:, :rows].copy_(rows_in.longs)
             packed.floats[:, :rows].copy_(rows_in.floats)
@@ -250,33 +290,76 @@ class RoundGraphs:
             with torch.inference_mode():
                 self._capture(key)
 
-    def _capture(self, key: RoundShape) -> _Captured:
-        runner = self.runner
-        dev = runner.device
+    def _front(self, key: RoundShape) -> _Front:
+        """The shared inputs and draft graph of ``key``'s draft key, captured (and replayed once, so that its
+        output holds valid values for later eager passes) on first use."""
+        skey = stage_key(key, "draft")
+        front = self.fronts.get(skey)
+        if front is not None:
+            return front
+        runner, rec = self.runner, self.recorder
         host = PackedRows(self._pad.longs.expand(-1, key.rows).contiguous().pin_memory(),
                           self._pad.floats.expand(-1, key.rows).contiguous().pin_memory())
-        packed = PackedRows(host.longs.to(dev), host.floats.to(dev))
-        pad = PackedRows(packed.longs.clone(), packed.floats.clone())
+        packed = PackedRows(host.longs.to(runner.device), host.floats.to(runner.device))
+        front = _Front(packed=packed, host=host, pad=PackedRows(packed.longs.clone(), packed.floats.clone()),
+                       draft=None, draft_logits=None)
         static = RoundInputs.from_packed(packed, key)
-        stages = runner.stages()
+        if runner.drafts(static):
+            rec.warm_up(lambda: runner.stage_draft(static, RoundWork()))
+            work = RoundWork()
+            front.draft, _ = rec.record(lambda: runner.stage_draft(static, work), self.pool, stage="draft")
+            front.draft.replay()
+            front.draft_logits = work.draft_logits
+        self.fronts[skey] = front
+        return front
 
-        def all_stages() -> None:
-            scratch = RoundWork()
-            for _, stage in stages:
-                stage(static, scratch)
+    def _tree(self, key: RoundShape, static: RoundInputs, front: _Front) -> _Tree:
+        """The shared tree graph of ``key``'s tree key (captured and replayed once on first use)."""
+        skey = stage_key(key, "tree")
+        tree = self.trees.get(skey)
+        if tree is None:
+            runner, rec = self.runner, self.recorder
+            rec.warm_up(lambda: runner.stage_tree(static, RoundWork(draft_logits=front.draft_logits)))
+            work = RoundWork(draft_logits=front.draft_logits)
+            graph, _ = rec.record(lambda: runner.stage_tree(static, work), self.pool, stage="tree")
+            graph.replay()
+            tree = self.trees[skey] = _Tree(graph=graph, tree=work.tree)
+        return tree
 
-        warm_up(all_stages)
-        work = RoundWork()
-        # An AR round drafts nothing: its draft stage would be an empty graph (None: nothing to replay).
-        graphs = [None if name == "draft" and not runner.drafts(static)
-                  else record(lambda stage=stage: stage(static, work), self.pool)[0]
-                  for name, stage in stages]
-        cap = _Captured(static=static, packed=packed, host=host, pad=pad, work=work, graphs=graphs)
+    def _capture(self, key: RoundShape) -> _Captured:
+        runner, rec = self.runner, self.recorder
+        rec.make_room()
+        front = self._front(key)
+        static = RoundInputs.from_packed(front.packed, key)
+        tree = self._tree(key, static, front)
+
+        def verify_commit() -> None:
+            scratch = RoundWork(draft_logits=front.draft_logits, tree=tree.tree)
+            runner.stage_verify(static, scratch)
+            runner.stage_commit(static, scratch)
+
+        rec.warm_up(verify_commit)
+        work = RoundWork(draft_logits=front.draft_logits, tree=tree.tree)
+        verify, _ = rec.record(lambda: runner.stage_verify(static, work), self.pool, stage="verify")
+        commit, _ = rec.record(lambda: runner.stage_commit(static, work), self.pool, stage="commit")
+        cap = _Captured(static=static, front=front, tree=tree, work=work,
+                        graphs=[front.draft, tree.graph, verify, commit])
+        front.users += 1
+        tree.users += 1
         self.graphs[key] = cap
         self.captures += 1
-        while len(self.graphs) > self.max_graphs:  # each key keeps its stage outputs (draft logits...) allocated
-            self.graphs.popitem(last=False)
+        while len(self.graphs) > self.max_graphs:  # each key keeps its stage outputs (features, result) allocated
+            self._drop(self.graphs.popitem(last=False)[0])
         return cap
+
+    def _drop(self, key: RoundShape) -> None:
+        """Forget the shared stages an evicted key was the last to use (its own graphs went with it)."""
+        for table, stage in ((self.fronts, "draft"), (self.trees, "tree")):
+            skey = stage_key(key, stage)
+            shared = table[skey]
+            shared.users -= 1
+            if shared.users == 0:
+                del table[skey]
 
 
 @dataclass(frozen=True)
@@ -311,8 +394,9 @@ class PrefillGraphs:
     asynchronous copy; the engine reads the logits (a host sync) before it replays any prefill graph again."""
 
     def __init__(self, runner: ModelRunner, *, max_rows: int, max_width: int, max_tokens: int = 8192,
-                 max_graphs: int = 32) -> None:
+                 max_graphs: int = 32, recorder: Recorder | None = None) -> None:
         self.runner = runner
+        self.recorder = recorder if recorder is not None else Recorder(runner.device)
         self.max_rows = max_rows
         self.max_width = max_width
         self.max_tokens = max_tokens
@@ -399,11 +483,13 @@ class PrefillGraphs:
         return cap
 
     def _record(self, fn: Callable[[], Tensor]) -> tuple[Tensor, Callable[[], None]]:
-        """Capture ``fn`` (warm-up on a side stream first, as PyTorch requires): its output and the replay."""
+        """Capture ``fn`` (an eager pass on the capture stream first, as PyTorch requires): its output and the
+        replay."""
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        warm_up(fn)
-        graph, out = record(fn, self.pool)
+        self.recorder.make_room()
+        self.recorder.warm_up(fn)
+        graph, out = self.recorder.record(fn, self.pool, stage="prefill")
         return out, graph.replay
 
 
@@ -416,17 +502,3 @@ def warm_up(fn: Callable[[], object]) -> None:
         for _ in range(2):
             fn()
     torch.cuda.current_stream().wait_stream(side)
-
-
-def record(fn: Callable[[], T], pool) -> tuple[torch.cuda.CUDAGraph, T]:
-    """Capture ``fn`` into a graph allocating from ``pool`` -> (graph, fn's output, whose memory the graph owns)."""
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.current_stream()
-    try:
-        with torch.cuda.graph(graph, pool=pool):
-            out = fn()
-    finally:
-        # An invalidated capture makes capture_end raise before torch.cuda.graph restores the stream; a caller
-        # falling back to eager work must not stay on the capture stream.
-        torch.cuda.set_stream(stream)
-    return graph, out

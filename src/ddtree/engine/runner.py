@@ -42,7 +42,17 @@ from ddtree.models import DFlashDrafter, KVCache, TargetModel
 from ddtree.speculative import tree_select
 from ddtree.speculative.attention import TreeVisibility
 
-__all__ = ["HostCopy", "ModelRunner", "PrefillInputs", "RoundInputs", "StageTimer", "root_only_trees", "to_host"]
+__all__ = ["STAGE_SHAPE_FIELDS", "HostCopy", "ModelRunner", "PrefillInputs", "RoundInputs", "StageTimer",
+           "root_only_trees", "to_host"]
+
+# The RoundShape fields each of the first two stages reads (its inputs' sizes included: ``rows``). Rounds equal on
+# them run the same draft (or tree) stage, so the CUDA-graph runner shares that stage's graph among their keys
+# (ddtree.engine.cuda_graphs.stage_key); tests/engine/test_round_contract.py checks the stages read no other field.
+# The verify and the commit read the rest (sampling flags, log-probs, min_tokens, contiguous) and are per key.
+STAGE_SHAPE_FIELDS: dict[str, tuple[str, ...]] = {
+    "draft": ("rows", "block_size", "draft_kv_len"),
+    "tree": ("rows", "block_size", "draft_kv_len", "max_budget", "kv_len", "auto_width"),
+}
 
 
 @dataclass

@@ -60,6 +60,7 @@ from ddtree.engine.cuda_graphs import (
     length_buckets_of,
     prefill_key,
     shared_key,
+    stage_key,
 )
 from ddtree.engine.round import RoundShape
 
@@ -242,17 +243,23 @@ class GraphDims:
 
 
 def round_bytes(key: RoundShape, dims: GraphDims) -> tuple[int, int]:
-    """Estimated (persistent, transient) bytes of one captured round key.
+    """Estimated (persistent, transient) bytes of one captured round key, its draft logits left out (keys of one
+    draft key share them: :func:`draft_bytes`).
 
-    Persistent: the stage outputs a key keeps between replays (draft logits ``[R, L, V]``, target features
-    ``[R, N, F]``, trees and visibility ``[R, N, N / 8]``). Transient: the verify's peak (fp32 logits ``[R, N, V]``
-    and the MLP's ``[R, N, 2I]``), freed into the pool every key shares, so only the largest counts."""
+    Persistent: the stage outputs a key keeps between replays (target features ``[R, N, F]``, trees and
+    visibility ``[R, N, N / 8]``). Transient: the verify's peak (fp32 logits ``[R, N, V]`` and the MLP's
+    ``[R, N, 2I]``), freed into the pool every key shares, so only the largest counts."""
     r, n, lb = key.rows, key.max_budget + 1, key.block_size - 1
-    persistent = r * lb * dims.vocab * dims.elem + r * n * (dims.features * dims.elem + n // 8 + 64) + (1 << 16)
+    persistent = r * n * (dims.features * dims.elem + n // 8 + 64) + (1 << 16)
     transient = r * n * (4 * dims.vocab + dims.elem * (3 * dims.intermediate + 6 * dims.hidden))
     if lb:
         transient = max(transient, r * lb * 4 * dims.vocab)
     return persistent, transient
+
+
+def draft_bytes(key: RoundShape, dims: GraphDims) -> int:
+    """The draft logits ``[R, L, V]`` a draft key keeps (``cuda_graphs.RoundGraphs`` shares them among its keys)."""
+    return key.rows * (key.block_size - 1) * dims.vocab * dims.elem
 
 
 def prefill_bytes(key: PrefillKey, dims: GraphDims) -> tuple[int, int]:
@@ -262,8 +269,9 @@ def prefill_bytes(key: PrefillKey, dims: GraphDims) -> tuple[int, int]:
 
 
 def plan_bytes(plan: WarmupPlan, dims: GraphDims) -> int:
-    """Estimated graph memory of a whole plan: every key's persistent outputs plus the largest transient per pool."""
-    total = 0
+    """Estimated graph memory of a whole plan: every key's persistent outputs, each draft key's logits once, plus
+    the largest transient per pool."""
+    total = sum(draft_bytes(k, dims) for k in {stage_key(k, "draft"): k for k in plan.rounds}.values())
     for sizes in ([round_bytes(k, dims) for k in plan.rounds], [prefill_bytes(k, dims) for k in plan.prefills]):
         if sizes:
             total += sum(p for p, _ in sizes) + max(t for _, t in sizes)
@@ -467,6 +475,9 @@ class Warmup:
             "triton_compiled": self.compiles_during[0], "triton_disk_hits": self.compiles_during[1],
             "triton_cache_dir": _triton_cache_dir(),
             "precompiled": None if self.precompiled is None else self.precompiled.info(),
+            # where the capture time went (eager passes, recording per stage) and the stage graphs held
+            "capture": None if self.graphs is None else self.graphs.recorder.clock.info(),
+            "stage_graphs": None if self.graphs is None else self.graphs.stage_graphs(),
         }
         if self.state == "done":
             rounds, prefills = self._captures()
