@@ -337,25 +337,44 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         tile_lo = pid_s * TILES_PER_SPLIT
         tile_hi = tl.minimum(tile_lo + TILES_PER_SPLIT, max_pos // BLOCK_N + 1)
-        for tile in range(tile_lo, tile_hi):
+        # Tiles every query of the program reads alike (all of them for chains and prompt chunks, else those wholly
+        # below start) in a plain loop; the tiles above start, where each query has its own ancestors, after it.
+        # Both loops do the same arithmetic on a tile (a query's tile is gathered, or loaded, to the same lanes),
+        # so a tree node and the AR step at its position get the same bits; the split only keeps the per-query
+        # loop out of the prefix tiles, where its dynamic trip count kept the loads from being pipelined.
+        shared_hi = tl.where(all_chain != 0, tile_hi, tl.minimum(tile_hi, tl.maximum(start // BLOCK_N, tile_lo)))
+        for tile in range(tile_lo, shared_hi):
             j = tile * BLOCK_N + offs_n
-            shared = (all_chain != 0) | ((tile + 1) * BLOCK_N <= start)
-            n_groups = tl.where(shared, 1, QT)
+            vis = j[None, :] <= pos_row[:, None]
+            k = _gather_tile(k_base, stride_kp, offs_d, j, start, max_pos, anc_base, True)
+            scores = _dot(q, tl.trans(k.to(q.dtype)), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), EMULATE,
+                          PRECISION)
+            qk = tl.where(vis & row_ok[:, None], scores * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(qk - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = _gather_tile(v_base, stride_vp, offs_d, j, start, max_pos, anc_base, True)
+            pv = _dot(p.to(q.dtype), v.to(q.dtype), tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32), EMULATE,
+                      PRECISION)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        for tile in range(shared_hi, tile_hi):
+            j = tile * BLOCK_N + offs_n
             # visibility of each row: positions up to its own, and above start only where it has an ancestor
             vis = j[None, :] <= pos_row[:, None]
-            if shared == 0:
-                anc_rc = tl.load(anc_base + t[:, None] * T + (j[None, :] - start),
-                                 mask=row_ok[:, None] & (j[None, :] >= start) & vis, other=-1)
-                vis = vis & ((j[None, :] < start) | (anc_rc >= 0))
+            anc_rc = tl.load(anc_base + t[:, None] * T + (j[None, :] - start),
+                             mask=row_ok[:, None] & (j[None, :] >= start) & vis, other=-1)
+            vis = vis & ((j[None, :] < start) | (anc_rc >= 0))
             scores = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for grp in range(0, n_groups):
+            for grp in range(0, QT):
                 t_g = pid_q * QT + grp
-                pos_g = tl.where(shared, max_pos, tl.load(pos_ptr + r * T + t_g, mask=t_g < T, other=-1))
-                sel = shared | (qi == grp)
-                k = _gather_tile(k_base, stride_kp, offs_d, j, start, pos_g, anc_base + t_g * T, shared)
+                pos_g = tl.load(pos_ptr + r * T + t_g, mask=t_g < T, other=-1)
+                k = _gather_tile(k_base, stride_kp, offs_d, j, start, pos_g, anc_base + t_g * T, False)
                 s = _dot(q, tl.trans(k.to(q.dtype)), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), EMULATE,
                          PRECISION)
-                scores = tl.where(sel[:, None], s, scores)
+                scores = tl.where((qi == grp)[:, None], s, scores)
             qk = tl.where(vis & row_ok[:, None], scores * scale_log2, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -363,14 +382,13 @@ if triton is not None:
             p = tl.exp2(qk - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             pv = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-            for grp in range(0, n_groups):
+            for grp in range(0, QT):
                 t_g = pid_q * QT + grp
-                pos_g = tl.where(shared, max_pos, tl.load(pos_ptr + r * T + t_g, mask=t_g < T, other=-1))
-                sel = shared | (qi == grp)
-                v = _gather_tile(v_base, stride_vp, offs_d, j, start, pos_g, anc_base + t_g * T, shared)
+                pos_g = tl.load(pos_ptr + r * T + t_g, mask=t_g < T, other=-1)
+                v = _gather_tile(v_base, stride_vp, offs_d, j, start, pos_g, anc_base + t_g * T, False)
                 o = _dot(p.to(q.dtype), v.to(q.dtype), tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32), EMULATE,
                          PRECISION)
-                pv = tl.where(sel[:, None], o, pv)
+                pv = tl.where((qi == grp)[:, None], o, pv)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
 
