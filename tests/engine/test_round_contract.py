@@ -64,8 +64,9 @@ class _ReadLog:
 
 
 def test_the_draft_and_tree_stages_read_only_their_declared_shape_fields(tiny_pair):
-    """cuda_graphs.RoundGraphs shares a draft (tree) stage's graph among keys equal on STAGE_SHAPE_FIELDS; a stage
-    reading any other field would replay the wrong graph for some key. Both an auto round and a plain tree round."""
+    """cuda_graphs.RoundGraphs shares the draft, tree and verify-layers graphs among keys equal on
+    STAGE_SHAPE_FIELDS; a stage reading any other field would replay the wrong graph for some key. Both an auto
+    round and a plain tree round, with every flag the forward must not read (sampling, log-probs, min_tokens) on."""
     from ddtree.engine.kernels import KernelSet
     from ddtree.engine.round import RoundWork
     from ddtree.engine.runner import STAGE_SHAPE_FIELDS, ModelRunner
@@ -78,10 +79,11 @@ def test_the_draft_and_tree_stages_read_only_their_declared_shape_fields(tiny_pa
                            filtered=True, contiguous=False, logprobs=True, min_tokens=True, auto_width=auto_width)
         logs = {}
         work = RoundWork()
-        for name, stage in runner.stages()[:2]:
+        for name, stage in (("draft", runner.stage_draft), ("tree", runner.stage_tree),
+                            ("forward", runner.stage_forward)):
             logs[name] = _ReadLog(shape)
             stage(RoundInputs.from_packed(PackedRows.pack(rows), logs[name]), work)
-        assert work.draft_logits is not None and work.tree is not None
+        assert work.draft_logits is not None and work.tree is not None and work.verify.normed is not None
         for name, log in logs.items():
             assert log.read - {"rows"} <= set(STAGE_SHAPE_FIELDS[name]), (name, log.read)
         assert "draft_kv_len" in logs["draft"].read and "max_budget" in logs["tree"].read

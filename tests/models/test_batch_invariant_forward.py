@@ -38,9 +38,13 @@ def _step(target, cache, ids, slot, start, new_vis, depth, kv_len, triton):
     """One exact forward of one row: ids [T] at start, visibility new_vis [T, T], depths [T] -> logits [T, V]."""
     t = len(ids)
     s = torch.tensor([start])
-    logits, _ = exact_forward.forward(
-        target, torch.tensor([ids]), s[:, None] + depth[None], cache, torch.tensor([slot]),
-        speculative.tree_write_positions(s, t), TreeVisibility(s, new_vis[None], kv_len), None, (), triton=triton)
+    args = (target, torch.tensor([ids]), s[:, None] + depth[None], cache, torch.tensor([slot]),
+            speculative.tree_write_positions(s, t), TreeVisibility(s, new_vis[None], kv_len), None, ())
+    logits = exact_forward.forward(*args, triton=triton).logits
+    # the CUDA-graph runner's split (layers, then the head in the next graph) gives the same bits
+    split = exact_forward.forward(*args, triton=triton, head=False)
+    assert split.logits is None
+    assert torch.equal(exact_forward.head_logits(target, split.normed, triton=triton), logits)
     return logits[0]
 
 
@@ -73,9 +77,9 @@ def _check(target, triton):
     depths[0], depths[1, :3] = depth, other_depth
     start = torch.tensor([p, 2])
     ids = torch.tensor([tokens, [1, 2, 3, 0, 0, 0, 0]])
-    logits, _ = exact_forward.forward(target, ids, start[:, None] + depths, cache, torch.tensor([1, 2]),
-                                      speculative.tree_write_positions(start, t),
-                                      TreeVisibility(start, pad_vis, 128), None, (), triton=triton)
+    logits = exact_forward.forward(target, ids, start[:, None] + depths, cache, torch.tensor([1, 2]),
+                                   speculative.tree_write_positions(start, t),
+                                   TreeVisibility(start, pad_vis, 128), None, (), triton=triton).logits
     assert torch.equal(logits[0], tree)
 
 

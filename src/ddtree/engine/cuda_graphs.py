@@ -1,23 +1,27 @@
-"""CUDA graphs for speculative rounds: one set of four captured stages per shape bucket.
+"""CUDA graphs for speculative rounds: per shape bucket, the stages of a round as graphs, shared where they can be.
 
 Why: a Qwen3-8B-shaped forward issues about a thousand kernels; launched one by one from Python that costs more than
 the ~5 ms the GPU needs (``../shared/docs/gpu-facts.md``). A captured graph replays them with one launch.
 
 A graph's key is the round's :class:`~ddtree.engine.round.RoundShape` bucketed by :func:`graph_key`: rows (batch
-bucket), tree nodes (budget bucket), block size, and the cache lengths the attentions read (context bucket). The four stages of
-:class:`~ddtree.engine.runner.ModelRunner` (draft, tree, verify, commit) are captured as four graphs sharing one
-memory pool, so the engine can record CUDA events between replays and report the stage split of graphed rounds.
+bucket), tree nodes (budget bucket), block size, and the cache lengths the attentions read (context bucket). The
+stages of :class:`~ddtree.engine.runner.ModelRunner` (draft, tree, verify as the layers then the head and choice,
+commit) are captured as five graphs sharing one memory pool, so the engine can record CUDA events between replays
+and report the stage split of graphed rounds; keys that agree on what a stage reads share its graph
+(:class:`RoundGraphs`).
 
 Inputs: the per-row fields of a capture's static :class:`~ddtree.engine.round.RoundInputs` are views of one device
-tensor per dtype (:class:`~ddtree.engine.round.PackedRows`), refreshed from a pinned host copy by one asynchronous copy each per round (instead of a copy and a
-fill per field). The engine reads every round's result (a host sync) before it builds the next round's inputs, so a
-pinned buffer is never rewritten while its previous copy is still queued.
+tensor per dtype (:class:`~ddtree.engine.round.PackedRows`), refreshed from a pinned host copy by one asynchronous
+copy each per round (instead of a copy and a fill per field). The engine reads every round's result (a host sync)
+before it builds the next round's inputs, so a pinned buffer is never rewritten while its previous copy is still
+queued.
 
 Padding rows (a bucket larger than the batch) point at the KV caches' scratch slot with budget 0, so their writes
-never touch a live request. Capture happens lazily the first time a key is seen (warm-up runs on a side stream
-first, as PyTorch requires) and is bounded by ``max_graphs`` (least recently used graphs are dropped). The
-engine's start-up warm-up (:mod:`ddtree.engine.warmup`) captures a planned set through :meth:`RoundGraphs.capture`
-and :meth:`PrefillGraphs.capture` before it reports ready; ``max_graphs`` is then sized to hold the plan.
+never touch a live request. Capture happens lazily the first time a key is seen (an eager pass runs first on the
+capture stream, as PyTorch requires: :class:`~ddtree.engine.graph_capture.Recorder`) and is bounded by
+``max_graphs`` (least recently used keys are dropped). The engine's start-up warm-up (:mod:`ddtree.engine.warmup`)
+captures a planned set through :meth:`RoundGraphs.capture` and :meth:`PrefillGraphs.capture` before it reports
+ready; ``max_graphs`` is then sized to hold the plan.
 """
 
 from __future__ import annotations
@@ -31,7 +35,15 @@ import torch
 from torch import Tensor
 
 from ddtree.engine.graph_capture import Recorder
-from ddtree.engine.round import PackedRows, RoundInputs, RoundShape, RoundWork, RowInputs, TreeStage
+from ddtree.engine.round import (
+    PackedRows,
+    RoundInputs,
+    RoundShape,
+    RoundWork,
+    RowInputs,
+    TreeStage,
+    VerifyStage,
+)
 from ddtree.engine.runner import STAGE_SHAPE_FIELDS, ModelRunner, PrefillInputs, StageTimer
 
 
@@ -185,10 +197,13 @@ class _Front:
 
 @dataclass
 class _Tree:
-    """The tree stage's graph and output, shared by keys with the same tree key (every sampling flag)."""
+    """The tree stage's and the verify's layers' graphs and outputs, shared by keys with the same tree key (every
+    sampling, log-prob and min_tokens variant: those reach only the verify's head and choice)."""
 
     graph: torch.cuda.CUDAGraph
+    forward: torch.cuda.CUDAGraph
     tree: TreeStage
+    verify: VerifyStage  # the layers' outputs (hidden, normed); each key's choice graph fills a copy of its own
     users: int = 0
 
 
@@ -198,7 +213,9 @@ class _Captured:
     front: _Front
     tree: _Tree
     work: RoundWork
-    graphs: list  # [torch.cuda.CUDAGraph | None] * 4, in ModelRunner.STAGES order (None: the stage does nothing)
+    # per timed stage (ModelRunner.STAGES): the graphs it replays in order (none: the stage does nothing); the
+    # verify replays the shared layers' graph, then the key's own head-and-choice graph
+    graphs: tuple[tuple[torch.cuda.CUDAGraph, ...], ...]
 
 
 def stage_key(shape: RoundShape, stage: str) -> tuple:
@@ -210,11 +227,15 @@ class RoundGraphs:
     """Captures and replays rounds; :meth:`run` is the graphed counterpart of :meth:`ModelRunner.round`.
 
     Stage sharing: a round key's draft graph (and its static inputs) is shared by every key with the same rows,
-    block size and draft length, its tree graph by every key that also has the same node bucket, key length and
-    auto width (:func:`stage_key`); only the verify and the commit are captured per key. Why: ``full`` warm-up plans
-    every node bucket and three sampling variants per length bucket, and the sampling flags reach only the verify.
-    Sharing is safe because a round replays its four graphs back to back on one stream and reads a shared stage's
-    output only within the round, and it keeps one copy of the draft logits ``[R, L, V]`` per draft key."""
+    block size and draft length; its tree graph and the verify's layers (the target without its head) by every key
+    that also has the same node bucket, key length and auto width (:func:`stage_key`,
+    :data:`~ddtree.engine.runner.STAGE_SHAPE_FIELDS`); only the verify's head and choice and the commit are
+    captured per key. Why: ``full`` warm-up plans every node bucket and three sampling variants per length bucket,
+    and the sampling flags reach only the head's choice, so the 36-layer forward was captured three times (the
+    H200 stand-in: 972 keys, 297 tree keys, about 38 ms of recording a forward). Sharing is safe because a round
+    replays its graphs back to back on one stream and reads a shared stage's output only within the round; it also
+    keeps one copy of the draft logits ``[R, L, V]`` per draft key.
+    """
 
     def __init__(self, runner: ModelRunner, *, max_rows: int, cache_len: int, max_graphs: int = 96,
                  attention: AttentionDims | None = None, recorder: Recorder | None = None) -> None:
@@ -245,7 +266,7 @@ class RoundGraphs:
     def stage_graphs(self) -> dict[str, int]:
         """Stage graphs held, by stage (shared ones once)."""
         return {"draft": sum(f.draft is not None for f in self.fronts.values()), "tree": len(self.trees),
-                "verify": len(self.graphs), "commit": len(self.graphs)}
+                "forward": len(self.trees), "choose": len(self.graphs), "commit": len(self.graphs)}
 
     @torch.inference_mode()
     def run(self, rows_in: PackedRows, shape: RoundShape, timer: StageTimer) -> tuple[Tensor, PackedRows]:
@@ -276,9 +297,9 @@ class RoundGraphs:
             host.floats[:, rows:] = self._pad.floats
             packed.longs.copy_(host.longs, non_blocking=True)
             packed.floats.copy_(host.floats, non_blocking=True)
-        for name, graph in zip(ModelRunner.STAGES, cap.graphs, strict=True):
+        for name, graphs in zip(ModelRunner.STAGES, cap.graphs, strict=True):
             with timer.stage(name):
-                if graph is not None:
+                for graph in graphs:
                     graph.replay()
         return cap.work.result[:rows], PackedRows(packed.longs[:, :rows], packed.floats[:, :rows])
 
@@ -314,16 +335,25 @@ class RoundGraphs:
         return front
 
     def _tree(self, key: RoundShape, static: RoundInputs, front: _Front) -> _Tree:
-        """The shared tree graph of ``key``'s tree key (captured and replayed once on first use)."""
+        """The shared tree and layers graphs of ``key``'s tree key (captured and replayed once on first use, so
+        that their outputs hold valid values for later eager passes)."""
         skey = stage_key(key, "tree")
         tree = self.trees.get(skey)
         if tree is None:
             runner, rec = self.runner, self.recorder
-            rec.warm_up(lambda: runner.stage_tree(static, RoundWork(draft_logits=front.draft_logits)))
+
+            def eager() -> None:
+                scratch = RoundWork(draft_logits=front.draft_logits)
+                runner.stage_tree(static, scratch)
+                runner.stage_forward(static, scratch)
+
+            rec.warm_up(eager)
             work = RoundWork(draft_logits=front.draft_logits)
             graph, _ = rec.record(lambda: runner.stage_tree(static, work), self.pool, stage="tree")
+            forward, _ = rec.record(lambda: runner.stage_forward(static, work), self.pool, stage="forward")
             graph.replay()
-            tree = self.trees[skey] = _Tree(graph=graph, tree=work.tree)
+            forward.replay()
+            tree = self.trees[skey] = _Tree(graph=graph, forward=forward, tree=work.tree, verify=work.verify)
         return tree
 
     def _capture(self, key: RoundShape) -> _Captured:
@@ -333,22 +363,28 @@ class RoundGraphs:
         static = RoundInputs.from_packed(front.packed, key)
         tree = self._tree(key, static, front)
 
-        def verify_commit() -> None:
-            scratch = RoundWork(draft_logits=front.draft_logits, tree=tree.tree)
-            runner.stage_verify(static, scratch)
+        def fresh() -> RoundWork:  # this key's view of the shared outputs; its own stages fill the rest
+            layers = VerifyStage(hidden=tree.verify.hidden, normed=tree.verify.normed)
+            return RoundWork(draft_logits=front.draft_logits, tree=tree.tree, verify=layers)
+
+        def choose_commit() -> None:
+            scratch = fresh()
+            runner.stage_choose(static, scratch)
             runner.stage_commit(static, scratch)
 
-        rec.warm_up(verify_commit)
-        work = RoundWork(draft_logits=front.draft_logits, tree=tree.tree)
-        verify, _ = rec.record(lambda: runner.stage_verify(static, work), self.pool, stage="verify")
+        rec.warm_up(choose_commit)
+        work = fresh()
+        choose, _ = rec.record(lambda: runner.stage_choose(static, work), self.pool, stage="choose")
         commit, _ = rec.record(lambda: runner.stage_commit(static, work), self.pool, stage="commit")
+        graphs = {"draft": () if front.draft is None else (front.draft,), "tree": (tree.graph,),
+                  "verify": (tree.forward, choose), "commit": (commit,)}
         cap = _Captured(static=static, front=front, tree=tree, work=work,
-                        graphs=[front.draft, tree.graph, verify, commit])
+                        graphs=tuple(graphs[name] for name in ModelRunner.STAGES))
         front.users += 1
         tree.users += 1
         self.graphs[key] = cap
         self.captures += 1
-        while len(self.graphs) > self.max_graphs:  # each key keeps its stage outputs (features, result) allocated
+        while len(self.graphs) > self.max_graphs:  # each key keeps its stage outputs (choices, result) allocated
             self._drop(self.graphs.popitem(last=False)[0])
         return cap
 

@@ -7,8 +7,11 @@ driver, to be allocated again by the next key's eager pass (``cudaFree`` synchro
 that was about 0.125 s a key with two eager passes each (docs/benchmarks.md, "Start-up warm-up"). Here a capture is
 ``capture_begin`` / ``capture_end`` on one capture stream, the device cache is emptied only when free memory runs
 low (:meth:`Recorder.make_room`), and the eager pass PyTorch asks for (lazy initialisation, Triton compilation and
-module loading must not happen inside a capture) runs once, or not at all where ``eager_runs`` is 0, in which case a
-capture that fails is warmed up and retried.
+module loading must not happen inside a capture) runs only for a capture that raised, which is then retried
+(``eager_runs`` 0, the default), or a fixed number of times before every capture. Why 0: on the H200 stand-in
+re-capturing 40 round keys took 87 ms a key with two eager passes, 57 with one and 31 with none (the recording
+itself, about 38 ms of it for the 36-layer forward); the engine's start-up precompiles the tree-attention variants
+(``ddtree.engine.precompile``), and whatever still needs a first eager run makes its capture fail and retry.
 
 :class:`CaptureClock` adds up where the time goes (eager passes, recording per stage, cache flushes) so that
 ``Engine.info()["warmup"]["capture"]`` and the start-up benchmark can say it.
@@ -54,11 +57,11 @@ class CaptureClock:
 class Recorder:
     """Warm-up passes and graph recording on one capture stream of ``device``, timed by ``clock``.
 
-    eager_runs: eager passes before each capture (PyTorch's examples run a few; one is enough once a shape's
-    kernels exist: it compiles and loads them and makes torch's lazy state). 0 captures first and warms up only a
-    capture that raises (then retries once)."""
+    eager_runs: eager passes before each capture (PyTorch's examples run a few; one compiles and loads a shape's
+    kernels and makes torch's lazy state). 0 (the default) captures first and warms up only a capture that raises
+    (then retries once; the clock counts these as ``retry``)."""
 
-    def __init__(self, device: torch.device, *, eager_runs: int = 1, clock: CaptureClock | None = None) -> None:
+    def __init__(self, device: torch.device, *, eager_runs: int = 0, clock: CaptureClock | None = None) -> None:
         if eager_runs < 0:
             raise ValueError(f"eager_runs must be >= 0, got {eager_runs}")
         self.device = device

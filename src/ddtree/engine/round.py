@@ -183,10 +183,14 @@ class TreeStage:
 
 @dataclass
 class VerifyStage:
-    """The verify stage's output."""
+    """The verify stage's output, in its two parts: the target's layers over the tree (:meth:`ModelRunner.
+    stage_forward`: ``hidden``, ``normed``), then its head and choice at each node (:meth:`ModelRunner.stage_choose`:
+    ``choices``, ``logits``). Why two: the layers read no sampling flag, so the CUDA-graph runner captures them once
+    for every sampling variant of a tree key and only the small head-and-choice graph per key."""
 
     hidden: Tensor | None  # [R, N, F] target features for the drafter (None when no row drafts)
-    choices: Tensor  # [R, N] the target's token at each node (argmax or sampled)
+    normed: Tensor  # [R, N, H] the final-normed states the head reads
+    choices: Tensor | None = None  # [R, N] the target's token at each node (argmax or sampled)
     logits: Tensor | None = None  # [R, N, V] the verify's logits, kept only when RoundShape.logprobs
 
 

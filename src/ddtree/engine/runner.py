@@ -6,8 +6,8 @@ One round for R requests (rows) that may each use a different method, budget, to
     tree    speculative.build_trees             [R, L, V]            -> Trees, N = batch max budget + 1 nodes
             speculative.tree_positions / build_attention_mask        -> positions [R, N], TreeVisibility or
                                                                         mask [R, N, kv_len]
-    verify  target.forward (tree tokens, ancestor visibility) -> logits [R, N, V], features [R, N, F]
-            argmax or speculative.sample_choices                     -> choices [R, N]
+    verify  target.forward, no head (tree tokens, ancestor visibility) -> normed [R, N, H], features [R, N, F]
+            target.head_logits, then argmax or speculative.sample_choices    -> logits [R, N, V], choices [R, N]
     commit  speculative.walk_trees                                   -> path [R, L + 1], num_accepted [R]
             speculative.compact_cache (target K and V)                  accepted nodes -> start .. start + n - 1
             drafter.append_context (features of accepted nodes)  drafter context grows by n
@@ -45,13 +45,16 @@ from ddtree.speculative.attention import TreeVisibility
 __all__ = ["STAGE_SHAPE_FIELDS", "HostCopy", "ModelRunner", "PrefillInputs", "RoundInputs", "StageTimer",
            "root_only_trees", "to_host"]
 
-# The RoundShape fields each of the first two stages reads (its inputs' sizes included: ``rows``). Rounds equal on
+# The RoundShape fields each of the first stages reads (its inputs' sizes included: ``rows``). Rounds equal on
 # them run the same draft (or tree) stage, so the CUDA-graph runner shares that stage's graph among their keys
 # (ddtree.engine.cuda_graphs.stage_key); tests/engine/test_round_contract.py checks the stages read no other field.
-# The verify and the commit read the rest (sampling flags, log-probs, min_tokens, contiguous) and are per key.
+# The verify's head and choice (stage_choose) and the commit read the rest (sampling flags, log-probs, min_tokens,
+# contiguous) and are captured per key.
 STAGE_SHAPE_FIELDS: dict[str, tuple[str, ...]] = {
     "draft": ("rows", "block_size", "draft_kv_len"),
     "tree": ("rows", "block_size", "draft_kv_len", "max_budget", "kv_len", "auto_width"),
+    # the verify's layers (stage_forward): the tree's fields (it reads the tree stage's outputs) and nothing more
+    "forward": ("rows", "block_size", "draft_kv_len", "max_budget", "kv_len", "auto_width"),
 }
 
 
@@ -243,6 +246,12 @@ class ModelRunner:
                               write_pos=write_pos, visibility=seen, expected=expected)
 
     def stage_verify(self, inp: RoundInputs, work: RoundWork) -> None:
+        """The target over the trees, then its choice at each node: :meth:`stage_forward`, :meth:`stage_choose`."""
+        self.stage_forward(inp, work)
+        self.stage_choose(inp, work)
+
+    def stage_forward(self, inp: RoundInputs, work: RoundWork) -> None:
+        """The verify's layers (no head): features for the drafter and the final-normed states at every node."""
         tree = work.tree
         trees = tree.trees
         out = self.target(
@@ -254,18 +263,25 @@ class ModelRunner:
             tree.visibility,
             kernels=self.kernels,
             hidden_layers=self._round_feature_layers(inp),
+            head=False,
         )
-        depth_steps = inp.step[:, None] + trees.depths  # output index each node's choice would commit
-        logits = out.logits
+        work.verify = VerifyStage(hidden=out.hidden, normed=out.normed)
+
+    def stage_choose(self, inp: RoundInputs, work: RoundWork) -> None:
+        """The head's logits at every node (the same bits as a forward with its head), min_tokens' masking, and
+        the target's token at each node: the argmax, or a sample."""
+        verify = work.verify
+        logits = self.target.head_logits(verify.normed, kernels=self.kernels)
+        depth_steps = inp.step[:, None] + work.tree.trees.depths  # output index each node's choice would commit
+        chosen_from = logits
         if inp.shape.min_tokens:
-            logits = mask_min_tokens(logits, inp.banned, inp.min_tokens, depth_steps)
+            chosen_from = mask_min_tokens(logits, inp.banned, inp.min_tokens, depth_steps)
         if inp.shape.greedy:
-            choices = logits.argmax(dim=-1)
+            verify.choices = chosen_from.argmax(dim=-1)
         else:
-            choices = speculative.sample_choices(logits, inp.temperature, inp.top_p, inp.top_k, inp.seed, depth_steps,
-                                          any_filter=inp.shape.filtered)
-        work.verify = VerifyStage(hidden=out.hidden, choices=choices,
-                                  logits=out.logits if inp.shape.logprobs else None)
+            verify.choices = speculative.sample_choices(chosen_from, inp.temperature, inp.top_p, inp.top_k, inp.seed,
+                                                        depth_steps, any_filter=inp.shape.filtered)
+        verify.logits = logits if inp.shape.logprobs else None
 
     def stage_commit(self, inp: RoundInputs, work: RoundWork) -> None:
         max_depth = inp.shape.block_size - 1 if work.draft_logits is not None else 0

@@ -139,9 +139,10 @@ def _layer(layer: DecoderLayer, h: Tensor, cos: Tensor, sin: Tensor, ops: _Ops, 
 @torch.inference_mode()
 def forward(target, input_ids: Tensor, positions: Tensor, cache: KVCache, slots: Tensor, write_pos: Tensor,
             visibility: TreeVisibility, logits_at: Tensor | None, hidden_layers: tuple[int, ...], *,
-            triton: bool, blas: tuple[tuple[int, int], ...] = ()) -> tuple[Tensor | None, Tensor | None]:
-    """:meth:`ddtree.models.target.TargetModel.forward`'s contract in exact mode -> (logits [R, N, V] or None,
-    hidden [R, T, len(hidden_layers) * hidden] or None). ``visibility`` must be a :class:`TreeVisibility` (the new
+            triton: bool, blas: tuple[tuple[int, int], ...] = (), head: bool = True):
+    """:meth:`ddtree.models.target.TargetModel.forward`'s contract in exact mode -> its ``TargetOutput`` (logits
+    [R, N, V] or None, hidden [R, T, len(hidden_layers) * hidden] or None; with ``head`` False the normed states
+    instead of the logits, :func:`head_logits` gives them). ``visibility`` must be a :class:`TreeVisibility` (the new
     tokens at ``start + t``; a node sees the prefix and its ancestors, one per depth); ``triton``: the Triton kernels
     (CUDA, or the interpreter in tests) or the torch path one row at a time; ``blas``: weight shapes that passed the
     engine's start-up check (``KernelSet.exact_blas``), multiplied by cuBLAS."""
@@ -163,10 +164,22 @@ def forward(target, input_ids: Tensor, positions: Tensor, cache: KVCache, slots:
         ops.write_kv(cache, layer, slots, write_pos, k, v)
         return ops.attention(q, cache.k[layer], cache.v[layer], slots, start, positions, anc, chain, kv_len)
 
-    head = target.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
+    weight = _head_weight(target)
     with exact_blas.pinned_blas(input_ids.device) if blas else contextlib.nullcontext():  # the library it checked
-        out = target.run_layers(input_ids, positions,
-                                lambda layer, h, cos, sin: _layer(layer, h, cos, sin, ops, attend),
-                                lambda h: ops.norm(h, target.norm), lambda h: ops.linear(h, head), logits_at,
-                                hidden_layers)
-    return out.logits, out.hidden
+        return target.run_layers(input_ids, positions,
+                                 lambda layer, h, cos, sin: _layer(layer, h, cos, sin, ops, attend),
+                                 lambda h: ops.norm(h, target.norm), (lambda h: ops.linear(h, weight)) if head else None,
+                                 logits_at, hidden_layers)
+
+
+def _head_weight(target) -> Tensor:
+    return target.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
+
+
+@torch.inference_mode()
+def head_logits(target, normed: Tensor, *, triton: bool, blas: tuple[tuple[int, int], ...] = ()) -> Tensor:
+    """Exact mode's head over a ``head=False`` forward's ``normed [R, N, H]`` -> logits ``[R, N, V]``, the same
+    bits as the forward's own head (the same op and library choice)."""
+    ops = _Ops(triton, frozenset(blas))
+    with exact_blas.pinned_blas(normed.device) if blas else contextlib.nullcontext():
+        return ops.linear(normed, _head_weight(target))

@@ -75,6 +75,9 @@ def attend_over_cache(cache: KVCache, layer: int, q: Tensor, k: Tensor, v: Tenso
 class TargetOutput(NamedTuple):
     logits: Tensor | None  # [R, N, V]
     hidden: Tensor | None  # [R, T, len(hidden_layers) * H]
+    # [R, N, H] the final-normed states at logits_at, in place of the logits of a forward with head=False
+    # (TargetModel.head_logits applies the head: the same bits as the forward's own)
+    normed: Tensor | None = None
 
 
 class TargetModel(nn.Module):
@@ -132,7 +135,7 @@ class TargetModel(nn.Module):
 
     def forward(self, input_ids: Tensor, positions: Tensor, cache: KVCache, slots: Tensor, write_pos: Tensor,
                 visibility: Tensor | TreeVisibility, *, kernels: KernelSet | None = None,
-                logits_at: Tensor | None = None, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
+                logits_at: Tensor | None = None, hidden_layers: tuple[int, ...] = (), head: bool = True) -> TargetOutput:
         """One step for a batch of requests.
 
         input_ids [R, T]; positions [R, T] (RoPE); slots [R] (padding rows: ``cache.scratch_slot``);
@@ -148,12 +151,13 @@ class TargetModel(nn.Module):
         None = no Triton kernel in the layers and the BLAS rule on (a plain forward, as tests and tools run it);
         logits_at [R, N] indices into T (None = all T, ``[R, 0]`` = none); hidden_layers: decoder layer ids
         whose outputs are returned concatenated (after layer i = transformers' ``hidden_states[i + 1]``, which
-        for the last layer is the final-normed state)."""
+        for the last layer is the final-normed state); head: False returns the final-normed states at
+        ``logits_at`` as ``normed`` instead of their logits (:meth:`head_logits` makes the same logits later: the
+        CUDA-graph runner captures the layers once for every sampling variant of a round)."""
         self._check_hidden_layers(hidden_layers)
         if kernels is not None and kernels.exact:  # exact mode: its own forward (ddtree.models.exact_forward)
-            return TargetOutput(*exact_forward.forward(self, input_ids, positions, cache, slots, write_pos, visibility,
-                                                       logits_at, hidden_layers, triton=can_run(input_ids),
-                                                       blas=kernels.exact_blas))
+            return exact_forward.forward(self, input_ids, positions, cache, slots, write_pos, visibility, logits_at,
+                                         hidden_layers, triton=can_run(input_ids), blas=kernels.exact_blas, head=head)
         if isinstance(visibility, TreeVisibility):
             if self.supports_tree_attention():
                 visibility = visibility.with_packed()  # once here, not in each layer's kernel call
@@ -169,7 +173,16 @@ class TargetModel(nn.Module):
             return attend_over_cache(cache, layer, q, k, v, slots, write_pos, visibility)
 
         with blas_for_rows(input_ids.numel(), input_ids.device, rule=rule):
-            return self._run(input_ids, positions, attend, logits_at, hidden_layers, fused)
+            return self._run(input_ids, positions, attend, logits_at, hidden_layers, fused, head)
+
+    def head_logits(self, normed: Tensor, *, kernels: KernelSet | None = None) -> Tensor:
+        """The logits ``[R, N, V]`` of a ``head=False`` forward's ``normed [R, N, H]``, bit for bit what the forward
+        would have returned: the same head under the same matmul choice (the BLAS rule for the forward's token
+        count R x N, which a verify's logits_at None makes equal to this call's rows; exact mode's own head)."""
+        if kernels is not None and kernels.exact:
+            return exact_forward.head_logits(self, normed, triton=can_run(normed), blas=kernels.exact_blas)
+        with blas_for_rows(normed.shape[0] * normed.shape[1], normed.device, rule=kernels is None or kernels.blas_rule):
+            return self.lm_logits(normed)
 
     def forward_train(self, input_ids: Tensor, hidden_layers: tuple[int, ...] = (), *,
                       with_logits: bool = True) -> TargetOutput:
@@ -185,20 +198,20 @@ class TargetModel(nn.Module):
         return self._run(input_ids, positions, attend, None if with_logits else none, hidden_layers, False)
 
     def _run(self, input_ids: Tensor, positions: Tensor, attend, logits_at: Tensor | None,
-             hidden_layers: tuple[int, ...], kernels: bool) -> TargetOutput:
+             hidden_layers: tuple[int, ...], kernels: bool, head: bool = True) -> TargetOutput:
         """The layers, then the final norm and the head at ``logits_at``; kernels: the layers' element-wise Triton
-        kernels (``KernelSet.fused_ops``)."""
+        kernels (``KernelSet.fused_ops``); head False: no head (``normed`` returned)."""
         return self.run_layers(input_ids, positions, lambda layer, h, cos, sin: layer(h, cos, sin, attend,
                                                                                          kernels=kernels),
-                               self.norm, self.lm_logits, logits_at, hidden_layers)
+                               self.norm, self.lm_logits if head else None, logits_at, hidden_layers)
 
     def run_layers(self, input_ids: Tensor, positions: Tensor, step: Callable[..., Tensor],
-                   norm: Callable[[Tensor], Tensor], head: Callable[[Tensor], Tensor], logits_at: Tensor | None,
-                   hidden_layers: tuple[int, ...]) -> TargetOutput:
+                   norm: Callable[[Tensor], Tensor], head: Callable[[Tensor], Tensor] | None,
+                   logits_at: Tensor | None, hidden_layers: tuple[int, ...]) -> TargetOutput:
         """The forward's skeleton, shared with exact mode (:mod:`ddtree.models.exact_forward`, which brings its own
         layer step, norm and head): embed and rotate, ``step(layer, h, cos, sin) -> h`` per layer keeping the
         hidden states asked for, then ``head(norm(h))`` at every position (``logits_at`` None), at the positions
-        ``logits_at`` [R, N] names, or nowhere (N = 0)."""
+        ``logits_at`` [R, N] names, or nowhere (N = 0); ``head`` None: ``norm(h)`` there, as ``normed``."""
         h = self.embed(input_ids)  # [R, T, H]
         cos, sin = self.rotary(positions, h.dtype)
         wanted = set(hidden_layers)
@@ -212,10 +225,11 @@ class TargetModel(nn.Module):
             kept[last] = norm(h)
         hidden = torch.cat([kept[i] for i in hidden_layers], dim=-1) if hidden_layers else None
         if logits_at is None:
-            logits = head(norm(h))
+            normed = norm(h)
         elif logits_at.shape[1] == 0:
-            logits = None
+            return TargetOutput(None, hidden)
         else:
-            picked = torch.gather(h, 1, logits_at[..., None].expand(-1, -1, h.shape[-1]))  # [R, N, H]
-            logits = head(norm(picked))
-        return TargetOutput(logits, hidden)
+            normed = norm(torch.gather(h, 1, logits_at[..., None].expand(-1, -1, h.shape[-1])))  # [R, N, H]
+        if head is None:
+            return TargetOutput(None, hidden, normed)
+        return TargetOutput(head(normed), hidden)
