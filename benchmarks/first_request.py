@@ -90,9 +90,10 @@ def cell_block(engine, prompts, compiles: CompileLog, device, repeats: int, new_
 
 
 def recapture(engine, count: int, device) -> list[dict]:
-    """Capture the first ``count`` planned round keys again (their shared draft and tree stages too) with 2, 1 and
-    0 eager passes before each capture (``graph_capture.Recorder.eager_runs``), twice each: what one capture costs
-    once nothing compiles, and where it goes (the recorder's clock per phase)."""
+    """Capture the first ``count`` planned round keys again (their shared draft, tree and layers stages too) with 2,
+    1 and 0 eager passes before each new signature (``graph_capture.Recorder.eager_runs``; the recorder forgets
+    what it met first), twice each: what one capture costs once nothing compiles, and where it goes (the
+    recorder's clock per phase)."""
     graphs = engine.graphs
     recorder = graphs.recorder
     keys = [k for k in engine.warmup.plan.rounds if k in graphs.graphs][:count]
@@ -104,6 +105,7 @@ def recapture(engine, count: int, device) -> list[dict]:
                 del graphs.graphs[key]
                 graphs._drop(key)
         recorder.eager_runs = runs
+        recorder.forget()
         before = {k: v for k, v in recorder.clock.seconds.items()}
         torch.cuda.synchronize(device)
         t0 = time.perf_counter()

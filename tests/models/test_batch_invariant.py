@@ -119,6 +119,8 @@ def test_linear_rows_torch_path():
 # ---- attention ----------------------------------------------------------------------------------------------------
 
 PARENTS = (-1, 0, 0, 1, 3, 2, 4)  # root; a, b under it; c under a; d under c; e under b; f under d
+# 20 nodes: with G query heads per KV head its programs take 64 rows where T x G is over 32 (attention_block_m)
+WIDE = (-1, 0, 0, 1, 1, 2, 3, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
 KV, G, D = 2, 2, 16
 
 
@@ -238,10 +240,32 @@ def test_gpu_linear_rows_bit_identical(shape):
         assert torch.equal(bi.linear(x[:m], w), full[:m]), f"rows change at {m} rows"
 
 
+def test_wide_tree_node_equals_its_ar_decode():
+    """A tree whose programs fold 64 rows (T x G = 40) against AR steps folded in 32 (the interpreter)."""
+    gen = torch.Generator().manual_seed(5)
+    t = len(WIDE)
+    assert bi.attention_block_m(t, G) == 64 and bi.attention_block_m(1, G) == bi.ATTN_BLOCK_M
+    kc = torch.randn(3, KV, 256, D, generator=gen).to(torch.bfloat16)
+    vc = torch.randn(3, KV, 256, D, generator=gen).to(torch.bfloat16)
+    q = torch.randn(1, KV * G, t, D, generator=gen).to(torch.bfloat16)
+    vis, depth = _tree(WIDE)
+    s0 = torch.tensor([60])
+    out = _run(bi.attention, q, kc, vc, torch.tensor([0]), s0, s0[:, None] + depth[None], vis, kv_len=60 + t)
+    for node in range(t):
+        path = _path(WIDE, node)
+        _ar_layout(kc, vc, 0, 1, 60, path)
+        p = 60 + len(path) - 1
+        ar = _run(bi.attention, q[:, :, node:node + 1], kc, vc, torch.tensor([1]), torch.tensor([p]),
+                  torch.tensor([[p]]), torch.ones(1, 1, 1, dtype=torch.bool), p + 1)
+        assert torch.equal(ar[0, :, 0], out[0, :, node]), f"node {node}"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("parents", [PARENTS, WIDE[:12]], ids=["7 nodes", "12 nodes (64-row programs)"])
 @pytest.mark.parametrize("start", [100, 1000, 3000])
-def test_gpu_tree_node_equals_its_ar_decode(start):
+def test_gpu_tree_node_equals_its_ar_decode(start, parents):
+    PARENTS = parents  # noqa: N806 (the tree under test)
     kv, g, d, t = 8, 4, 128, len(PARENTS)
     kc = torch.randn(3, kv, 4096, d, device="cuda", dtype=torch.bfloat16)
     vc = torch.randn(3, kv, 4096, d, device="cuda", dtype=torch.bfloat16)

@@ -326,9 +326,10 @@ class RoundGraphs:
                        draft=None, draft_logits=None)
         static = RoundInputs.from_packed(packed, key)
         if runner.drafts(static):
-            rec.warm_up(lambda: runner.stage_draft(static, RoundWork()))
+            rec.warm_up(lambda: runner.stage_draft(static, RoundWork()), ("draft", skey))
             work = RoundWork()
-            front.draft, _ = rec.record(lambda: runner.stage_draft(static, work), self.pool, stage="draft")
+            front.draft, _ = rec.record(lambda: runner.stage_draft(static, work), self.pool, stage="draft",
+                                        signature=("draft", skey))
             front.draft.replay()
             front.draft_logits = work.draft_logits
         self.fronts[skey] = front
@@ -347,10 +348,14 @@ class RoundGraphs:
                 runner.stage_tree(static, scratch)
                 runner.stage_forward(static, scratch)
 
-            rec.warm_up(eager)
+            # the layers' kernels follow every field of the tree key (rows x nodes for the matmuls, the length for
+            # the attention's launch): each tree key is new, and warms up once
+            sig = ("forward", skey)
+            rec.warm_up(eager, sig)
             work = RoundWork(draft_logits=front.draft_logits)
-            graph, _ = rec.record(lambda: runner.stage_tree(static, work), self.pool, stage="tree")
-            forward, _ = rec.record(lambda: runner.stage_forward(static, work), self.pool, stage="forward")
+            graph, _ = rec.record(lambda: runner.stage_tree(static, work), self.pool, stage="tree", signature=sig)
+            forward, _ = rec.record(lambda: runner.stage_forward(static, work), self.pool, stage="forward",
+                                    signature=sig)
             graph.replay()
             forward.replay()
             tree = self.trees[skey] = _Tree(graph=graph, forward=forward, tree=work.tree, verify=work.verify)
@@ -372,10 +377,12 @@ class RoundGraphs:
             runner.stage_choose(static, scratch)
             runner.stage_commit(static, scratch)
 
-        rec.warm_up(choose_commit)
+        # the head, the choice and the commit read no cache length: keys that differ only there run the same kernels
+        sig = ("choose", replace(key, kv_len=0, draft_kv_len=0))
+        rec.warm_up(choose_commit, sig)
         work = fresh()
-        choose, _ = rec.record(lambda: runner.stage_choose(static, work), self.pool, stage="choose")
-        commit, _ = rec.record(lambda: runner.stage_commit(static, work), self.pool, stage="commit")
+        choose, _ = rec.record(lambda: runner.stage_choose(static, work), self.pool, stage="choose", signature=sig)
+        commit, _ = rec.record(lambda: runner.stage_commit(static, work), self.pool, stage="commit", signature=sig)
         graphs = {"draft": () if front.draft is None else (front.draft,), "tree": (tree.graph,),
                   "verify": (tree.forward, choose), "commit": (commit,)}
         cap = _Captured(static=static, front=front, tree=tree, work=work,
@@ -524,7 +531,7 @@ class PrefillGraphs:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         self.recorder.make_room()
-        self.recorder.warm_up(fn)
+        self.recorder.warm_up(fn)  # every prefill key is new (its rows x width)
         graph, out = self.recorder.record(fn, self.pool, stage="prefill")
         return out, graph.replay
 

@@ -1,17 +1,19 @@
-"""Recording CUDA graphs at start-up speed: one eager pass before a capture, no per-capture cache flush, and a clock.
+"""Recording CUDA graphs at start-up speed: no per-capture cache flush, eager passes only for what is new, a clock.
 
 Why not ``torch.cuda.graph`` as is: each use synchronises the device, empties torch's device cache and its pinned
-host cache, then captures. A round key is four stage graphs, so a warm-up of a thousand keys paid four
-synchronisations and four cache flushes a key, and every flush handed the eager pass's transient blocks back to the
-driver, to be allocated again by the next key's eager pass (``cudaFree`` synchronises too). On the H200 stand-in
-that was about 0.125 s a key with two eager passes each (docs/benchmarks.md, "Start-up warm-up"). Here a capture is
-``capture_begin`` / ``capture_end`` on one capture stream, the device cache is emptied only when free memory runs
-low (:meth:`Recorder.make_room`), and the eager pass PyTorch asks for (lazy initialisation, Triton compilation and
-module loading must not happen inside a capture) runs only for a capture that raised, which is then retried
-(``eager_runs`` 0, the default), or a fixed number of times before every capture. Why 0: on the H200 stand-in
-re-capturing 40 round keys took 87 ms a key with two eager passes, 57 with one and 31 with none (the recording
-itself, about 38 ms of it for the 36-layer forward); the engine's start-up precompiles the tree-attention variants
-(``ddtree.engine.precompile``), and whatever still needs a first eager run makes its capture fail and retry.
+host cache, then captures. A round key is several stage graphs, so a warm-up of a thousand keys paid that several
+times a key, and every flush handed the eager passes' transient blocks back to the driver, to be allocated again by
+the next key's eager pass (``cudaFree`` synchronises too). Here a capture is ``capture_begin`` / ``capture_end`` on
+one capture stream, and the device cache is emptied only when free memory runs low (:meth:`Recorder.make_room`).
+
+Eager passes: PyTorch asks for one before a capture because first uses must not happen inside it (cuBLAS creates
+its handle and workspace for a thread and stream, cuBLASLt its own, Triton compiles and loads a variant); a first
+use inside a capture invalidates it (``CUBLAS_STATUS_NOT_INITIALIZED`` from ``cublasCreate``, H200, 2026-12-01)
+and leaves torch's allocator recording into the graph's pool, so every later capture into that pool fails. A pass
+costs as much host time as the recording (about 30 ms for the stand-in's 36-layer forward), so the recorder runs
+one per *signature*: the caller names what a stage's kernels depend on (its shapes, its attention launches) and a
+signature met once on a thread is not warmed up again (re-capturing 40 round keys on the H200: 87 ms a key with two
+eager passes, 57 with one, 31 with none). A capture that fails forgets its signature, so the next try warms up.
 
 :class:`CaptureClock` adds up where the time goes (eager passes, recording per stage, cache flushes) so that
 ``Engine.info()["warmup"]["capture"]`` and the start-up benchmark can say it.
@@ -19,8 +21,9 @@ itself, about 38 ms of it for the 36-layer forward); the engine's start-up preco
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -35,8 +38,7 @@ LOW_FREE_BYTES = 2 << 30  # below this much free device memory a capture first e
 @dataclass
 class CaptureClock:
     """Seconds and counts per capture phase: ``eager`` (warm-up passes), ``record <stage>`` (capture and
-    instantiation of one stage's graph), ``empty_cache`` (cache flushes before a capture), ``retry`` (captures
-    redone after an eager pass, only with ``eager_runs`` 0)."""
+    instantiation of one stage's graph), ``empty_cache`` (cache flushes before a capture)."""
 
     seconds: dict[str, float] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
@@ -55,19 +57,19 @@ class CaptureClock:
 
 
 class Recorder:
-    """Warm-up passes and graph recording on one capture stream of ``device``, timed by ``clock``.
+    """Eager passes and graph recording on one capture stream of ``device``, timed by ``clock``.
 
-    eager_runs: eager passes before each capture (PyTorch's examples run a few; one compiles and loads a shape's
-    kernels and makes torch's lazy state). 0 (the default) captures first and warms up only a capture that raises
-    (then retries once; the clock counts these as ``retry``)."""
+    eager_runs: eager passes before a capture whose signature is new on this thread (0: none; the capture must then
+    meet no first use)."""
 
-    def __init__(self, device: torch.device, *, eager_runs: int = 0, clock: CaptureClock | None = None) -> None:
+    def __init__(self, device: torch.device, *, eager_runs: int = 1, clock: CaptureClock | None = None) -> None:
         if eager_runs < 0:
             raise ValueError(f"eager_runs must be >= 0, got {eager_runs}")
         self.device = device
         self.eager_runs = eager_runs
         self.clock = clock if clock is not None else CaptureClock()
         self._stream: torch.cuda.Stream | None = None
+        self._seen: set[tuple[int, Hashable]] = set()
 
     @property
     def stream(self) -> torch.cuda.Stream:
@@ -76,17 +78,24 @@ class Recorder:
             self._stream = torch.cuda.Stream(self.device)
         return self._stream
 
-    def warm_up(self, fn: Callable[[], object], runs: int | None = None) -> None:
-        """Run ``fn`` ``runs`` times (default ``eager_runs``) on the capture stream, ordered after the current one."""
-        runs = self.eager_runs if runs is None else runs
-        if not runs:
+    def warm_up(self, fn: Callable[[], object], signature: Hashable = None) -> None:
+        """Run ``fn`` ``eager_runs`` times on the capture stream, ordered after the current one, unless
+        ``signature`` (None: always new) was warmed up on this thread already."""
+        seen = (threading.get_ident(), signature)
+        if not self.eager_runs or (signature is not None and seen in self._seen):
             return
         with self.clock.phase("eager"):
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
-                for _ in range(runs):
+                for _ in range(self.eager_runs):
                     fn()
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        if signature is not None:
+            self._seen.add(seen)
+
+    def forget(self) -> None:
+        """Forget every signature met (the next capture of each warms up again): for benchmarks of the eager cost."""
+        self._seen.clear()
 
     def make_room(self) -> None:
         """Empty torch's device cache if the device is low on free memory: a capture allocates from its graph
@@ -95,32 +104,42 @@ class Recorder:
             with self.clock.phase("empty_cache"):
                 torch.cuda.empty_cache()
 
-    def record(self, fn: Callable[[], T], pool, *, stage: str = "graph") -> tuple[torch.cuda.CUDAGraph, T]:
+    def record(self, fn: Callable[[], T], pool, *, stage: str = "graph",
+               signature: Hashable = None) -> tuple[torch.cuda.CUDAGraph, T]:
         """Capture ``fn`` into a graph allocating from ``pool`` -> (graph, fn's output, whose memory the graph owns).
-        With ``eager_runs`` 0 a capture that raises is warmed up once and retried (a second failure raises)."""
-        try:
-            return self._record(fn, pool, stage)
-        except Exception:
-            if self.eager_runs:
-                raise
-            with self.clock.phase("retry"):
-                self.warm_up(fn, runs=1)
-            return self._record(fn, pool, stage)
-
-    def _record(self, fn: Callable[[], T], pool, stage: str) -> tuple[torch.cuda.CUDAGraph, T]:
+        If it fails, ``signature`` is forgotten (the next capture of it warms up first) and the error raised."""
         graph = torch.cuda.CUDAGraph()
         current = torch.cuda.current_stream(self.device)
         with self.clock.phase(f"record {stage}"):
             self.stream.wait_stream(current)
+            began = ended = False
             try:
                 with torch.cuda.stream(self.stream):
                     graph.capture_begin(pool=pool)
+                    began = True
                     try:
                         out = fn()
                     finally:
-                        graph.capture_end()  # raises for an invalidated capture, after ending it
+                        graph.capture_end()  # raises for an invalidated capture (fn's error, or a first use)
+                        ended = True
+            except BaseException:
+                self._seen.discard((threading.get_ident(), signature))
+                if began and not ended:
+                    _stop_pool(self.device, pool)
+                raise
             finally:
-                # never leave the caller on the capture stream, whatever failed
-                torch.cuda.set_stream(current)
+                torch.cuda.set_stream(current)  # never leave the caller on the capture stream
             current.wait_stream(self.stream)
         return graph, out
+
+
+def _stop_pool(device: torch.device, pool) -> None:
+    """After a capture that ``capture_end`` could not end: it raises before it tells torch's allocator to stop
+    allocating into the pool, which would make every later capture into that pool fail ("already recording"), so
+    the allocator is told directly (torch's private hook, where it exists; best effort)."""
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if end is not None:
+        try:
+            end(device.index if device.index is not None else torch.cuda.current_device(), pool)
+        except Exception:  # noqa: S110 (nothing better to do: the caller raises the capture's own error)
+            pass

@@ -20,7 +20,7 @@ Attention (:func:`attention`, new tokens over a KV-cache slot)
     fixed multiples of ``ATTN_SPLIT_KEYS`` positions; a query at position p combines splits 0 .. p // ATTN_SPLIT_KEYS
     in ascending order. Key position j of query t is cache index j below ``start`` (the committed prefix) and
     ``start + anc[t, j - start]`` above it (the node's ancestor at depth ``j - start``: in a tree the ancestors are not
-    contiguous in the cache, :func:`ancestor_map`). A program's rows are ``ATTN_BLOCK_M`` = queries x the G query heads
+    contiguous in the cache, :func:`ancestor_map`). A program's rows are ``ATTN_BLOCK_M`` (or 64, :func:`attention_block_m`) = queries x the G query heads
     of one KV head. Where its queries share their keys (prefix tiles; every tile of a chain or a prompt chunk) one K/V
     tile serves them all; in a tree's tiles the program gathers each query's own tile and keeps, of each dot, the rows
     of that query (a tensor-core dot's row depends only on that row and the tile). Masked keys are exact no-ops
@@ -368,7 +368,8 @@ if triton is not None:
                              mask=row_ok[:, None] & (j[None, :] >= start) & vis, other=-1)
             vis = vis & ((j[None, :] < start) | (anc_rc >= 0))
             scores = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for grp in range(0, QT):
+            groups = tl.minimum(QT, T - pid_q * QT)  # the tile's real queries (the rest select nothing)
+            for grp in range(0, groups):
                 t_g = pid_q * QT + grp
                 pos_g = tl.load(pos_ptr + r * T + t_g, mask=t_g < T, other=-1)
                 k = _gather_tile(k_base, stride_kp, offs_d, j, start, pos_g, anc_base + t_g * T, False)
@@ -382,7 +383,7 @@ if triton is not None:
             p = tl.exp2(qk - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             pv = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-            for grp in range(0, QT):
+            for grp in range(0, groups):
                 t_g = pid_q * QT + grp
                 pos_g = tl.load(pos_ptr + r * T + t_g, mask=t_g < T, other=-1)
                 v = _gather_tile(v_base, stride_vp, offs_d, j, start, pos_g, anc_base + t_g * T, False)
@@ -443,6 +444,15 @@ def _check_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
                           f"positions {tuple(positions.shape)}, anc {tuple(anc.shape)} do not fit q {tuple(q.shape)}")
 
 
+def attention_block_m(tokens: int, group: int) -> int:
+    """Folded rows per attention program for ``tokens`` new tokens of ``group`` query heads per KV head: 64 where
+    that puts every token of a row in one program (a chain or a small tree at high concurrency: each program reads
+    its keys once, not twice), else :data:`ATTN_BLOCK_M` (a large tree's per-query tiles cost rows x queries). A
+    launch choice: a tensor-core dot's row depends on that row and the tile only (the H200 checks of
+    ``tests/models/test_batch_invariant.py`` compare a tree node with its AR step across both)."""
+    return 64 if ATTN_BLOCK_M < tokens * group <= 64 else ATTN_BLOCK_M
+
+
 def supports_head_dim(head_dim: int) -> bool:
     """Head dims the Triton attention takes (one power-of-two block, at least a tensor-core tile)."""
     return head_dim in SUPPORTED_HEAD_DIMS
@@ -470,7 +480,8 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start:
     g = h // kv
     if g > ATTN_BLOCK_M:
         raise ConfigError(f"batch_invariant.attention: {g} query heads per KV head exceed {ATTN_BLOCK_M}")
-    qt = ATTN_BLOCK_M // g
+    block_m = attention_block_m(t, g)
+    qt = block_m // g
     if q.stride(-1) != 1:
         q = q.contiguous()
     slots, start, positions = slots.contiguous(), start.contiguous(), positions.contiguous()
@@ -489,7 +500,7 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start:
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         t, g, kv, splits, scale_log2,
-        HEAD_DIM=d, BLOCK_M=ATTN_BLOCK_M, QT=qt, BLOCK_N=ATTN_BLOCK_N, TILES_PER_SPLIT=split_keys // ATTN_BLOCK_N,
+        HEAD_DIM=d, BLOCK_M=block_m, QT=qt, BLOCK_N=ATTN_BLOCK_N, TILES_PER_SPLIT=split_keys // ATTN_BLOCK_N,
         EMULATE=INTERPRETED, PRECISION=precision, num_warps=4, num_stages=2,
     )
     _attention_combine_kernel[(r * t, h)](
