@@ -299,6 +299,18 @@ if triton is not None:
             ok = (j <= pos_q) & ((~above) | (anc >= 0))
         return tl.load(base + idx[:, None] * stride_p + offs_d[None, :], mask=ok[:, None], other=0.0)
 
+    @triton.jit
+    def _softmax_step(scores, vis, m_i, l_i, scale_log2):
+        """One key tile of the online softmax, the same code for the shared and the per-query tiles (their bits must
+        agree): -> (p, alpha, l, m) with p the tile's unnormalised probabilities, alpha the rescale of what came
+        before, l the running sum and m the running max (masked keys: exp2(-inf) = 0, -inf - -inf guarded)."""
+        qk = tl.where(vis, scores * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(qk - m_use[:, None])
+        return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
+
     @triton.jit(do_not_specialize=["T"])
     def _attention_split_kernel(
         q_ptr, k_ptr, v_ptr, slots_ptr, start_ptr, pos_ptr, anc_ptr, chain_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
@@ -349,12 +361,7 @@ if triton is not None:
             k = _gather_tile(k_base, stride_kp, offs_d, j, start, max_pos, anc_base, True)
             scores = _dot(q, tl.trans(k.to(q.dtype)), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), EMULATE,
                           PRECISION)
-            qk = tl.where(vis & row_ok[:, None], scores * scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(qk - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
+            p, alpha, l_i, m_new = _softmax_step(scores, vis & row_ok[:, None], m_i, l_i, scale_log2)
             v = _gather_tile(v_base, stride_vp, offs_d, j, start, max_pos, anc_base, True)
             pv = _dot(p.to(q.dtype), v.to(q.dtype), tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32), EMULATE,
                       PRECISION)
@@ -376,12 +383,7 @@ if triton is not None:
                 s = _dot(q, tl.trans(k.to(q.dtype)), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), EMULATE,
                          PRECISION)
                 scores = tl.where((qi == grp)[:, None], s, scores)
-            qk = tl.where(vis & row_ok[:, None], scores * scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(qk - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
+            p, alpha, l_i, m_new = _softmax_step(scores, vis & row_ok[:, None], m_i, l_i, scale_log2)
             pv = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
             for grp in range(0, groups):
                 t_g = pid_q * QT + grp
