@@ -204,6 +204,7 @@ class _Tree:
     forward: torch.cuda.CUDAGraph
     tree: TreeStage
     verify: VerifyStage  # the layers' outputs (hidden, normed); each key's choice graph fills a copy of its own
+    front: _Front  # the draft stage whose inputs and output its graphs read
     users: int = 0
 
 
@@ -280,6 +281,8 @@ class RoundGraphs:
         key = self.key_for(shape)
         cap = self.graphs.get(key)
         if cap is None:
+            if rows_in.longs.is_cuda:  # views of a front's buffers, which the capture resets to padding
+                rows_in = PackedRows(rows_in.longs.clone(), rows_in.floats.clone())
             cap = self._capture(key)
         else:
             self.graphs.move_to_end(key)
@@ -312,11 +315,15 @@ class RoundGraphs:
                 self._capture(key)
 
     def _front(self, key: RoundShape) -> _Front:
-        """The shared inputs and draft graph of ``key``'s draft key, captured (and replayed once, so that its
-        output holds valid values for later eager passes) on first use."""
+        """The shared inputs and draft graph of ``key``'s draft key, captured on first use; either way its inputs
+        hold padding rows and its draft output valid values when this returns (see :meth:`_capture`)."""
         skey = stage_key(key, "draft")
         front = self.fronts.get(skey)
         if front is not None:
+            front.packed.longs.copy_(front.pad.longs)
+            front.packed.floats.copy_(front.pad.floats)
+            if front.draft is not None:
+                front.draft.replay()
             return front
         runner, rec = self.runner, self.recorder
         host = PackedRows(self._pad.longs.expand(-1, key.rows).contiguous().pin_memory(),
@@ -336,34 +343,59 @@ class RoundGraphs:
         return front
 
     def _tree(self, key: RoundShape, static: RoundInputs, front: _Front) -> _Tree:
-        """The shared tree and layers graphs of ``key``'s tree key (captured and replayed once on first use, so
-        that their outputs hold valid values for later eager passes)."""
+        """The shared tree and layers graphs of ``key``'s tree key, captured on first use; either way replayed on
+        the front's padding rows, so that their outputs hold valid values for later eager passes."""
         skey = stage_key(key, "tree")
         tree = self.trees.get(skey)
-        if tree is None:
-            runner, rec = self.runner, self.recorder
+        if tree is not None and tree.front is front:
+            tree.graph.replay()
+            tree.forward.replay()
+            return tree
+        runner, rec = self.runner, self.recorder
 
-            def eager() -> None:
-                scratch = RoundWork(draft_logits=front.draft_logits)
-                runner.stage_tree(static, scratch)
-                runner.stage_forward(static, scratch)
+        def eager() -> None:
+            scratch = RoundWork(draft_logits=front.draft_logits)
+            runner.stage_tree(static, scratch)
+            runner.stage_forward(static, scratch)
 
-            # the layers' kernels follow every field of the tree key (rows x nodes for the matmuls, the length for
-            # the attention's launch): each tree key is new, and warms up once
-            sig = ("forward", skey)
-            rec.warm_up(eager, sig)
-            work = RoundWork(draft_logits=front.draft_logits)
-            graph, _ = rec.record(lambda: runner.stage_tree(static, work), self.pool, stage="tree", signature=sig)
-            forward, _ = rec.record(lambda: runner.stage_forward(static, work), self.pool, stage="forward",
-                                    signature=sig)
-            graph.replay()
-            forward.replay()
-            tree = self.trees[skey] = _Tree(graph=graph, forward=forward, tree=work.tree, verify=work.verify)
+        # the layers' kernels follow every field of the tree key (rows x nodes for the matmuls, the length for the
+        # attention's launch): each tree key is new, and warms up once
+        sig = ("forward", skey)
+        rec.warm_up(eager, sig)
+        work = RoundWork(draft_logits=front.draft_logits)
+        graph, _ = rec.record(lambda: runner.stage_tree(static, work), self.pool, stage="tree", signature=sig)
+        forward, _ = rec.record(lambda: runner.stage_forward(static, work), self.pool, stage="forward",
+                                signature=sig)
+        graph.replay()
+        forward.replay()
+        tree = self.trees[skey] = _Tree(graph=graph, forward=forward, tree=work.tree, verify=work.verify, front=front)
         return tree
 
     def _capture(self, key: RoundShape) -> _Captured:
+        """Capture ``key``'s own graphs over its shared stages (made or reused).
+
+        Why the reset and the replays of reused stages (in :meth:`_front`, :meth:`_tree`) before anything runs: a
+        reused front's inputs hold the last round's real rows, which an eager pass or a replay would write into
+        (live slots' caches), and a shared stage's outputs can hold another key's scratch (all keys share one
+        pool, and an older graph's scratch may lie under a newer capture's outputs: safe within a round, not
+        across them). A capture that fails leaves no shared stage that no captured key uses."""
+        self.recorder.make_room()
+        had = (set(self.fronts), set(self.trees))
+        try:
+            cap = self._capture_stages(key)
+        except BaseException:
+            for table, before in ((self.trees, had[1]), (self.fronts, had[0])):
+                for skey in [k for k, v in table.items() if k not in before and v.users == 0]:
+                    del table[skey]
+            raise
+        self.graphs[key] = cap
+        self.captures += 1
+        while len(self.graphs) > self.max_graphs:  # each key keeps its stage outputs (choices, result) allocated
+            self._drop(self.graphs.popitem(last=False)[0])
+        return cap
+
+    def _capture_stages(self, key: RoundShape) -> _Captured:
         runner, rec = self.runner, self.recorder
-        rec.make_room()
         front = self._front(key)
         static = RoundInputs.from_packed(front.packed, key)
         tree = self._tree(key, static, front)
@@ -385,15 +417,10 @@ class RoundGraphs:
         commit, _ = rec.record(lambda: runner.stage_commit(static, work), self.pool, stage="commit", signature=sig)
         graphs = {"draft": () if front.draft is None else (front.draft,), "tree": (tree.graph,),
                   "verify": (tree.forward, choose), "commit": (commit,)}
-        cap = _Captured(static=static, front=front, tree=tree, work=work,
-                        graphs=tuple(graphs[name] for name in ModelRunner.STAGES))
         front.users += 1
         tree.users += 1
-        self.graphs[key] = cap
-        self.captures += 1
-        while len(self.graphs) > self.max_graphs:  # each key keeps its stage outputs (choices, result) allocated
-            self._drop(self.graphs.popitem(last=False)[0])
-        return cap
+        return _Captured(static=static, front=front, tree=tree, work=work,
+                         graphs=tuple(graphs[name] for name in ModelRunner.STAGES))
 
     def _drop(self, key: RoundShape) -> None:
         """Forget the shared stages an evicted key was the last to use (its own graphs went with it)."""

@@ -115,8 +115,8 @@ class Recorder:
             began = ended = False
             try:
                 with torch.cuda.stream(self.stream):
+                    began = True  # from here on a failure may leave the allocator recording into the pool
                     graph.capture_begin(pool=pool)
-                    began = True
                     try:
                         out = fn()
                     finally:

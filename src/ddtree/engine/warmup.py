@@ -246,11 +246,12 @@ def round_bytes(key: RoundShape, dims: GraphDims) -> tuple[int, int]:
     """Estimated (persistent, transient) bytes of one captured round key, its draft logits left out (keys of one
     draft key share them: :func:`draft_bytes`).
 
-    Persistent: the stage outputs a key keeps between replays (target features ``[R, N, F]``, trees and
-    visibility ``[R, N, N / 8]``). Transient: the verify's peak (fp32 logits ``[R, N, V]`` and the MLP's
+    Persistent: the stage outputs a key keeps between replays (target features ``[R, N, F]`` and the normed
+    states ``[R, N, H]``, trees and visibility ``[R, N, N / 8]``; counted per key although keys of one tree key
+    share them: an upper bound). Transient: the verify's peak (fp32 logits ``[R, N, V]`` and the MLP's
     ``[R, N, 2I]``), freed into the pool every key shares, so only the largest counts."""
     r, n, lb = key.rows, key.max_budget + 1, key.block_size - 1
-    persistent = r * n * (dims.features * dims.elem + n // 8 + 64) + (1 << 16)
+    persistent = r * n * ((dims.features + dims.hidden) * dims.elem + n // 8 + 64) + (1 << 16)
     transient = r * n * (4 * dims.vocab + dims.elem * (3 * dims.intermediate + 6 * dims.hidden))
     if lb:
         transient = max(transient, r * lb * 4 * dims.vocab)

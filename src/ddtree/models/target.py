@@ -176,9 +176,10 @@ class TargetModel(nn.Module):
             return self._run(input_ids, positions, attend, logits_at, hidden_layers, fused, head)
 
     def head_logits(self, normed: Tensor, *, kernels: KernelSet | None = None) -> Tensor:
-        """The logits ``[R, N, V]`` of a ``head=False`` forward's ``normed [R, N, H]``, bit for bit what the forward
-        would have returned: the same head under the same matmul choice (the BLAS rule for the forward's token
-        count R x N, which a verify's logits_at None makes equal to this call's rows; exact mode's own head)."""
+        """The logits ``[R, N, V]`` of a ``head=False`` forward's ``normed [R, N, H]``: bit for bit what that forward
+        would have returned with ``logits_at`` None (the verify's case), the same head under the same matmul choice
+        (the BLAS rule for the token count R x N, then equal to the forward's; exact mode's own head). With a
+        ``logits_at`` the forward's rule counted all R x T tokens, so the bits may differ."""
         if kernels is not None and kernels.exact:
             return exact_forward.head_logits(self, normed, triton=can_run(normed), blas=kernels.exact_blas)
         with blas_for_rows(normed.shape[0] * normed.shape[1], normed.device, rule=kernels is None or kernels.blas_rule):
