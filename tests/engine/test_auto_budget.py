@@ -251,9 +251,9 @@ def test_auto_uses_the_cost_curve_the_engine_config_names(tiny_engine_factory, t
 
 
 def test_rising_costs_by_hand():
-    cost = {1: 0.02, 3: 0.01, 7: 0.03, 15: 0.025}.__getitem__  # a noisy curve: b3 "cheaper" than b1
+    cost = {1: 0.02, 3: 0.01, 7: 0.03, 15: 0.025}.__getitem__  # a noisy curve: b1 dearer than b3, b7 than b15
     up = ab.rising(cost, (1, 3, 7, 15))
-    assert [up(b) for b in (1, 3, 7, 15)] == [0.02, 0.02, 0.03, 0.03]
+    assert [up(b) for b in (1, 3, 7, 15)] == [0.01, 0.01, 0.025, 0.025]  # each bounded by the larger trees
 
 
 def test_calibration_by_hand():

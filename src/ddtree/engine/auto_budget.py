@@ -118,12 +118,17 @@ def objective(rows: Sequence[RowCurve], budget: int, cost: Callable[[int], float
 
 
 def rising(cost: Callable[[int], float], opts: Sequence[int]) -> Callable[[int], float]:
-    """``cost`` over ``opts`` made non-decreasing in the budget (each value the largest at or below it): a bigger tree
-    never costs less, so a curve measured with noise (a busy CPU) cannot make a larger size look cheaper."""
-    out, top = {}, 0.0
-    for b in sorted(opts):
-        top = max(top, cost(b))
-        out[b] = top
+    """``cost`` over ``opts`` made non-decreasing in the budget, each value the smallest at or above it: a bigger tree
+    never costs less, so where a smaller tree measured dearer the larger one's time bounds it.
+
+    Why from above and not the largest at or below: a measurement's noise only adds time (load, a slow first
+    round), and a budget that measured high lifted every larger one to it, flattening the curve so that large trees
+    looked nearly free (the idle-CPU run of 2026-12-01, run 7: b1 at 50.0 ms, b15 at 39.5, b63 at 54.5 read as 50,
+    50 and 54.5, and auto chose trees larger than the best fixed budget's)."""
+    out, low = {}, math.inf
+    for b in sorted(opts, reverse=True):
+        low = min(low, cost(b))
+        out[b] = low
     return out.__getitem__
 
 
@@ -199,15 +204,16 @@ def measure_cost_curve(run_round: Callable[[int, int, int], float], *, device: s
 
 
 def time_round(queue: Callable[[PackedRows, RoundShape], Tensor], *, scratch: int, block_size: int, rows: int,
-               budget: int, kv_len: int, repeats: int = 3) -> float:
+               budget: int, kv_len: int, repeats: int = 3, auto_width: int = 0) -> float:
     """The fastest of ``repeats`` timed runs (after one untimed: capture, compilation) of a greedy DDTree round of
     ``rows`` rows at ``budget`` whose furthest root reads ``kv_len`` keys, every row in the KV caches' scratch slot
     (its contents are garbage; a round's cost does not depend on them). ``queue`` runs a round and returns its
-    device result (the scheduler's graph or eager path); reading it back is the sync that ends the timing."""
+    device result (the scheduler's graph or eager path); reading it back is the sync that ends the timing.
+    auto_width: time an auto round (its tree stage selects that many nodes for the expected lengths)."""
     start = max(kv_len - budget - 1, 1)
     row = dataclasses.replace(RowInputs.padding(scratch), start=start, budget=budget, depth_limit=block_size - 1)
     shape = RoundShape(rows=rows, max_budget=budget, block_size=block_size, kv_len=start + budget + 1,
-                       draft_kv_len=start, greedy=True, filtered=False, contiguous=False)
+                       draft_kv_len=start, greedy=True, filtered=False, contiguous=False, auto_width=auto_width)
     best = math.inf
     for i in range(repeats + 1):
         t0 = time.perf_counter()
@@ -236,8 +242,11 @@ def engine_curve(sched: Any, cands: Sequence[int]) -> CostCurve:
             return sched.graphs.run(packed, shape, timer)[0]
         return sched.runner.round(RoundInputs.from_packed(packed.to(sched.device), shape), timer)
 
+    # auto rounds, as served: each selects the next candidate's nodes to report the expected lengths (on a CPU that
+    # selection is milliseconds a round, and a curve of plain rounds left it out: docs/benchmarks.md, run 7)
     curve = measure_cost_curve(
-        lambda r, b, k: time_round(run, scratch=scratch, block_size=block, rows=r, budget=b, kv_len=k, repeats=1),
+        lambda r, b, k: time_round(run, scratch=scratch, block_size=block, rows=r, budget=b, kv_len=k, repeats=1,
+                                   auto_width=curve_width(b, cands)),  # candidates are their own node buckets
         device=str(sched.device), model=sched.model_name, rows=rows, budgets=tuple(cands), kv_lens=kv)
     log.warning("budget auto: cost curve measured in %.1f s: %s", curve.measure_seconds, curve.to_json())
     return curve
