@@ -268,15 +268,3 @@ def test_calibration_by_hand():
     assert ab.calibrated((1.5,), (0.0, 0.0)) == (1.5,)  # nothing known: the surrogate itself
     assert ab.calibrated((2.0,), (100.0, 1.0)) == (21.0,)  # clamped at 20
 
-
-def test_fallback_measurement_takes_the_fastest_pass_per_point():
-    times = iter([0.5, 0.2, 0.3, 0.1, 0.4, 0.4])  # pass 1: (1, 1), (1, 3); pass 2; pass 3
-    seen = []
-
-    def run(r, b, k):
-        seen.append((r, b, k))
-        return next(times)
-
-    curve = ab.measure_cost_curve(run, device="cpu", model="m", rows=(1,), budgets=(1, 3), kv_lens=(64,), passes=3)
-    assert seen == [(1, 1, 64), (1, 3, 64)] * 3  # whole passes, not repeats in a row
-    assert curve.seconds == (0.3, 0.1)

@@ -22,6 +22,7 @@ from ddtree.engine.cost_curve import (
     curve_at_start,
     load_curve,
     measure_cost_curve,
+    sample_points,
     save_curve,
 )
 from ddtree.errors import ConfigError
@@ -181,6 +182,61 @@ def test_measurement_on_the_demo_pair_covers_the_declared_grid(demo_engine):
         measure_cost_curve(demo_engine.runner, CostGrid((1,), (0,), (10_000,), 16), device_name="cpu", model="m")
     with pytest.raises(CostCurveError, match="KV slots"):
         measure_cost_curve(demo_engine.runner, CostGrid((1, 5), (0,), (16,), 16), device_name="cpu", model="m")
+
+
+def test_sample_points_takes_whole_passes_and_the_grid_statistic():
+    """One untimed round a point, then whole passes over the grid (not repeats in a row); "min" keeps the fastest,
+    "median" the middle; a long point (its untimed round over long_round_s) is timed once, or not again at all
+    where the untimed round counts (nothing captured)."""
+    def runner(times):
+        seen = []
+        it = iter(times)
+
+        def one_round(r, b, k):
+            seen.append((r, b, k))
+            return next(it)
+        return one_round, seen
+
+    points = [(1, 1, 64), (1, 3, 64)]
+    run, seen = runner([0.9, 0.9, 0.5, 0.2, 0.3, 0.1, 0.4, 0.4])  # untimed, then 3 passes
+    assert sample_points(points, run, repeats=3, long_round_s=math.inf, statistic="min", warm_counts=True) == [0.3, 0.1]
+    assert seen == points * 4
+    run, _ = runner([0.9, 0.9, 0.5, 0.2, 0.3, 0.1, 0.4, 0.4])
+    assert sample_points(points, run, repeats=3, long_round_s=math.inf, statistic="median", warm_counts=True) == [
+        0.4, 0.2]
+    # the second point is long: timed once more (a capture happened in its untimed round), or kept as it was
+    run, seen = runner([0.01, 0.9, 0.02, 0.5, 0.03])
+    assert sample_points(points, run, repeats=2, long_round_s=0.05, statistic="median", warm_counts=False) == [
+        0.025, 0.5]
+    run, seen = runner([0.01, 0.9, 0.02, 0.03])
+    assert sample_points(points, run, repeats=2, long_round_s=0.05, statistic="median", warm_counts=True) == [
+        0.025, 0.9]
+    with pytest.raises(CostCurveError, match="statistic"):
+        CostGrid((1,), (0,), (16,), 16, statistic="mean")
+    with pytest.raises(CostCurveError, match="slots"):
+        CostGrid((1,), (0,), (16,), 16, slots="live")
+
+
+@pytest.mark.slow
+def test_scratch_measurement_leaves_live_slots_alone(demo_engine):
+    """Budget auto's fallback measures while requests hold slots: with slots "scratch" every synthetic row, auto
+    rounds included, writes only the scratch slot, and more rows than free slots are allowed."""
+    import torch
+
+    runner = demo_engine.runner
+    caches = [runner.target_cache, runner.drafter_cache]
+    for cache in caches:  # what live requests would hold there
+        cache.k.normal_()
+        cache.v.normal_()
+    before = [(c.k[:, :runner.target_cache.scratch_slot].clone(), c.v[:, :runner.target_cache.scratch_slot].clone())
+              for c in caches]
+    grid = CostGrid(rows=(1, 3), budgets=(3, 7), kv_lens=(32,), block_size=demo_engine.trained_block_size, repeats=1,
+                    long_round_s=math.inf, statistic="min", slots="scratch", auto_candidates=(1, 3, 7, 15))
+    c = measure_cost_curve(runner, grid, device_name="cpu", model="demo")
+    assert len(c.seconds) == 4 and all(s > 0 for s in c.seconds)
+    for cache, (k, v) in zip(caches, before, strict=True):
+        assert torch.equal(cache.k[:, :runner.target_cache.scratch_slot], k)
+        assert torch.equal(cache.v[:, :runner.target_cache.scratch_slot], v)
 
 
 @pytest.mark.slow

@@ -49,20 +49,14 @@ previous round unless another beats it by :data:`MARGIN`, so near-ties do not br
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-from torch import Tensor
-
-from ddtree.engine.round import PackedRows, RoundShape, RowInputs
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the runner imports this module for the tree stage, and the cost curve module measures rounds
-    from ddtree.engine.cost_curve import CostCurve
+    pass
 
 log = logging.getLogger("ddtree.engine")
 
@@ -184,88 +178,6 @@ def mean_curve(curves: Sequence[Sequence[float]]) -> tuple[float, ...]:
     return tuple(sum(c[i] for c in curves) / len(curves) for i in range(k))
 
 
-# ---- the fallback cost curve: measured on the engine ---------------------------------------------------------------
-
-def measure_cost_curve(run_round: Callable[[int, int, int], float], *, device: str, model: str,
-                       rows: Sequence[int], budgets: Sequence[int], kv_lens: Sequence[int],
-                       passes: int = 3) -> CostCurve:
-    """A :class:`CostCurve` from ``run_round(rows, budget, kv_len) -> seconds``: the fastest of ``passes`` passes
-    over the whole grid at every point (the engine's fallback when it was given none: :func:`engine_curve`). Passes
-    rather than repeats in a row, so a burst of load from other processes slows one pass of a point, not all."""
-    from ddtree.engine.cost_curve import CostCurve
-
-    t0 = time.perf_counter()
-    grid = [(r, b, k) for r in rows for b in budgets for k in kv_lens]
-    seconds = [math.inf] * len(grid)
-    for _ in range(passes):
-        seconds = [min(s, max(run_round(*point), 1e-9)) for s, point in zip(seconds, grid, strict=True)]
-    return CostCurve(device=device, model=model, rows=tuple(rows), budgets=tuple(budgets), kv_lens=tuple(kv_lens),
-                     seconds=tuple(seconds), measure_seconds=time.perf_counter() - t0)
-
-
-def time_round(queue: Callable[[PackedRows, RoundShape], Tensor], *, scratch: int, block_size: int, rows: int,
-               budget: int, kv_len: int, repeats: int = 3, auto_width: int = 0) -> float:
-    """The fastest of ``repeats`` timed runs (after one untimed: capture, compilation) of a greedy DDTree round of
-    ``rows`` rows at ``budget`` whose furthest root reads ``kv_len`` keys, every row in the KV caches' scratch slot
-    (its contents are garbage; a round's cost does not depend on them). ``queue`` runs a round and returns its
-    device result (the scheduler's graph or eager path); reading it back is the sync that ends the timing.
-    auto_width: time an auto round (its tree stage selects that many nodes for the expected lengths)."""
-    start = max(kv_len - budget - 1, 1)
-    row = dataclasses.replace(RowInputs.padding(scratch), start=start, budget=budget, depth_limit=block_size - 1)
-    shape = RoundShape(rows=rows, max_budget=budget, block_size=block_size, kv_len=start + budget + 1,
-                       draft_kv_len=start, greedy=True, filtered=False, contiguous=False, auto_width=auto_width)
-    best = math.inf
-    for i in range(repeats + 1):
-        t0 = time.perf_counter()
-        queue(PackedRows.pack([row] * rows), shape).cpu()
-        if i:
-            best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def engine_curve(sched: Any, cands: Sequence[int]) -> CostCurve:
-    """The fallback curve of a scheduler (:class:`ddtree.engine.scheduler.Scheduler`) that was given none: its
-    rounds timed over ``cands`` at :func:`grid_rows` x :func:`grid_kv_lens` (one untimed and one timed round a point,
-    the fastest of three passes), on its graphs (CUDA) or eagerly; logged with the values, since a busy machine makes
-    them noisy."""
-    from ddtree.engine.round import RoundInputs
-    from ddtree.engine.runner import StageTimer
-
-    rows, kv = grid_rows(sched.config.max_batch), grid_kv_lens(sched.cache_len)
-    log.warning("budget auto: no cost curve set on the engine; measuring one now (%d rows x %d budgets x %d lengths, "
-                "greedy rounds in the scratch slot)", len(rows), len(cands), len(kv))
-    block, scratch = max(2, int(sched.trained_block_size)), sched.runner.target_cache.scratch_slot
-
-    def run(packed: PackedRows, shape: RoundShape) -> Tensor:
-        timer = StageTimer(sched.device)
-        if sched.graphs is not None and sched.graphs.can_run(packed.rows):
-            return sched.graphs.run(packed, shape, timer)[0]
-        return sched.runner.round(RoundInputs.from_packed(packed.to(sched.device), shape), timer)
-
-    # auto rounds, as served: each selects the next candidate's nodes to report the expected lengths (on a CPU that
-    # selection is milliseconds a round, and a curve of plain rounds left it out: docs/benchmarks.md, run 7)
-    curve = measure_cost_curve(
-        lambda r, b, k: time_round(run, scratch=scratch, block_size=block, rows=r, budget=b, kv_len=k, repeats=1,
-                                   auto_width=curve_width(b, cands)),  # candidates are their own node buckets
-        device=str(sched.device), model=sched.model_name, rows=rows, budgets=tuple(cands), kv_lens=kv)
-    log.warning("budget auto: cost curve measured in %.1f s: %s", curve.measure_seconds, curve.to_json())
-    return curve
-
-
-def grid_rows(max_batch: int) -> tuple[int, ...]:
-    """Rows a fallback curve is measured at: powers of two up to ``max_batch``, and ``max_batch``."""
-    out = {1 << k for k in range(0, 16) if 1 << k <= max_batch} | {max_batch}
-    return tuple(sorted(out))
-
-
-def grid_kv_lens(cache_len: int) -> tuple[int, ...]:
-    """Key lengths a fallback curve is measured at: 128 and half the cache (the cost is close to linear in the keys;
-    past the last point the curve extrapolates; the whole cache would let the scratch rows write past its end)."""
-    return tuple(sorted({min(128, cache_len // 2), cache_len // 2}))
-
-
 __all__ = ["AUTO", "GAIN_DECAY", "MARGIN", "SMOOTHING", "RowCurve", "calibrated", "candidates", "choose_budget",
-           "curve_width", "engine_curve", "gain_update", "grid_kv_lens",
-           "grid_rows", "initial_budget", "mean_curve", "measure_cost_curve", "objective", "options", "rising",
-           "smoothed",
-           "time_round"]
+           "curve_width", "gain_update", "initial_budget", "mean_curve", "objective", "options", "rising",
+           "smoothed"]

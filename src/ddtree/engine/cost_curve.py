@@ -294,10 +294,19 @@ class CostGrid:
     kv_lens: tuple[int, ...]
     block_size: int  # the draft block of every drafting round (L + 1); AR rounds draft nothing
     prefill_tokens: tuple[int, ...] = ()
-    repeats: int = 3  # timed rounds per point (the median is kept), after one untimed round
+    repeats: int = 3  # timed rounds per point (passes over the whole grid), after one untimed round
     # a point whose untimed round took longer is timed once: it is long against the few milliseconds of noise, and
     # it is what bounds the measurement's cost (on a CPU its untimed round is that one timing: nothing is captured)
     long_round_s: float = 0.05
+    # what is kept of a point's timings: "median" (engine start, a quiet engine: the typical round) or "min" (budget
+    # auto's fallback, measured while serving on a machine that may be busy: load only ever adds time)
+    statistic: str = "median"
+    # where the synthetic rows live: "free" (slots 0 .. rows - 1, as a real batch reads as many caches; only while no
+    # request holds a slot) or "scratch" (every row in the scratch slot: safe while requests are served)
+    slots: str = "free"
+    # budget auto's candidates: when set, every drafting point is an auto round, whose tree stage selects the next
+    # candidate's nodes to report the expected lengths (auto_budget.curve_width), as served
+    auto_candidates: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _axis("rows", self.rows, 1)
@@ -312,6 +321,10 @@ class CostGrid:
         if isinstance(self.long_round_s, bool) or not isinstance(self.long_round_s, (int, float)) or not (
                 self.long_round_s > 0):
             raise CostCurveError(f"cost grid long_round_s must be > 0 seconds, got {self.long_round_s!r}")
+        if self.statistic not in ("median", "min"):
+            raise CostCurveError(f"cost grid statistic must be 'median' or 'min', got {self.statistic!r}")
+        if self.slots not in ("free", "scratch"):
+            raise CostCurveError(f"cost grid slots must be 'free' or 'scratch', got {self.slots!r}")
 
     @property
     def points(self) -> int:
@@ -354,35 +367,56 @@ def default_grid(*, max_batch: int, max_budget: int, cache_len: int, block_size:
     return CostGrid(tuple(rows), tuple(chosen), tuple(kv), block, tuple(prefill), repeats)
 
 
+def sample_points(points: Sequence[tuple[int, int, int]], one_round: Callable[[int, int, int], float], *,
+                  repeats: int, long_round_s: float, statistic: str, warm_counts: bool) -> list[float]:
+    """Seconds per point: one untimed round each, then ``repeats`` passes over the whole grid, ``statistic``
+    ("median" or "min") of each point's timings kept. Passes rather than repeats in a row, so a burst of load from
+    another process lands in one pass of a few neighbouring points, not in every timing of one point. A point whose
+    untimed round took over ``long_round_s`` is timed once; with ``warm_counts`` (nothing captured: the untimed
+    round was a real one) that untimed round is its timing."""
+    import statistics
+
+    warm = [one_round(*point) for point in points]  # untimed: a CUDA capture, first-use allocations
+    long = [w > long_round_s for w in warm]
+    samples: list[list[float]] = [[w] if is_long and warm_counts else [] for w, is_long in zip(warm, long, strict=True)]
+    for _ in range(repeats):
+        for i, point in enumerate(points):
+            if not (long[i] and samples[i]):
+                samples[i].append(one_round(*point))
+    keep = statistics.median if statistic == "median" else min
+    return [keep(s) for s in samples]
+
+
 def measure_cost_curve(runner: Any, grid: CostGrid, *, graphs: Any = None, device_name: str, model: str,
                        progress: Callable[[str], None] | None = None) -> CostCurve:
-    """Time the engine's real runner on every point of ``grid`` and return the curve: one untimed round per point
-    (on CUDA it captures the point's graphs), then ``grid.repeats`` timed passes over the whole grid, the median
-    per point kept; a point whose untimed round took over ``grid.long_round_s`` is timed once (without graphs,
-    its untimed round is that timing).
+    """Time the engine's real runner on every point of ``grid`` and return the curve (:func:`sample_points`: one
+    untimed round per point, on CUDA capturing the point's graphs, then ``grid.repeats`` timed passes, the
+    grid's statistic per point). The one measurer of the engine: at engine start and ``ddtree replay curve``
+    (slots "free", the median) and budget auto's fallback while serving (slots "scratch", the fastest pass).
 
     runner: the engine's :class:`~ddtree.engine.runner.ModelRunner`; graphs: its
-    :class:`~ddtree.engine.cuda_graphs.RoundGraphs` (CUDA) or None (eager rounds, the CPU path). Must run while no
-    request holds a KV slot (engine start, before the loop): the synthetic rows are
-    :meth:`~ddtree.engine.round.RowInputs.padding` rows moved to slots ``0 .. rows - 1`` (a real batch reads as
-    many different caches; all on the scratch slot, a GPU would serve them from its L2 and undercount long
-    contexts), each with the point's budget and its root at ``kv_len - budget - 1`` (at 1 where that is smaller:
-    a kv_len below the budget's own nodes is not a real round, and times the smallest one); a graph bucket's padding rows take the
-    scratch slot as in serving. Their cache contents are garbage and stay unread: a request's prefill writes every
-    position of its slot it will read. A round's time is wall time from packing its rows to reading its result on
-    the host (the engine's one sync), so it includes the launch and the copy. Prefill points are one row of that
-    many tokens from position 0 on the scratch slot, eager."""
+    :class:`~ddtree.engine.cuda_graphs.RoundGraphs` (CUDA) or None (eager rounds, the CPU path). The synthetic rows
+    are :meth:`~ddtree.engine.round.RowInputs.padding` rows, moved to slots ``0 .. rows - 1`` with slots "free"
+    (a real batch reads as many different caches; all on the scratch slot, a GPU would serve them from its L2 and
+    undercount long contexts: only while no request holds a slot) or all on the scratch slot; each with the
+    point's budget and its root at ``kv_len - budget - 1`` (at 1 where that is smaller: a kv_len below the budget's
+    own nodes is not a real round, and times the smallest one); a graph bucket's padding rows take the scratch slot
+    as in serving. Their cache contents are garbage and stay unread: a request's prefill writes every position of
+    its slot it will read. A round's time is wall time from packing its rows to reading its result on the host
+    (the engine's one sync), so it includes the launch and the copy. Prefill points are one row of that many tokens
+    from position 0 on the scratch slot, eager."""
     import statistics
     import time
 
     import torch
 
+    from ddtree.engine.auto_budget import curve_width
     from ddtree.engine.round import NO_WINDOW, PackedRows, RoundInputs, RoundShape, RowInputs
     from ddtree.engine.runner import PrefillInputs, StageTimer, to_host
 
-    slots = runner.target_cache.scratch_slot  # live slots are 0 .. scratch - 1
-    if grid.rows[-1] > slots:
-        raise CostCurveError(f"cost grid rows {list(grid.rows)} exceed the engine's {slots} KV slots")
+    scratch = runner.target_cache.scratch_slot  # live slots are 0 .. scratch - 1
+    if grid.slots == "free" and grid.rows[-1] > scratch:
+        raise CostCurveError(f"cost grid rows {list(grid.rows)} exceed the engine's {scratch} KV slots")
     if max(grid.budgets) > 0 and (runner.drafter is None or grid.block_size < 2):
         raise CostCurveError(f"cost grid budgets {list(grid.budgets)} need a drafter and a block size >= 2")
     cache_len = runner.target_cache.max_len
@@ -392,15 +426,16 @@ def measure_cost_curve(runner: Any, grid: CostGrid, *, graphs: Any = None, devic
             raise CostCurveError(f"cost grid kv_len {grid.kv_lens[-1]} leaves no room for a budget-{b} round in "
                                  f"{cache_len} cache positions; keep kv_lens <= {top}")
     began = time.perf_counter()
-    pad = RowInputs.padding(runner.target_cache.scratch_slot)
+    pad = RowInputs.padding(scratch)
 
     def one_round(rows: int, budget: int, kv_len: int) -> float:
         block = grid.block_size if budget else 1
         start = max(kv_len - budget - 1, 1)  # the root: the verify reads start + budget + 1 keys
-        row_list = [dataclasses.replace(pad, slot=i, root_token=0, start=start, budget=budget,
-                                        depth_limit=block - 1, window=NO_WINDOW) for i in range(rows)]
+        row_list = [dataclasses.replace(pad, slot=i if grid.slots == "free" else scratch, root_token=0, start=start,
+                                        budget=budget, depth_limit=block - 1, window=NO_WINDOW) for i in range(rows)]
+        width = curve_width(budget, grid.auto_candidates) if grid.auto_candidates and budget else 0
         shape = RoundShape(rows=rows, max_budget=budget, block_size=block, kv_len=start + budget + 1,
-                           draft_kv_len=start, greedy=True, filtered=False, contiguous=budget == 0)
+                           draft_kv_len=start, greedy=True, filtered=False, contiguous=budget == 0, auto_width=width)
         t0 = time.perf_counter()
         packed = PackedRows.pack(row_list)
         timer = StageTimer(runner.device)
@@ -412,17 +447,8 @@ def measure_cost_curve(runner: Any, grid: CostGrid, *, graphs: Any = None, devic
         return time.perf_counter() - t0
 
     points = [(r, b, k) for r in grid.rows for b in grid.budgets for k in grid.kv_lens]  # storage order
-    warm = [one_round(*point) for point in points]  # untimed: a CUDA capture, first-use allocations
-    long = [w > grid.long_round_s for w in warm]
-    captures = graphs is not None
-    samples: list[list[float]] = [[w] if is_long and not captures else [] for w, is_long in zip(warm, long, strict=True)]
-    # Repeats sweep the whole grid in turn, so a burst of load from another process lands in one repeat of a few
-    # neighbouring points, not in every repeat of one point, and the median drops it. A long point is timed once.
-    for _ in range(grid.repeats):
-        for i, point in enumerate(points):
-            if not (long[i] and samples[i]):
-                samples[i].append(one_round(*point))
-    seconds = [statistics.median(s) for s in samples]
+    seconds = sample_points(points, one_round, repeats=grid.repeats, long_round_s=grid.long_round_s,
+                            statistic=grid.statistic, warm_counts=graphs is None)
     if progress is not None:
         for (r, b, k), sec in zip(points, seconds, strict=True):
             progress(f"rows {r} budget {b} kv_len {k}: {sec * 1e3:.2f} ms")
@@ -446,6 +472,39 @@ def measure_cost_curve(runner: Any, grid: CostGrid, *, graphs: Any = None, devic
     return CostCurve(device=device_name, model=model, rows=grid.rows, budgets=grid.budgets, kv_lens=grid.kv_lens,
                      seconds=tuple(seconds), repeats=grid.repeats, measure_seconds=time.perf_counter() - began,
                      prefill_tokens=grid.prefill_tokens, prefill_seconds=tuple(prefill))
+
+
+# ------------------------------------------------------------------------------------------------ budget auto's fallback
+def fallback_curve(sched: Any, cands: Sequence[int]) -> CostCurve:
+    """The fallback curve of a scheduler (:class:`ddtree.engine.scheduler.Scheduler`) that was given none, measured
+    by the engine's one measurer (:func:`measure_cost_curve`) while it may be serving: auto
+    rounds over budget auto's ``cands`` at :func:`fallback_rows` x :func:`fallback_kv_lens`, every row in the scratch slot (live slots are
+    never touched), one untimed round a point then the fastest of three passes over the grid (load only ever adds
+    time), on its graphs (CUDA) or eagerly; logged with the values, since a busy machine makes them noisy.
+
+    Auto rounds, as served: each selects the next candidate's nodes to report the expected lengths; on a CPU that
+    selection is milliseconds a round, and a curve of plain rounds left it out (docs/benchmarks.md, run 7)."""
+    rows, kv = fallback_rows(sched.config.max_batch), fallback_kv_lens(sched.cache_len)
+    log.warning("budget auto: no cost curve set on the engine; measuring one now (%d rows x %d budgets x %d lengths, "
+                "greedy rounds in the scratch slot)", len(rows), len(cands), len(kv))
+    grid = CostGrid(rows=rows, budgets=tuple(cands), kv_lens=kv, block_size=max(2, int(sched.trained_block_size)),
+                    repeats=3, long_round_s=math.inf, statistic="min", slots="scratch", auto_candidates=tuple(cands))
+    curve = measure_cost_curve(sched.runner, grid, graphs=sched.graphs, device_name=str(sched.device),
+                               model=sched.model_name)
+    log.warning("budget auto: cost curve measured in %.1f s: %s", curve.measure_seconds, curve.to_json())
+    return curve
+
+
+def fallback_rows(max_batch: int) -> tuple[int, ...]:
+    """Rows a fallback curve is measured at: powers of two up to ``max_batch``, and ``max_batch``."""
+    out = {1 << k for k in range(0, 16) if 1 << k <= max_batch} | {max_batch}
+    return tuple(sorted(out))
+
+
+def fallback_kv_lens(cache_len: int) -> tuple[int, ...]:
+    """Key lengths a fallback curve is measured at: 128 and half the cache (the cost is close to linear in the keys;
+    past the last point the curve extrapolates; the whole cache would let the scratch rows write past its end)."""
+    return tuple(sorted({min(128, cache_len // 2), cache_len // 2}))
 
 
 # ------------------------------------------------------------------------------------------------ engine start
@@ -536,5 +595,5 @@ def attach_curve(engine: Any, *, cache_dir: Path | None = None) -> CurveSource:
 
 __all__ = ["COST_CURVE_SCHEMA", "CostCurve", "CostCurveError", "CostGrid", "CurveSource", "attach_curve", "cache_key",
            "cached_curve",
-           "curve_at_start", "default_cache_dir", "engine_device_name", "engine_grid", "default_grid", "load_curve", "make_curve", "measure_cost_curve", "reach_limit",
+           "curve_at_start", "default_cache_dir", "engine_device_name", "engine_grid", "default_grid", "load_curve", "make_curve", "measure_cost_curve", "reach_limit", "sample_points", "fallback_curve", "fallback_rows", "fallback_kv_lens",
            "save_curve"]

@@ -31,7 +31,7 @@ import torch
 from ddtree.engine import auto_budget
 from ddtree.engine.api import MAX_LOGPROBS, MAX_STOP_IDS, StreamChunk, TokenLogprob
 from ddtree.engine.build import EngineParts
-from ddtree.engine.cost_curve import CostCurve
+from ddtree.engine.cost_curve import CostCurve, fallback_curve
 from ddtree.engine.cuda_graphs import bucket_nodes, bucket_rows, eager_chunk_dims
 from ddtree.engine.logprobs import bits_to_floats, device_logprobs, host_entries, unpack_logprobs
 from ddtree.engine.request_state import Phase, RequestState
@@ -482,7 +482,7 @@ class Scheduler:
         if self.cost_curve is None and source is not None and source.curve is not None:
             self.cost_curve = source.curve
         if self.cost_curve is None:
-            self.cost_curve = auto_budget.engine_curve(self, self._auto_candidates)
+            self.cost_curve = fallback_curve(self, self._auto_candidates)
         return self.cost_curve
 
     def _collect_guarded(self, flight: _Flight) -> list[RowResult]:
