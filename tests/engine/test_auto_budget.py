@@ -268,21 +268,3 @@ def test_calibration_by_hand():
     assert ab.calibrated((1.5,), (0.0, 0.0)) == (1.5,)  # nothing known: the surrogate itself
     assert ab.calibrated((2.0,), (100.0, 1.0)) == (21.0,)  # clamped at 20
 
-
-
-def test_loop_overhead_by_hand():
-    """Launch-to-launch time minus the earlier round's predicted cost, decayed; a prefill step between, a reset,
-    an unpredicted launch or a stall (5x the prediction) gives no sample."""
-    loop = ab.LoopOverhead()
-    loop.launched(0.0, 0.040, 0)
-    loop.launched(0.050, 0.040, 0)  # 10 ms beyond the 40 predicted
-    assert loop.samples == 1 and abs(loop.seconds - 0.010) < 1e-12
-    loop.launched(0.120, 0.030, 0)  # 70 - 40 = 30 ms: decayed mean with SMOOTHING 0.5
-    assert abs(loop.seconds - 0.020) < 1e-12
-    loop.launched(0.200, 0.030, 1)  # a prefill step ran since: no sample
-    loop.launched(0.500, 0.030, 1)  # 300 ms after a 30 ms round: a stall, no sample
-    loop.reset()
-    loop.launched(0.600, 0.030, 1)
-    assert loop.samples == 2 and abs(loop.seconds - 0.020) < 1e-12
-    loop.launched(0.610, 0.030, 1)  # faster than predicted: clamped at 0
-    assert loop.samples == 3 and abs(loop.seconds - 0.010) < 1e-12

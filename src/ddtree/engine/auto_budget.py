@@ -178,36 +178,6 @@ def mean_curve(curves: Sequence[Sequence[float]]) -> tuple[float, ...]:
     return tuple(sum(c[i] for c in curves) / len(curves) for i in range(k))
 
 
-@dataclass
-class LoopOverhead:
-    """The engine loop's time a round beyond what the cost curve says its round costs: learnt while serving and
-    added to every size's cost in the choice.
-
-    Why: the curve times synthetic rounds from packing to reading the result; a served round also pays the loop
-    around it (emitting, detokenizing, callbacks, admitting), the same whatever the tree size, so a curve without it
-    overstates how much dearer a larger tree is (the idle-CPU demo of 2026-12-01, run 8: the curve's 4-row b15 round
-    73.6 ms, the served one 86.6 ms; auto then chose trees smaller than the best fixed budget's at C = 4). Each auto
-    launch that follows another with no prefill step between gives one sample, the time between the two launches
-    minus the earlier round's predicted cost, clamped at 0 and kept only below 5x the prediction (a stall, a curve
-    measured in between); the estimate is their decayed mean."""
-
-    seconds: float = 0.0
-    samples: int = 0
-    _last: tuple[float, float, int] | None = None  # (launch time, predicted seconds, prefill steps so far)
-
-    def launched(self, now: float, predicted: float, prefill_steps: int) -> None:
-        last, self._last = self._last, (now, predicted, prefill_steps)
-        if last is None or last[2] != prefill_steps or not now - last[0] < 5 * last[1]:
-            return
-        sample = max(0.0, now - last[0] - last[1])
-        self.seconds = sample if not self.samples else SMOOTHING * self.seconds + (1 - SMOOTHING) * sample
-        self.samples += 1
-
-    def reset(self) -> None:
-        """A round that was not an auto one ran since: the next launch starts a new pair."""
-        self._last = None
-
-
-__all__ = ["AUTO", "GAIN_DECAY", "MARGIN", "SMOOTHING", "LoopOverhead", "RowCurve", "calibrated", "candidates", "choose_budget",
+__all__ = ["AUTO", "GAIN_DECAY", "MARGIN", "SMOOTHING", "RowCurve", "calibrated", "candidates", "choose_budget",
            "curve_width", "gain_update", "initial_budget", "mean_curve", "objective", "options", "rising",
            "smoothed"]

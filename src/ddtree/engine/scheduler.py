@@ -97,7 +97,6 @@ class Scheduler:
         self._auto_candidates = auto_budget.candidates(parts.config.max_budget)
         self._auto_previous: int | None = None  # the budget of the last auto round launched
         self._auto_gain = (0.0, 0.0)  # calibration sums over every row (the prior of a row without its own)
-        self._auto_loop, self._auto_predicted, self._prefill_steps = auto_budget.LoopOverhead(), 0.0, 0
 
     # ---- the inbox (any thread) --------------------------------------------------------------------------------
     def _enqueue(self, state: RequestState) -> None:
@@ -200,7 +199,6 @@ class Scheduler:
 
     # ---- prefill ---------------------------------------------------------------------------------------------
     def _prefill_step(self, states: list[RequestState]) -> None:
-        self._prefill_steps += 1
         budget = self.config.prefill_chunk
         rows: list[tuple[RequestState, int]] = []
         for state in states:
@@ -317,11 +315,8 @@ class Scheduler:
         auto = block > 1 and any(s.tree.auto for s in states)
         if auto:  # every auto row takes the round's whole budget: the verify is padded to it anyway
             self._auto_previous = chosen = self._auto_choice(states, pending)
-            self._auto_loop.launched(time.perf_counter(), self._auto_predicted, self._prefill_steps)
             for s in (s for s in states if s.tree.auto):
                 s.auto_budget = chosen
-        else:
-            self._auto_loop.reset()
         max_budget = max(s.budget for s in states) if block > 1 else 0
         auto_width = auto_budget.curve_width(bucket_nodes(max_budget), self._auto_candidates) if auto else 0
         rows = []
@@ -461,10 +456,9 @@ class Scheduler:
         curve = self._auto_cost()
         n = bucket_rows(len(states), self.config.max_batch) if self.graphs is not None else len(states)
         reach = max(s.root_position + len(pending.get(s.request_id, ())) for s in states)
-        cost = auto_budget.rising(lambda b: curve.round_seconds(n, b, reach + b + 1) + self._auto_loop.seconds, opts)
-        chosen = auto_budget.choose_budget(rows, opts, cost, previous=self._auto_previous, margin=auto_budget.MARGIN)
-        self._auto_predicted = cost(chosen) - self._auto_loop.seconds  # the curve's part (LoopOverhead learns the rest)
-        return chosen
+        return auto_budget.choose_budget(
+            rows, opts, auto_budget.rising(lambda b: curve.round_seconds(n, b, reach + b + 1), opts),
+            previous=self._auto_previous, margin=auto_budget.MARGIN)
 
     def prepare_auto(self, timeout: float | None = None) -> CostCurve:
         """The cost curve budget "auto" uses, measured now if the engine has none (on the engine thread when it
