@@ -257,20 +257,14 @@ def test_rising_costs_by_hand():
 
 
 def test_calibration_by_hand():
-    """Decayed sums of accepted and predicted draft tokens per verified size; each size of the curve scaled by the
-    gain of the smallest measured size at or above it (the largest past every one)."""
-    sums = ab.gain_update({}, 7, 3, 1.5, decay=0.5)  # 2 drafts accepted where 0.5 were predicted, at size 7
-    assert sums == {7: (2.0, 0.5)}
-    assert ab.gain_update(sums, 7, 1, 1.0) == sums  # AR-like rounds leave the sums alone
-    sums = ab.gain_update(sums, 7, 2, 1.5, decay=0.5)  # (1 + 1, 0.25 + 0.5)
-    assert sums == {7: (2.0, 0.75)}
-    sums = ab.gain_update(sums, 3, 5, 2.0)  # another size: its own sums, size 7's untouched
-    assert sums == {7: (2.0, 0.75), 3: (4.0, 1.0)}
-    # gains: size 3 -> 4, size 7 -> 2 (sums 3 / 1.5); n = 1..3 take size 3's, 4..7 size 7's, 8 on size 7's
-    table = {3: (4.0, 1.0), 7: (3.0, 1.5)}
-    assert ab.calibrated((1.5, 2.0, 2.5, 2.6, 2.7, 2.8, 3.0, 3.1), table) == pytest.approx(
-        (3.0, 5.0, 7.0, 4.2, 4.4, 4.6, 5.0, 5.2))
-    assert ab.calibrated((1.5,), {7: (0.5, 0.5)}, prior={7: (4.0, 2.0)}) == (2.0,)  # too little evidence: prior's
-    assert ab.calibrated((1.5,), {}) == (1.5,)  # nothing known: the surrogate itself
-    assert ab.calibrated((2.0,), {1: (100.0, 1.0)}) == (21.0,)  # clamped at 20
+    """Decayed sums of accepted and predicted draft tokens; the curve's draft part scaled by their ratio."""
+    sums = ab.gain_update((0.0, 0.0), 3, 1.5, decay=0.5)  # 2 drafts accepted where 0.5 were predicted
+    assert sums == (2.0, 0.5)
+    assert ab.gain_update(sums, 1, 1.0) == sums  # AR-like rounds leave the sums alone
+    sums = ab.gain_update(sums, 2, 1.5, decay=0.5)  # (1 + 1, 0.25 + 0.5)
+    assert sums == (2.0, 0.75)
+    assert ab.calibrated((1.5, 2.0), (3.0, 1.5)) == (2.0, 3.0)  # gain 2
+    assert ab.calibrated((1.5,), (0.5, 0.5), prior=(4.0, 2.0)) == (2.0,)  # too little evidence: the prior's gain
+    assert ab.calibrated((1.5,), (0.0, 0.0)) == (1.5,)  # nothing known: the surrogate itself
+    assert ab.calibrated((2.0,), (100.0, 1.0)) == (21.0,)  # clamped at 20
 

@@ -139,42 +139,24 @@ def choose_budget(rows: Sequence[RowCurve], opts: Sequence[int], cost: Callable[
     return best
 
 
-Gains = dict[int, tuple[float, float]]  # verified tree size -> decayed (accepted, predicted) draft tokens
-
-
-def gain_update(sums: Gains, size: int, committed: int, expected: float, decay: float = GAIN_DECAY) -> Gains:
-    """A row's calibration sums after a round that verified a tree of ``size`` nodes, committed ``committed`` tokens
-    (bonus included) and whose surrogate expected length was ``expected``: that size's decayed sums of the draft
-    tokens accepted and predicted (the other sizes' kept as they are)."""
+def gain_update(sums: tuple[float, float], committed: int, expected: float,
+                decay: float = GAIN_DECAY) -> tuple[float, float]:
+    """A row's calibration sums after a round that committed ``committed`` tokens (bonus included) with a tree
+    whose surrogate expected length was ``expected``: decayed sums of the draft tokens accepted and predicted."""
     if expected <= 1.0 + 1e-6:  # AR, or a tree the drafter gave no probability: nothing to calibrate against
         return sums
-    acc, pred = sums.get(size, (0.0, 0.0))
-    return {**sums, size: (decay * acc + (committed - 1), decay * pred + (expected - 1.0))}
+    return decay * sums[0] + (committed - 1), decay * sums[1] + (expected - 1.0)
 
 
-def calibrated(curve: Sequence[float], sums: Gains, prior: Gains | None = None) -> tuple[float, ...]:
-    """``curve`` with its draft part scaled by measured gains (accepted / predicted draft tokens, clamped to
-    [1/20, 20]): ``1 + g(n) (E(n) - 1)``, g(n) the gain measured at the smallest verified size at or above n (the
-    largest below it past every one). The drafter's factorised probabilities set where the sizes' values start,
-    what the row really accepts at each size corrects them. A row with no size measured on at least one predicted
-    draft token takes ``prior``'s gains (the engine's sums over every row), 1 where that has none either.
-
-    Why per size and not one gain a row: the surrogate's shape is wrong too. On the CPU demo its expected lengths
-    grew by 0.1-0.2 tokens from b7 to b15 where the fixed budgets accept 1.2 more from b4 to b16, so one gain scaled
-    a flat curve and the choice kept small trees (docs/benchmarks.md, "Budget auto (CPU demo)")."""
-    table = {k: v for k, v in sums.items() if v[1] >= 1.0}
-    if not table:
-        table = {k: v for k, v in (prior or {}).items() if v[1] >= 1.0}
-    if not table:
-        return tuple(float(v) for v in curve)
-    sizes = sorted(table)
-    gains = [min(max(table[k][0] / table[k][1], 0.05), 20.0) for k in sizes]
-    out, i = [], 0
-    for n, v in enumerate(curve, 1):
-        while i < len(sizes) - 1 and sizes[i] < n:
-            i += 1
-        out.append(1.0 + gains[i] * (float(v) - 1.0))
-    return tuple(out)
+def calibrated(curve: Sequence[float], sums: tuple[float, float],
+               prior: tuple[float, float] = (0.0, 0.0)) -> tuple[float, ...]:
+    """``curve`` with its draft part scaled by the row's measured gain (accepted / predicted draft tokens, clamped
+    to [1/20, 20]): ``1 + g (E(n) - 1)``. The drafter's factorised probabilities set the shape (which sizes add
+    most), what the row really accepts sets the level. A row whose sums predict less than one draft token yet
+    takes the gain of ``prior`` (the engine's sums over every row), 1 when that is empty too."""
+    use = sums if sums[1] >= 1.0 else prior
+    gain = min(max(use[0] / use[1], 0.05), 20.0) if use[1] > 0 else 1.0
+    return tuple(1.0 + gain * (float(v) - 1.0) for v in curve)
 
 
 def smoothed(old: Sequence[float] | None, new: Sequence[float], weight: float = SMOOTHING) -> tuple[float, ...]:
@@ -196,6 +178,6 @@ def mean_curve(curves: Sequence[Sequence[float]]) -> tuple[float, ...]:
     return tuple(sum(c[i] for c in curves) / len(curves) for i in range(k))
 
 
-__all__ = ["AUTO", "GAIN_DECAY", "MARGIN", "SMOOTHING", "Gains", "RowCurve", "calibrated", "candidates", "choose_budget",
+__all__ = ["AUTO", "GAIN_DECAY", "MARGIN", "SMOOTHING", "RowCurve", "calibrated", "candidates", "choose_budget",
            "curve_width", "gain_update", "initial_budget", "mean_curve", "objective", "options", "rising",
            "smoothed"]

@@ -61,10 +61,9 @@ class RequestState:
     # smoothed expected lengths E(1 .. W) of this request's recent trees (empty until its first auto round is read)
     auto_budget: int = 0
     auto_curve: tuple[float, ...] = ()
-    # per verified tree size, decayed sums of (tokens committed - 1) and (surrogate E at that size - 1) over its
-    # rounds: the calibration of the drafter's surrogate against what this request really accepts
-    # (auto_budget.gain_update)
-    auto_gain: dict[int, tuple[float, float]] = field(default_factory=dict)
+    # decayed sums of (tokens committed - 1) and (surrogate E at the verified budget - 1) over its rounds: the
+    # calibration of the drafter's surrogate against what this request really accepts (auto_budget.gain_update)
+    auto_gain: tuple[float, float] = (0.0, 0.0)
 
     # ---- derived positions -------------------------------------------------------------------------------
     @property

@@ -96,7 +96,7 @@ class Scheduler:
         self.cost_curve: CostCurve | None = None
         self._auto_candidates = auto_budget.candidates(parts.config.max_budget)
         self._auto_previous: int | None = None  # the budget of the last auto round launched
-        self._auto_gain: auto_budget.Gains = {}  # calibration sums over every row (a row without its own)
+        self._auto_gain = (0.0, 0.0)  # calibration sums over every row (the prior of a row without its own)
 
     # ---- the inbox (any thread) --------------------------------------------------------------------------------
     def _enqueue(self, state: RequestState) -> None:
@@ -410,8 +410,8 @@ class Scheduler:
                 reported = bits_to_floats(row[-width:])
                 used = min(flight.shape.max_budget if state.tree.auto else state.budget, width)  # its verified tree
                 e_used = reported[used - 1] if used else 1.0
-                state.auto_gain = auto_budget.gain_update(state.auto_gain, used, n, e_used)
-                self._auto_gain = auto_budget.gain_update(self._auto_gain, used, n, e_used, decay=0.99)
+                state.auto_gain = auto_budget.gain_update(state.auto_gain, n, e_used)
+                self._auto_gain = auto_budget.gain_update(self._auto_gain, n, e_used, decay=0.99)
                 state.auto_curve = auto_budget.smoothed(state.auto_curve, reported)
                 if state.tree.auto:
                     b = flight.shape.max_budget
