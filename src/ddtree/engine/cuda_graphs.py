@@ -241,7 +241,7 @@ class RoundGraphs:
     def __init__(self, runner: ModelRunner, *, max_rows: int, cache_len: int, max_graphs: int = 96,
                  attention: AttentionDims | None = None, recorder: Recorder | None = None) -> None:
         """attention: the launches' dimensions (:meth:`AttentionDims.of`): keys that launch alike share graphs.
-        recorder: how captures run (:class:`~ddtree.engine.graph_capture.Recorder`; default one eager pass)."""
+        recorder: how captures run (:class:`~ddtree.engine.graph_capture.Recorder`: an eager pass per new signature)."""
         self.runner = runner
         self.attention = attention
         self.max_rows = max_rows
