@@ -20,6 +20,11 @@
 #   OUT=/some/dir bash benchmarks/gpu_session.sh twice     # the same C=8 cells (1k; AR, chain, b8, b16) in two gpu.py
 #                                                          # processes, with timelines and Triton compile logs: run 37
 #                                                          # found the first-use stalls of runs 32-35 (~3 min)
+#   OUT=/some/dir bash benchmarks/gpu_session.sh warmup    # GPU tests of the graphs, the warm-up and exact mode's
+#                                                          # kernels, then --warmup full on a cold and a warm Triton
+#                                                          # cache with the workloads and a re-capture (~8 min)
+#   OUT=/some/dir bash benchmarks/gpu_session.sh exact     # exact attention per round shape, then exact mode's price
+#                                                          # against the default engine (~9 min)
 # Then: python benchmarks/gpu_report.py MAIN_RUNS/gpu.json ... --extra BUDGETS_RUNS/gpu.json --out docs/benchmarks
 # If any kernel's GPU tests fail in the kernels part, the log says so; run the engine part with NO_KERNELS=1 then.
 set -uo pipefail
@@ -107,6 +112,28 @@ elif [ "$part" = long ]; then
   python3 benchmarks/gpu.py --out "$OUT/c4k" --no-hf --concurrency 64,32 --contexts 4096 --budgets 4,8 \
     --waves 1 --time-budget "$(( 540 - SECONDS ))" >/dev/null 2>&1 || echo "c4k failed"
   echo "c4k done at ${SECONDS}s"; cat "$OUT/c8long/gpu.md" "$OUT/c4k/gpu.md" 2>/dev/null
+elif [ "$part" = warmup ]; then
+  if ! python3 -c "import pytest" 2>/dev/null; then
+    pip install -q --no-index --no-deps --target /tmp/pydeps build/wheels/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/pydeps"
+  fi
+  timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_cuda_graphs.py \
+    tests/engine/test_warmup_gpu.py tests/models/test_batch_invariant.py >"$OUT/gpu_tests.log" 2>&1
+  echo "graph, warm-up and exact-kernel tests on the GPU: rc=$? $(tail -1 "$OUT/gpu_tests.log") at ${SECONDS}s"
+  export TRITON_CACHE_DIR=/tmp/ddtree-triton-cache  # empty on a fresh machine: the first process is the cold one
+  timeout 150 python3 benchmarks/first_request.py --out "$OUT/cold_full" --warmup full --no-workloads \
+    >"$OUT/cold_full.log" 2>&1 || echo "cold_full failed"
+  grep -E "ready in" "$OUT/cold_full.log"; echo "cold done at ${SECONDS}s"
+  timeout "$(( 570 - SECONDS ))" python3 benchmarks/first_request.py --out "$OUT/warm_full" --warmup full \
+    --recapture 20 --cell-repeats 2 >"$OUT/warm_full.log" 2>&1 || echo "warm_full failed"
+  grep -E "ready in|s then|recapture|misses|median" "$OUT/warm_full.log"; echo "warm done at ${SECONDS}s"
+elif [ "$part" = exact ]; then
+  ref=()  # REF=path/to/another/batch_invariant.py (carried) times that copy beside this tree's
+  [ -n "${REF:-}" ] && ref=(--ref "$REF")
+  timeout 90 python3 benchmarks/exact_attention_tune.py --out "$OUT" "${ref[@]}" | tail -10
+  echo "exact attention at ${SECONDS}s"
+  timeout "$(( 580 - SECONDS ))" python3 benchmarks/exact_mode.py --out "$OUT" --time-budget "$(( 520 - SECONDS ))" \
+    >"$OUT/exact_mode.log" 2>&1 || echo "exact_mode failed"
+  tail -25 "$OUT/exact_mode.log"
 else
   kernels=()
   [ -n "${NO_KERNELS:-}" ] && kernels=(--no-kernels)
