@@ -193,6 +193,7 @@ class _Front:
     draft: torch.cuda.CUDAGraph | None  # None: the stage does nothing (no row drafts)
     draft_logits: Tensor | None
     users: int = 0  # captured keys that replay it
+    valid_at: int = 0  # RoundGraphs.generation when its inputs were padding and its output last written
 
 
 @dataclass
@@ -206,6 +207,7 @@ class _Tree:
     verify: VerifyStage  # the layers' outputs (hidden, normed); each key's choice graph fills a copy of its own
     front: _Front  # the draft stage whose inputs and output its graphs read
     users: int = 0
+    valid_at: int = 0  # RoundGraphs.generation when its outputs were last written
 
 
 @dataclass
@@ -254,6 +256,10 @@ class RoundGraphs:
         self.trees: dict[tuple, _Tree] = {}
         self.scratch = runner.target_cache.scratch_slot
         self.captures = 0
+        # Bumped by every replay that may write over a shared stage's inputs or outputs (a served round, a refresh
+        # of an older shared stage): one marked valid at the current value needs no refresh before a capture (a
+        # warm-up replays nothing but the graphs it just captured, which cannot overlap older live outputs).
+        self.generation = 0
         self._pad = PackedRows.pack([RowInputs.padding(self.scratch)])  # [F, 1] host
 
     def can_run(self, rows: int) -> bool:
@@ -278,6 +284,7 @@ class RoundGraphs:
         real rows, all views of the capture's buffers: the next replay of the same graph overwrites them, so
         anything that reads them must be queued before it."""
         rows = rows_in.rows
+        self.generation += 1
         key = self.key_for(shape)
         cap = self.graphs.get(key)
         if cap is None:
@@ -316,21 +323,25 @@ class RoundGraphs:
 
     def _front(self, key: RoundShape) -> _Front:
         """The shared inputs and draft graph of ``key``'s draft key, captured on first use; either way its inputs
-        hold padding rows and its draft output valid values when this returns (see :meth:`_capture`)."""
+        hold padding rows and its draft output valid values when this returns (refreshed only if a replay since
+        may have changed them: :attr:`generation`; see :meth:`_capture`)."""
         skey = stage_key(key, "draft")
         front = self.fronts.get(skey)
         if front is not None:
-            front.packed.longs.copy_(front.pad.longs)
-            front.packed.floats.copy_(front.pad.floats)
-            if front.draft is not None:
-                front.draft.replay()
+            if front.valid_at != self.generation:
+                front.packed.longs.copy_(front.pad.longs)
+                front.packed.floats.copy_(front.pad.floats)
+                if front.draft is not None:
+                    front.draft.replay()
+                self.generation += 1
+                front.valid_at = self.generation
             return front
         runner, rec = self.runner, self.recorder
         host = PackedRows(self._pad.longs.expand(-1, key.rows).contiguous().pin_memory(),
                           self._pad.floats.expand(-1, key.rows).contiguous().pin_memory())
         packed = PackedRows(host.longs.to(runner.device), host.floats.to(runner.device))
         front = _Front(packed=packed, host=host, pad=PackedRows(packed.longs.clone(), packed.floats.clone()),
-                       draft=None, draft_logits=None)
+                       draft=None, draft_logits=None, valid_at=self.generation)
         static = RoundInputs.from_packed(packed, key)
         if runner.drafts(static):
             rec.warm_up(lambda: runner.stage_draft(static, RoundWork()), ("draft", skey))
@@ -343,13 +354,17 @@ class RoundGraphs:
         return front
 
     def _tree(self, key: RoundShape, static: RoundInputs, front: _Front) -> _Tree:
-        """The shared tree and layers graphs of ``key``'s tree key, captured on first use; either way replayed on
-        the front's padding rows, so that their outputs hold valid values for later eager passes."""
+        """The shared tree and layers graphs of ``key``'s tree key, captured on first use (and replayed then);
+        a reused one is replayed on the front's padding rows when a replay since may have changed its outputs
+        (:attr:`generation`), so that they hold valid values for later eager passes."""
         skey = stage_key(key, "tree")
         tree = self.trees.get(skey)
         if tree is not None and tree.front is front:
-            tree.graph.replay()
-            tree.forward.replay()
+            if tree.valid_at != self.generation:
+                tree.graph.replay()
+                tree.forward.replay()
+                self.generation += 1
+                tree.valid_at = self.generation
             return tree
         runner, rec = self.runner, self.recorder
 
@@ -368,7 +383,8 @@ class RoundGraphs:
                                 signature=sig)
         graph.replay()
         forward.replay()
-        tree = self.trees[skey] = _Tree(graph=graph, forward=forward, tree=work.tree, verify=work.verify, front=front)
+        tree = self.trees[skey] = _Tree(graph=graph, forward=forward, tree=work.tree, verify=work.verify, front=front,
+                                        valid_at=self.generation)
         return tree
 
     def _capture(self, key: RoundShape) -> _Captured:

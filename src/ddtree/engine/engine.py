@@ -119,10 +119,6 @@ class Engine(Scheduler):
         returns once the engine is ready."""
         if self._thread is not None:
             return
-        # The models and caches live as long as the engine: out of the collector's generations before the warm-up,
-        # whose every capture runs a full gc.collect() (torch.cuda.graph does) that would walk them each time.
-        gc.collect()
-        gc.freeze()
         self.parts.warmup.run(free_bytes=free_device_bytes(self.device))
         attach_curve(self)  # EngineConfig.cost_curve, after the warm-up (on CUDA it times graphed rounds)
         self._thread = threading.Thread(target=self._loop, name="ddtree-engine", daemon=True)
@@ -131,9 +127,9 @@ class Engine(Scheduler):
         warm = GenerationRequest(prompt_token_ids=[self._any_token()],
                                  sampling=SamplingParams(max_tokens=2, ignore_eos=True), request_id="warmup")
         self._run_to_completion([warm], max_in_flight=None, counted=False)
-        # What the warm-up made (captured graphs, Triton's compiled kernels) lives as long as the engine too: frozen,
-        # a full collection in the serving loop walks only what requests allocate (vLLM and SGLang freeze after
-        # start-up as well). Process-wide; shutdown() unfreezes.
+        # What start-up made (weights' wrappers, captured graphs, Triton's compiled kernels) lives as long as the
+        # engine: frozen, a full collection in the serving loop walks only what requests allocate (vLLM and SGLang
+        # freeze after start-up too). Process-wide; shutdown() unfreezes.
         gc.collect()
         gc.freeze()
         self._ready = True

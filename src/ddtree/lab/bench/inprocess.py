@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -133,11 +134,7 @@ def run_cell(engine: Any, prompts: Sequence[Sequence[int]], tree: TreeSettings, 
 
 
 def _summed(counts: Iterable[dict[int, int]]) -> dict[int, int]:
-    out: dict[int, int] = {}
-    for c in counts:
-        for k, v in c.items():
-            out[k] = out.get(k, 0) + v
-    return dict(sorted(out.items()))
+    return dict(sorted(sum((Counter(c) for c in counts), Counter()).items()))
 
 
 # ---- ddtree bench --in-process: the cell files of the HTTP target, measured by the engine ----------------------
