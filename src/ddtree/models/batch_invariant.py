@@ -20,7 +20,7 @@ Attention (:func:`attention`, new tokens over a KV-cache slot)
     fixed multiples of ``ATTN_SPLIT_KEYS`` positions; a query at position p combines splits 0 .. p // ATTN_SPLIT_KEYS
     in ascending order. Key position j of query t is cache index j below ``start`` (the committed prefix) and
     ``start + anc[t, j - start]`` above it (the node's ancestor at depth ``j - start``: in a tree the ancestors are not
-    contiguous in the cache, :func:`ancestor_map`). A program's rows are ``ATTN_BLOCK_M`` (or 64, :func:`attention_block_m`) = queries x the G query heads
+    contiguous in the cache, :func:`ancestor_map`). A program's rows are ``ATTN_BLOCK_M`` = queries x the G query heads
     of one KV head. Where its queries share their keys (prefix tiles; every tile of a chain or a prompt chunk) one K/V
     tile serves them all; in a tree's tiles the program gathers each query's own tile and keeps, of each dot, the rows
     of that query (a tensor-core dot's row depends only on that row and the tile). Masked keys are exact no-ops
@@ -55,7 +55,9 @@ MATMUL_MAX_BLOCK_K = 64
 MATMUL_TARGET_PROGRAMS = 160
 MATMUL_MAX_SPLIT_K = 4  # 8 measured no faster at decode and slower on wide calls (H200)
 MATMUL_MIN_K_BLOCKS_PER_SPLIT = 4
-ATTN_BLOCK_M = 32  # folded rows (queries x query heads of one KV head) per attention program
+ATTN_BLOCK_M = 32  # folded rows (queries x query heads of one KV head) per attention program; fixed: 64-row
+# programs gave rows 1 ulp off a 32-row program's now and then (H200, 2026-12-01: a chain of 16 at start 64; the
+# reductions over a tile follow the dot's register layout, which follows the rows), so every call takes 32
 ATTN_BLOCK_N = 64  # key positions per tile
 ATTN_SPLIT_KEYS = 256  # key positions per split (a multiple of ATTN_BLOCK_N)
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -353,7 +355,10 @@ if triton is not None:
         # below start) in a plain loop; the tiles above start, where each query has its own ancestors, after it.
         # Both loops do the same arithmetic on a tile (a query's tile is gathered, or loaded, to the same lanes),
         # so a tree node and the AR step at its position get the same bits; the split only keeps the per-query
-        # loop out of the prefix tiles, where its dynamic trip count kept the loads from being pipelined.
+        # loop out of the prefix tiles, where its dynamic trip count kept the loads from being pipelined. P @ V
+        # takes the rescaled accumulator as the dot's own accumulator in both: Triton folds ``dot(a, b, 0) + c``
+        # into ``dot(a, b, c)`` (another rounding than an add after the dot) where it sees the pattern, which it
+        # did in one loop and not in the other (the H200 check of 2026-12-01 found nodes 1 ulp off their AR step).
         shared_hi = tl.where(all_chain != 0, tile_hi, tl.minimum(tile_hi, tl.maximum(start // BLOCK_N, tile_lo)))
         for tile in range(tile_lo, shared_hi):
             j = tile * BLOCK_N + offs_n
@@ -363,9 +368,7 @@ if triton is not None:
                           PRECISION)
             p, alpha, l_i, m_new = _softmax_step(scores, vis & row_ok[:, None], m_i, l_i, scale_log2)
             v = _gather_tile(v_base, stride_vp, offs_d, j, start, max_pos, anc_base, True)
-            pv = _dot(p.to(q.dtype), v.to(q.dtype), tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32), EMULATE,
-                      PRECISION)
-            acc = acc * alpha[:, None] + pv
+            acc = _dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], EMULATE, PRECISION)
             m_i = m_new
         for tile in range(shared_hi, tile_hi):
             j = tile * BLOCK_N + offs_n
@@ -384,15 +387,14 @@ if triton is not None:
                          PRECISION)
                 scores = tl.where((qi == grp)[:, None], s, scores)
             p, alpha, l_i, m_new = _softmax_step(scores, vis & row_ok[:, None], m_i, l_i, scale_log2)
-            pv = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+            scaled = acc * alpha[:, None]
+            acc = scaled  # rows of no query (past T) keep it
             for grp in range(0, groups):
                 t_g = pid_q * QT + grp
                 pos_g = tl.load(pos_ptr + r * T + t_g, mask=t_g < T, other=-1)
                 v = _gather_tile(v_base, stride_vp, offs_d, j, start, pos_g, anc_base + t_g * T, False)
-                o = _dot(p.to(q.dtype), v.to(q.dtype), tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32), EMULATE,
-                         PRECISION)
-                pv = tl.where((qi == grp)[:, None], o, pv)
-            acc = acc * alpha[:, None] + pv
+                o = _dot(p.to(q.dtype), v.to(q.dtype), scaled, EMULATE, PRECISION)
+                acc = tl.where((qi == grp)[:, None], o, acc)
             m_i = m_new
 
         # partials [R, T, H, splits] (+ D): written for every valid row, read only for splits up to its position
@@ -446,15 +448,6 @@ def _check_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
                           f"positions {tuple(positions.shape)}, anc {tuple(anc.shape)} do not fit q {tuple(q.shape)}")
 
 
-def attention_block_m(tokens: int, group: int) -> int:
-    """Folded rows per attention program for ``tokens`` new tokens of ``group`` query heads per KV head: 64 where
-    that puts every token of a row in one program (a chain or a small tree at high concurrency: each program reads
-    its keys once, not twice), else :data:`ATTN_BLOCK_M` (a large tree's per-query tiles cost rows x queries). A
-    launch choice: a tensor-core dot's row depends on that row and the tile only (the H200 checks of
-    ``tests/models/test_batch_invariant.py`` compare a tree node with its AR step across both)."""
-    return 64 if ATTN_BLOCK_M < tokens * group <= 64 else ATTN_BLOCK_M
-
-
 def supports_head_dim(head_dim: int) -> bool:
     """Head dims the Triton attention takes (one power-of-two block, at least a tensor-core tile)."""
     return head_dim in SUPPORTED_HEAD_DIMS
@@ -482,8 +475,7 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start:
     g = h // kv
     if g > ATTN_BLOCK_M:
         raise ConfigError(f"batch_invariant.attention: {g} query heads per KV head exceed {ATTN_BLOCK_M}")
-    block_m = attention_block_m(t, g)
-    qt = block_m // g
+    qt = ATTN_BLOCK_M // g
     if q.stride(-1) != 1:
         q = q.contiguous()
     slots, start, positions = slots.contiguous(), start.contiguous(), positions.contiguous()
@@ -502,7 +494,7 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start:
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         t, g, kv, splits, scale_log2,
-        HEAD_DIM=d, BLOCK_M=block_m, QT=qt, BLOCK_N=ATTN_BLOCK_N, TILES_PER_SPLIT=split_keys // ATTN_BLOCK_N,
+        HEAD_DIM=d, BLOCK_M=ATTN_BLOCK_M, QT=qt, BLOCK_N=ATTN_BLOCK_N, TILES_PER_SPLIT=split_keys // ATTN_BLOCK_N,
         EMULATE=INTERPRETED, PRECISION=precision, num_warps=4, num_stages=2,
     )
     _attention_combine_kernel[(r * t, h)](
