@@ -268,3 +268,64 @@ def test_calibration_by_hand():
     assert ab.calibrated((1.5,), (0.0, 0.0)) == (1.5,)  # nothing known: the surrogate itself
     assert ab.calibrated((2.0,), (100.0, 1.0)) == (21.0,)  # clamped at 20
 
+
+
+def test_observed_lengths_equal_walking_every_smaller_tree():
+    """The counterfactual a verified tree gives: for every m, what walking the tree of its first m nodes (the tree
+    a build at budget m makes, ``prefix_trees``) against the same target choices commits, by ``walk_trees``."""
+    gen = torch.Generator().manual_seed(3)
+    for trial in range(20):
+        rows, depths, vocab, width = 3, 2 + trial % 4, 4 + trial % 3, 15
+        logits = 2 * torch.randn(rows, depths, vocab, generator=gen)
+        trees = speculative.build_trees(logits, width, max_budget=width)
+        # target choices that often follow the tree: a random node's token as its parent's choice, else random
+        choices = torch.randint(0, vocab, (rows, width + 1), generator=gen)
+        for r in range(rows):
+            for i in range(1, width + 1):
+                if trees.valid[r, i] and torch.rand((), generator=gen) < 0.6:
+                    choices[r, trees.parents[r, i]] = trees.tokens[r, i]
+        walk = speculative.walk_trees(trees, choices, depths)
+        for r in range(rows):
+            n = int(walk.num_accepted[r])
+            seen = ab.observed_update((), walk.path[r, 1:n].tolist(), width)
+            for m in range(1, width + 1):
+                cut = tree_select.prefix_trees(trees, m + 1, torch.full((rows,), m))
+                small = speculative.walk_trees(cut, choices[:, :m + 1], depths)
+                assert seen[m - 1] == (float(small.num_accepted[r]), 1.0), (trial, r, m)
+
+
+def test_observed_curve_by_hand():
+    seen = ab.observed_update((), [1, 4], 5, decay=0.5)  # sizes 1..5 commit 2, 2, 2, 3, 3
+    assert [t for t, _ in seen] == [2.0, 2.0, 2.0, 3.0, 3.0]
+    seen = ab.observed_update(seen, [2], 3, decay=0.5)  # 1, 2, 2 at sizes 1..3; sizes 4, 5 untouched
+    assert seen == ((2.0, 1.5), (3.0, 1.5), (3.0, 1.5), (3.0, 1.0), (3.0, 1.0))
+    # observed where known (made non-decreasing), the surrogate's increments past them
+    assert ab.observed_curve(seen, (1.2, 1.3, 1.4, 1.5, 1.6, 2.1, 2.6)) == pytest.approx(
+        (2.0 / 1.5, 2.0, 2.0, 3.0, 3.0, 3.5, 4.0))
+    assert ab.observed_curve((), (1.5, 2.0)) == (1.5, 2.0)
+
+
+def test_auto_rounds_report_their_accepted_paths(tiny_engine_factory, monkeypatch):
+    """What the scheduler reads from an auto round's result for the observed lengths: per row and round the
+    accepted nodes' indices, increasing (ancestors first) and inside the verified tree, one per accepted draft
+    token: over all rounds, 1 + their count sums to the tokens the rounds committed (the requests' acceptance
+    histograms)."""
+    seen = []
+    real = ab.observed_update
+
+    def spy(old, ranks, verified, decay=ab.GAIN_DECAY):
+        seen.append((list(ranks), verified))
+        return real(old, ranks, verified, decay)
+
+    monkeypatch.setattr(ab, "observed_update", spy)
+    engine = tiny_engine_factory(oracle=True)
+    engine.cost_curve = hand_curve(8, 1e-5)
+    trees = [TreeSettings(budget="auto"), TreeSettings(budget="auto", topk=3), TreeSettings(budget="auto", block_size=5)]
+    outs = engine.generate([GenerationRequest(prompt=PROMPTS[i], tree=t,
+                                              sampling=SamplingParams(max_tokens=24, ignore_eos=True))
+                            for i, t in enumerate(trees)])
+    assert any(ranks for ranks, _ in seen)  # the oracle drafter's trees get accepted
+    for ranks, verified in seen:
+        assert ranks == sorted(set(ranks)) and all(1 <= r <= verified for r in ranks)
+    committed = sum(k * c for o in outs for k, c in enumerate(o.stats.accept_hist))
+    assert sum(1 + len(ranks) for ranks, _ in seen) == committed

@@ -41,6 +41,17 @@ draft tokens its rounds accepted and of those its surrogate predicted for the ve
 and the choice uses ``1 + g (E(n) - 1)`` with ``g`` their ratio (:func:`calibrated`): the drafter sets the curve's
 shape, the row's own acceptance its level.
 
+Observed lengths (what the choice uses where it has them): a round that verified ``N`` draft nodes also tells,
+exactly for greedy rows, what every smaller tree of the same draft would have committed: best-first order is
+prefix-closed, so the tree of the first ``m`` nodes is a subtree of the verified one and its accepted path is the
+part of the verified path whose node ranks are at most ``m``. Auto rounds return each row's accepted path (its
+node indices), and each row keeps decayed per-size averages of those counterfactual lengths
+(:func:`observed_update`); the choice reads them for the sizes the row has verified and adds the calibrated
+surrogate's increments only past them (:func:`observed_curve`). Why: on the demo pair the surrogate's shape, not
+only its level, is off (its nodes past the first few are undervalued: +0.1-0.2 expected tokens from b7 to b15
+against +1.2 accepted from b4 to b16), which no single gain corrects. For sampled rows the counterfactual is an
+estimate (a smaller tree changes the sampling walk).
+
 Smoothing: a row's reported curve is averaged with its previous one (weight :data:`SMOOTHING` on the newest), over
 the sizes both cover. A row that has not reported yet (its first round) takes the mean curve of the round's rows
 that have; a round where no row has takes :func:`initial_budget`. Hysteresis: the round keeps the size of the
@@ -159,6 +170,41 @@ def calibrated(curve: Sequence[float], sums: tuple[float, float],
     return tuple(1.0 + gain * (float(v) - 1.0) for v in curve)
 
 
+def observed_update(seen: Sequence[tuple[float, float]], ranks: Sequence[int], verified: int,
+                    decay: float = GAIN_DECAY) -> tuple[tuple[float, float], ...]:
+    """A row's observed lengths after a round that verified ``verified`` draft nodes and accepted the nodes of
+    ``ranks`` (their indices in best-first order, 1-based, one per depth: increasing, as a node's ancestors precede
+    it): per size ``m = 1 .. verified`` the decayed sum of the tokens a tree of the first ``m`` nodes would have
+    committed, ``1 + #{r in ranks: r <= m}`` (exact for greedy rounds: the smaller tree is a prefix of the
+    verified one, and its accepted path the part of this one inside it), and the decayed count. Sizes past
+    ``verified`` keep their sums (nothing new is known of them)."""
+    out = list(seen)
+    for m in range(1, verified + 1):
+        committed = 1.0 + sum(1 for r in ranks if r <= m)
+        if m <= len(out):
+            total, weight = out[m - 1]
+            out[m - 1] = (decay * total + committed, decay * weight + 1.0)
+        else:
+            out.append((committed, 1.0))
+    return tuple(out)
+
+
+def observed_curve(seen: Sequence[tuple[float, float]], surrogate: Sequence[float]) -> tuple[float, ...]:
+    """A row's ``E(1 ..)`` for the choice: its observed lengths (:func:`observed_update`) where it has any, the
+    surrogate's increments (calibrated, :func:`calibrated`) past them; non-decreasing. Empty ``seen``: the
+    surrogate as it is."""
+    if not seen:
+        return tuple(surrogate)
+    out, top = [], 1.0
+    for total, weight in seen:
+        top = max(top, total / weight)
+        out.append(top)
+    base = surrogate[len(seen) - 1] if len(surrogate) >= len(seen) else None
+    for m in range(len(seen), len(surrogate)):
+        out.append(top + max(0.0, float(surrogate[m]) - base))
+    return tuple(out)
+
+
 def smoothed(old: Sequence[float] | None, new: Sequence[float], weight: float = SMOOTHING) -> tuple[float, ...]:
     """A row's running curve after a round that reported ``new``: the weighted mean where both cover a size, the
     new values past the old; sizes the new round did not report are dropped (they were measured on older trees)."""
@@ -179,5 +225,5 @@ def mean_curve(curves: Sequence[Sequence[float]]) -> tuple[float, ...]:
 
 
 __all__ = ["AUTO", "GAIN_DECAY", "MARGIN", "SMOOTHING", "RowCurve", "calibrated", "candidates", "choose_budget",
-           "curve_width", "gain_update", "initial_budget", "mean_curve", "objective", "options", "rising",
-           "smoothed"]
+           "curve_width", "gain_update", "initial_budget", "mean_curve", "objective", "observed_curve",
+           "observed_update", "options", "rising", "smoothed"]

@@ -64,6 +64,9 @@ class RequestState:
     # decayed sums of (tokens committed - 1) and (surrogate E at the verified budget - 1) over its rounds: the
     # calibration of the drafter's surrogate against what this request really accepts (auto_budget.gain_update)
     auto_gain: tuple[float, float] = (0.0, 0.0)
+    # per tree size m = 1 ..: decayed (sum, count) of the tokens the first m nodes of its verified trees would have
+    # committed (auto_budget.observed_update)
+    auto_seen: tuple[tuple[float, float], ...] = ()
 
     # ---- derived positions -------------------------------------------------------------------------------
     @property

@@ -203,5 +203,6 @@ class RoundWork:
     verify: VerifyStage | None = None
     # [R, 1 + (L + 1)]: tokens committed (bonus included), then the tokens; with RoundShape.logprobs followed by
     # the log-prob columns of ddtree.engine.logprobs.pack_round_logprobs ((L + 1) * (1 + 2 * MAX_LOGPROBS)); with
-    # RoundShape.auto_width the last auto_width columns are TreeStage.expected (logprobs.float_bits)
+    # RoundShape.auto_width the accepted path's node indices (L + 1 columns, walk_trees' path), then the last
+    # auto_width columns TreeStage.expected (logprobs.float_bits)
     result: Tensor | None = None

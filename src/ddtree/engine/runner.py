@@ -299,7 +299,8 @@ class ModelRunner:
         parts = [walk.num_accepted[:, None], walk.new_tokens]
         if work.verify.logits is not None:
             parts.append(pack_round_logprobs(work.verify.logits, walk.path, walk.new_tokens))
-        if work.tree.expected is not None:
+        if work.tree.expected is not None:  # auto: the accepted path (node indices), then E(1 .. W)
+            parts.append(walk.path)
             parts.append(float_bits(work.tree.expected))
         work.result = torch.cat(parts, 1)
 

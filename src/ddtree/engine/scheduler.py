@@ -408,8 +408,11 @@ class Scheduler:
             if flight.shape.auto_width and flight.shape.drafts:
                 width = flight.shape.auto_width  # the last columns: this row's E(1 .. W) (auto_budget)
                 reported = bits_to_floats(row[-width:])
-                used = min(flight.shape.max_budget if state.tree.auto else state.budget, width)  # its verified tree
+                path = row[-width - flight.shape.block_size:-width]  # before them: its accepted node indices
+                verified = min(flight.shape.max_budget, state.budget)  # its verified tree
+                used = min(verified, width)
                 e_used = reported[used - 1] if used else 1.0
+                state.auto_seen = auto_budget.observed_update(state.auto_seen, path[1:n], verified)
                 state.auto_gain = auto_budget.gain_update(state.auto_gain, n, e_used)
                 self._auto_gain = auto_budget.gain_update(self._auto_gain, n, e_used, decay=0.99)
                 state.auto_curve = auto_budget.smoothed(state.auto_curve, reported)
@@ -440,7 +443,8 @@ class Scheduler:
         fixed = [s for s in states if not s.tree.auto]
         floor = max((s.budget for s in fixed), default=0)
         opts = auto_budget.options(self._auto_candidates, floor)
-        curves = {s.request_id: auto_budget.calibrated(s.auto_curve, s.auto_gain, self._auto_gain) for s in states}
+        curves = {s.request_id: auto_budget.observed_curve(
+            s.auto_seen, auto_budget.calibrated(s.auto_curve, s.auto_gain, self._auto_gain)) for s in states}
         prior = auto_budget.mean_curve([curves[s.request_id] for s in auto])
         if not prior:
             first = auto_budget.initial_budget(self._auto_candidates)
