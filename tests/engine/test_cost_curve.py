@@ -16,15 +16,12 @@ from ddtree.engine.config import EngineConfig
 from ddtree.engine.cost_curve import (
     CostCurve,
     CostCurveError,
-    CostGrid,
     cache_key,
     cached_curve,
-    curve_at_start,
     load_curve,
-    measure_cost_curve,
-    sample_points,
     save_curve,
 )
+from ddtree.engine.cost_measure import CostGrid, curve_at_start, measure_cost_curve, sample_points
 from ddtree.errors import ConfigError
 
 # rows (1, 4) x budgets (0, 8) x kv_lens (64, 576), in storage order [r][b][k]
@@ -269,7 +266,7 @@ def test_engine_start_measures_caches_and_reports_the_curve(tiny_pair, tiny_toke
 
 
 def test_default_grid_is_the_declared_one():
-    from ddtree.engine.cost_curve import default_grid
+    from ddtree.engine.cost_measure import default_grid
 
     g = default_grid(max_batch=16, max_budget=64, cache_len=4200, block_size=16, prefill_chunk=512)
     assert (g.rows, g.budgets, g.kv_lens, g.prefill_tokens) == ((1, 4, 16), (0, 3, 15, 63, 64), (64, 512, 4096),

@@ -3,7 +3,7 @@ import json, tempfile, time
 from pathlib import Path
 from ddtree.engine import Engine
 from ddtree.engine.config import EngineConfig
-from ddtree.engine.cost_curve import attach_curve, engine_grid
+from ddtree.engine.cost_measure import attach_curve, engine_grid
 for cfg in (EngineConfig(device="cpu", cpu_threads=1, cost_curve="auto", max_batch=4),
             EngineConfig(device="cpu", cpu_threads=1, cost_curve="auto")):
     e = Engine.from_config(cfg)

@@ -3,7 +3,7 @@ import dataclasses, time
 from ddtree.engine import Engine
 from ddtree.engine.config import EngineConfig
 from ddtree.engine.api import GenerationRequest, SamplingParams, TreeSettings
-from ddtree.engine.cost_curve import CostGrid, measure_cost_curve
+from ddtree.engine.cost_measure import CostGrid, measure_cost_curve
 from ddtree.lab.bench.workload import build_prompts
 e = Engine.from_config(EngineConfig(device="cpu", cpu_threads=1, max_batch=4, max_len=4096, max_budget=64))
 e.start()

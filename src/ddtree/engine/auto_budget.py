@@ -20,7 +20,9 @@ curve width ``W``
 
 The device side (the tree stage of an auto round: the expected lengths and the verified prefix of the wider
 selection) is :func:`ddtree.speculative.tree_select.expected_lengths` / :func:`~ddtree.speculative.tree_select.prefix_trees`;
-this module is the host side: candidates, the choice, smoothing, and the fallback cost curve.
+this module is the host side: candidates, the choice, smoothing, calibration and the observed lengths, and the
+scheduler's bookkeeping of them (:class:`AutoChooser`); the fallback cost curve is
+:func:`ddtree.engine.cost_measure.fallback_curve`.
 
 The choice, per round (the verify is padded to one node count ``N`` for all rows, so a row gains nothing from
 fewer nodes than the round verifies: every auto row takes the round's whole budget)::
@@ -64,10 +66,7 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # the runner imports this module for the tree stage, and the cost curve module measures rounds
-    pass
+from typing import Any
 
 log = logging.getLogger("ddtree.engine")
 
@@ -224,6 +223,58 @@ def mean_curve(curves: Sequence[Sequence[float]]) -> tuple[float, ...]:
     return tuple(sum(c[i] for c in curves) / len(curves) for i in range(k))
 
 
-__all__ = ["AUTO", "GAIN_DECAY", "MARGIN", "SMOOTHING", "RowCurve", "calibrated", "candidates", "choose_budget",
+# ---- the scheduler's bookkeeping -------------------------------------------------------------------------------
+
+class AutoChooser:
+    """What the scheduler keeps for budget auto across rounds: the candidates, the size of the last auto round
+    launched (for the hysteresis) and the engine-wide calibration sums (the prior of a row without its own). Rows
+    are :class:`~ddtree.engine.request_state.RequestState` (their ``auto_*`` fields, their tree and stats)."""
+
+    def __init__(self, max_budget: int) -> None:
+        self.candidates = candidates(max_budget)
+        self.previous: int | None = None
+        self.gain = (0.0, 0.0)
+
+    def read_row(self, state: Any, committed: int, reported: Sequence[float], path: Sequence[int],
+                 verified: int) -> None:
+        """Account for one row of a read auto round that committed ``committed`` tokens (bonus included):
+        ``reported`` its ``E(1 .. W)``, ``path`` its accepted node indices (root first; the first ``committed``
+        are real), ``verified`` the draft nodes its tree had. Updates the row's observed lengths, calibration sums
+        and smoothed curve, and the engine-wide sums."""
+        used = min(verified, len(reported))
+        e_used = reported[used - 1] if used else 1.0
+        state.auto_seen = observed_update(state.auto_seen, path[1:committed], verified)
+        state.auto_gain = gain_update(state.auto_gain, committed, e_used)
+        self.gain = gain_update(self.gain, committed, e_used, decay=0.99)
+        state.auto_curve = smoothed(state.auto_curve, reported)
+
+    def choose(self, states: Sequence[Any], cost: Callable[[int], float]) -> int:
+        """The argmax of :func:`objective` over the round's options (:func:`options`: the fixed rows' floor and the
+        candidates above it), ``cost`` made non-decreasing (:func:`rising`), with the hysteresis. Auto rows use
+        their observed and calibrated curve (:func:`observed_curve`), those without one the mean of those with one
+        (no row has one: :func:`initial_budget`); fixed rows count theirs at their own budget (else their
+        acceptance so far), AR rows 1."""
+        auto = [s for s in states if s.tree.auto]
+        fixed = [s for s in states if not s.tree.auto]
+        floor = max((s.budget for s in fixed), default=0)
+        opts = options(self.candidates, floor)
+        curves = {s.request_id: observed_curve(s.auto_seen, calibrated(s.auto_curve, s.auto_gain, self.gain))
+                  for s in states}
+        prior = mean_curve([curves[s.request_id] for s in auto])
+        if not prior:
+            first = initial_budget(self.candidates)
+            return first if first in opts else opts[0]
+        rows = [RowCurve(curves[s.request_id] or prior) for s in auto]
+        for s in fixed:
+            if s.tree.method == "ar":
+                rows.append(RowCurve((), cap=0))
+            elif s.auto_curve:
+                rows.append(RowCurve(curves[s.request_id], cap=s.budget))
+            else:
+                rows.append(RowCurve((s.stats.accept_length or 1.0,), cap=s.budget))
+        return choose_budget(rows, opts, rising(cost, opts), previous=self.previous, margin=MARGIN)
+
+
+__all__ = ["AUTO", "GAIN_DECAY", "MARGIN", "SMOOTHING", "AutoChooser", "RowCurve", "calibrated", "candidates", "choose_budget",
            "curve_width", "gain_update", "initial_budget", "mean_curve", "objective", "observed_curve",
            "observed_update", "options", "rising", "smoothed"]

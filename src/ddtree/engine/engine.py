@@ -39,7 +39,7 @@ from ddtree.engine.api import (
 )
 from ddtree.engine.build import build, default_tree, load_models
 from ddtree.engine.config import EngineConfig
-from ddtree.engine.cost_curve import CurveSource, attach_curve
+from ddtree.engine.cost_measure import CurveSource, attach_curve
 from ddtree.engine.detok import IncrementalDetokenizer
 from ddtree.engine.info import engine_info
 from ddtree.engine.request_state import RequestState

@@ -31,7 +31,8 @@ import torch
 from ddtree.engine import auto_budget
 from ddtree.engine.api import MAX_LOGPROBS, MAX_STOP_IDS, StreamChunk, TokenLogprob
 from ddtree.engine.build import EngineParts
-from ddtree.engine.cost_curve import CostCurve, fallback_curve
+from ddtree.engine.cost_curve import CostCurve
+from ddtree.engine.cost_measure import fallback_curve
 from ddtree.engine.cuda_graphs import bucket_nodes, bucket_rows, eager_chunk_dims
 from ddtree.engine.logprobs import bits_to_floats, device_logprobs, host_entries, unpack_logprobs
 from ddtree.engine.request_state import Phase, RequestState
@@ -94,9 +95,7 @@ class Scheduler:
         # budget "auto" (ddtree.engine.auto_budget): round seconds by (rows, budget, kv_len); None = measured on this
         # engine at the first auto round (logged), unless a caller sets one first
         self.cost_curve: CostCurve | None = None
-        self._auto_candidates = auto_budget.candidates(parts.config.max_budget)
-        self._auto_previous: int | None = None  # the budget of the last auto round launched
-        self._auto_gain = (0.0, 0.0)  # calibration sums over every row (the prior of a row without its own)
+        self._auto = auto_budget.AutoChooser(parts.config.max_budget)
 
     # ---- the inbox (any thread) --------------------------------------------------------------------------------
     def _enqueue(self, state: RequestState) -> None:
@@ -314,11 +313,11 @@ class Scheduler:
         block = max((int(s.tree.block_size) for s in drafting), default=1) if self.drafter is not None else 1
         auto = block > 1 and any(s.tree.auto for s in states)
         if auto:  # every auto row takes the round's whole budget: the verify is padded to it anyway
-            self._auto_previous = chosen = self._auto_choice(states, pending)
+            self._auto.previous = chosen = self._auto_choice(states, pending)
             for s in (s for s in states if s.tree.auto):
                 s.auto_budget = chosen
         max_budget = max(s.budget for s in states) if block > 1 else 0
-        auto_width = auto_budget.curve_width(bucket_nodes(max_budget), self._auto_candidates) if auto else 0
+        auto_width = auto_budget.curve_width(bucket_nodes(max_budget), self._auto.candidates) if auto else 0
         rows = []
         for s in states:
             extra = pending.get(s.request_id, ())
@@ -406,16 +405,10 @@ class Scheduler:
             for name, secs in stages.items():
                 st.stage_s[name] = st.stage_s.get(name, 0.0) + secs
             if flight.shape.auto_width and flight.shape.drafts:
-                width = flight.shape.auto_width  # the last columns: this row's E(1 .. W) (auto_budget)
-                reported = bits_to_floats(row[-width:])
-                path = row[-width - flight.shape.block_size:-width]  # before them: its accepted node indices
-                verified = min(flight.shape.max_budget, state.budget)  # its verified tree
-                used = min(verified, width)
-                e_used = reported[used - 1] if used else 1.0
-                state.auto_seen = auto_budget.observed_update(state.auto_seen, path[1:n], verified)
-                state.auto_gain = auto_budget.gain_update(state.auto_gain, n, e_used)
-                self._auto_gain = auto_budget.gain_update(self._auto_gain, n, e_used, decay=0.99)
-                state.auto_curve = auto_budget.smoothed(state.auto_curve, reported)
+                width = flight.shape.auto_width  # the last columns: this row's E(1 .. W), before them its path
+                path = row[-width - flight.shape.block_size:-width]
+                verified = min(flight.shape.max_budget, state.budget)  # its tree's draft nodes
+                self._auto.read_row(state, n, bits_to_floats(row[-width:]), path, verified)
                 if state.tree.auto:
                     b = flight.shape.max_budget
                     st.auto_budgets[b] = st.auto_budgets.get(b, 0) + 1
@@ -436,33 +429,12 @@ class Scheduler:
 
     # ---- budget "auto" ---------------------------------------------------------------------------------------------
     def _auto_choice(self, states: list[RequestState], pending: dict[str, list[int]]) -> int:
-        """The budget of the next round of ``states`` (some "auto"): the argmax of auto_budget's objective. Auto rows
-        without a curve take the mean of those with one; fixed rows count their curve (else acceptance) at their
-        own budget."""
-        auto = [s for s in states if s.tree.auto]
-        fixed = [s for s in states if not s.tree.auto]
-        floor = max((s.budget for s in fixed), default=0)
-        opts = auto_budget.options(self._auto_candidates, floor)
-        curves = {s.request_id: auto_budget.observed_curve(
-            s.auto_seen, auto_budget.calibrated(s.auto_curve, s.auto_gain, self._auto_gain)) for s in states}
-        prior = auto_budget.mean_curve([curves[s.request_id] for s in auto])
-        if not prior:
-            first = auto_budget.initial_budget(self._auto_candidates)
-            return first if first in opts else opts[0]
-        rows = [auto_budget.RowCurve(curves[s.request_id] or prior) for s in auto]
-        for s in fixed:
-            if s.tree.method == "ar":
-                rows.append(auto_budget.RowCurve((), cap=0))
-            elif s.auto_curve:
-                rows.append(auto_budget.RowCurve(curves[s.request_id], cap=s.budget))
-            else:
-                rows.append(auto_budget.RowCurve((s.stats.accept_length or 1.0,), cap=s.budget))
-        curve = self._auto_cost()
+        """The budget of the next round of ``states`` (some "auto"): :meth:`auto_budget.AutoChooser.choose` over the
+        cost curve at this round's rows bucket and furthest root (measured, when the engine has none, only once a
+        row has a curve to weigh: the first round starts at the initial budget)."""
         n = bucket_rows(len(states), self.config.max_batch) if self.graphs is not None else len(states)
         reach = max(s.root_position + len(pending.get(s.request_id, ())) for s in states)
-        return auto_budget.choose_budget(
-            rows, opts, auto_budget.rising(lambda b: curve.round_seconds(n, b, reach + b + 1), opts),
-            previous=self._auto_previous, margin=auto_budget.MARGIN)
+        return self._auto.choose(states, lambda b: self._auto_cost().round_seconds(n, b, reach + b + 1))
 
     def prepare_auto(self, timeout: float | None = None) -> CostCurve:
         """The cost curve budget "auto" uses, measured now if the engine has none (on the engine thread when it
@@ -482,11 +454,11 @@ class Scheduler:
     def _auto_cost(self) -> CostCurve:
         """The cost curve auto divides by: the one set on the engine, else EngineConfig.cost_curve's (Engine.start
         resolves it), else one measured now over the candidates (logged: it stalls the loop once, seconds on a CPU)."""
-        source = getattr(self, "cost_curve_source", None)  # ddtree.engine.cost_curve.CurveSource, set by Engine.start
+        source = getattr(self, "cost_curve_source", None)  # ddtree.engine.cost_measure.CurveSource, set by Engine.start
         if self.cost_curve is None and source is not None and source.curve is not None:
             self.cost_curve = source.curve
         if self.cost_curve is None:
-            self.cost_curve = fallback_curve(self, self._auto_candidates)
+            self.cost_curve = fallback_curve(self, self._auto.candidates)
         return self.cost_curve
 
     def _collect_guarded(self, flight: _Flight) -> list[RowResult]:

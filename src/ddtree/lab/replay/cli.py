@@ -216,13 +216,8 @@ def curve_cmd(
     from dataclasses import replace
 
     from ddtree.engine import Engine
-    from ddtree.engine.cost_curve import (
-        CostGrid,
-        engine_device_name,
-        engine_grid,
-        measure_cost_curve,
-        save_curve,
-    )
+    from ddtree.engine.cost_curve import save_curve
+    from ddtree.engine.cost_measure import CostGrid, engine_device_name, engine_grid, measure_cost_curve
     from ddtree.lab.sweep.grid import parse_list
 
     def ints(text: str | None, what: str, default: tuple[int, ...]) -> tuple[int, ...]:
