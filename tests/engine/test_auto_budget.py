@@ -296,13 +296,43 @@ def test_observed_lengths_equal_walking_every_smaller_tree():
 
 def test_observed_curve_by_hand():
     seen = ab.observed_update((), [1, 4], 5, decay=0.5)  # sizes 1..5 commit 2, 2, 2, 3, 3
-    assert [t for t, _ in seen] == [2.0, 2.0, 2.0, 3.0, 3.0]
-    seen = ab.observed_update(seen, [2], 3, decay=0.5)  # 1, 2, 2 at sizes 1..3; sizes 4, 5 untouched
-    assert seen == ((2.0, 1.5), (3.0, 1.5), (3.0, 1.5), (3.0, 1.0), (3.0, 1.0))
-    # observed where known (made non-decreasing), the surrogate's increments past them
-    assert ab.observed_curve(seen, (1.2, 1.3, 1.4, 1.5, 1.6, 2.1, 2.6)) == pytest.approx(
-        (2.0 / 1.5, 2.0, 2.0, 3.0, 3.0, 3.5, 4.0))
+    assert seen == ((2.0, 1.0), (2.0, 1.0), (2.0, 1.0), (3.0, 1.0), (3.0, 1.0))
+    seen = ab.observed_update(seen, [2], 3, decay=0.5)  # 1, 2, 2 at sizes 1..3; sizes 4, 5 only decay
+    assert seen == ((2.0, 1.5), (3.0, 1.5), (3.0, 1.5), (1.5, 0.5), (1.5, 0.5))
+    assert ab.evidence(seen, 3) == 1.5 and ab.evidence(seen, 6) == 0.0 and ab.evidence(seen, 0) == 0.0
+    # each size blends its observations with the surrogate counted as one round, non-decreasing; past the sizes
+    # observed the surrogate's increments
+    sur = (1.2, 1.3, 1.4, 1.5, 1.6, 2.1, 2.6)
+    assert ab.observed_curve(seen, sur, prior_weight=1.0) == pytest.approx(
+        ((2.0 + 1.2) / 2.5, (3.0 + 1.3) / 2.5, (3.0 + 1.4) / 2.5, (1.5 + 1.5) / 1.5, (1.5 + 1.6) / 1.5,
+         (1.5 + 1.6) / 1.5 + 0.5, (1.5 + 1.6) / 1.5 + 1.0))
     assert ab.observed_curve((), (1.5, 2.0)) == (1.5, 2.0)
+
+
+class _Row:
+    """The parts of a RequestState AutoChooser reads."""
+
+    def __init__(self, rid, seen, curve, auto=True, budget=0):
+        self.request_id, self.auto_seen, self.auto_curve, self.auto_gain = rid, seen, curve, (0.0, 0.0)
+        self.tree, self.budget = TreeSettings(budget="auto" if auto else budget), budget
+
+
+def test_a_size_one_round_made_look_poor_is_explored_again():
+    """A first round that accepted nothing at b15: the best is then b1, but b3's evidence is that one round; once
+    it has decayed (about 11 rounds) b3 runs once, while its objective is within the slack of the best's."""
+    chooser = ab.AutoChooser(64)
+    cost = {1: 0.040, 3: 0.041, 7: 0.042, 15: 0.045, 31: 0.05, 63: 0.06}.__getitem__
+    flat = (1.0,) * 31  # the surrogate: nothing beyond the root
+    seen = ab.observed_update((), [], 15)  # the unlucky first round
+    rows = [_Row("a", seen, flat)]
+    assert chooser.choose(rows, cost) == 1  # b3's evidence is one round: no exploration yet
+    for _ in range(11):  # rounds at b1 that accepted nothing
+        seen = ab.observed_update(seen, [], 1)
+    rows = [_Row("a", seen, flat)]
+    assert ab.evidence(seen, 3) < ab.EXPLORE_EVIDENCE
+    assert chooser.choose(rows, cost) == 3
+    dear = {**{b: 0.04 for b in (1,)}, 3: 0.08, 7: 0.09, 15: 0.1, 31: 0.11, 63: 0.12}.__getitem__
+    assert chooser.choose(rows, dear) == 1  # b3 would cost half the objective: not explored
 
 
 def test_auto_rounds_report_their_accepted_paths(tiny_engine_factory, monkeypatch):

@@ -52,7 +52,10 @@ node indices), and each row keeps decayed per-size averages of those counterfact
 surrogate's increments only past them (:func:`observed_curve`). Why: on the demo pair the surrogate's shape, not
 only its level, is off (its nodes past the first few are undervalued: +0.1-0.2 expected tokens from b7 to b15
 against +1.2 accepted from b4 to b16), which no single gain corrects. For sampled rows the counterfactual is an
-estimate (a smaller tree changes the sampling walk).
+estimate (a smaller tree changes the sampling walk). The observed lengths are blended with the calibrated
+surrogate, which counts as :data:`PRIOR_WEIGHT` rounds, and every size's evidence decays each round; a size
+above the best whose evidence has faded is verified again now and then (:class:`AutoChooser`), since a size that
+one unlucky round made look poor would otherwise never be tried again.
 
 Smoothing: a row's reported curve is averaged with its previous one (weight :data:`SMOOTHING` on the newest), over
 the sizes both cover. A row that has not reported yet (its first round) takes the mean curve of the round's rows
@@ -74,6 +77,11 @@ AUTO = "auto"  # TreeSettings.budget of a request whose tree size the engine cho
 SMOOTHING = 0.5  # weight of a row's newest curve against its running one
 MARGIN = 0.02  # another size must beat the previous round's by this fraction to replace it
 GAIN_DECAY = 0.9  # weight of a row's older rounds in its calibration sums (about the last 10 rounds count)
+PRIOR_WEIGHT = 1.0  # the calibrated surrogate counts as this many rounds in a row's observed lengths
+# exploration: the next candidate above the best is verified once the rows' evidence on it has decayed below this
+# many rounds (0.9^11 = 0.31: about every 11 rounds) and its objective is within EXPLORE_SLACK of the best's
+EXPLORE_EVIDENCE = 0.32
+EXPLORE_SLACK = 0.25
 
 
 def candidates(max_budget: int) -> tuple[int, ...]:
@@ -173,35 +181,45 @@ def observed_update(seen: Sequence[tuple[float, float]], ranks: Sequence[int], v
                     decay: float = GAIN_DECAY) -> tuple[tuple[float, float], ...]:
     """A row's observed lengths after a round that verified ``verified`` draft nodes and accepted the nodes of
     ``ranks`` (their indices in best-first order, 1-based, one per depth: increasing, as a node's ancestors precede
-    it): per size ``m = 1 .. verified`` the decayed sum of the tokens a tree of the first ``m`` nodes would have
-    committed, ``1 + #{r in ranks: r <= m}`` (exact for greedy rounds: the smaller tree is a prefix of the
-    verified one, and its accepted path the part of this one inside it), and the decayed count. Sizes past
-    ``verified`` keep their sums (nothing new is known of them)."""
-    out = list(seen)
+    it): per size ``m`` a decayed sum of the tokens a tree of the first ``m`` nodes would have committed,
+    ``1 + #{r in ranks: r <= m}`` for ``m <= verified`` (exact for greedy rounds: the smaller tree is a prefix of
+    the verified one, and its accepted path the part of this one inside it), and a decayed count of those rounds.
+    Every size decays each round, so the evidence on a size the row stopped verifying fades and the prior takes
+    over again (:func:`observed_curve`)."""
+    out = [(decay * total, decay * weight) for total, weight in seen]
     for m in range(1, verified + 1):
         committed = 1.0 + sum(1 for r in ranks if r <= m)
         if m <= len(out):
             total, weight = out[m - 1]
-            out[m - 1] = (decay * total + committed, decay * weight + 1.0)
+            out[m - 1] = (total + committed, weight + 1.0)
         else:
             out.append((committed, 1.0))
     return tuple(out)
 
 
-def observed_curve(seen: Sequence[tuple[float, float]], surrogate: Sequence[float]) -> tuple[float, ...]:
-    """A row's ``E(1 ..)`` for the choice: its observed lengths (:func:`observed_update`) where it has any, the
-    surrogate's increments (calibrated, :func:`calibrated`) past them; non-decreasing. Empty ``seen``: the
-    surrogate as it is."""
+def observed_curve(seen: Sequence[tuple[float, float]], surrogate: Sequence[float],
+                   prior_weight: float = PRIOR_WEIGHT) -> tuple[float, ...]:
+    """A row's ``E(1 ..)`` for the choice: at each size its observed lengths (:func:`observed_update`) blended with
+    the calibrated surrogate (:func:`calibrated`) counted as ``prior_weight`` rounds, ``(sum + w0 S) / (count +
+    w0)``; past the sizes observed, the surrogate's increments; non-decreasing. Why a blend: one unlucky round must
+    not fix a size's estimate (a first round that accepted nothing made every size look like AR, and a size that
+    is never verified again is never corrected); the surrogate is what is known without a round."""
     if not seen:
         return tuple(surrogate)
     out, top = [], 1.0
-    for total, weight in seen:
-        top = max(top, total / weight)
+    for m, (total, weight) in enumerate(seen):
+        prior = float(surrogate[min(m, len(surrogate) - 1)]) if surrogate else 1.0
+        top = max(top, (total + prior_weight * prior) / (weight + prior_weight))
         out.append(top)
-    base = surrogate[len(seen) - 1] if len(surrogate) >= len(seen) else None
+    base = float(surrogate[len(seen) - 1]) if len(surrogate) >= len(seen) else None
     for m in range(len(seen), len(surrogate)):
         out.append(top + max(0.0, float(surrogate[m]) - base))
     return tuple(out)
+
+
+def evidence(seen: Sequence[tuple[float, float]], size: int) -> float:
+    """The decayed count of rounds that observed ``size`` (0 for a size never verified)."""
+    return seen[size - 1][1] if 0 < size <= len(seen) else 0.0
 
 
 def smoothed(old: Sequence[float] | None, new: Sequence[float], weight: float = SMOOTHING) -> tuple[float, ...]:
@@ -253,7 +271,9 @@ class AutoChooser:
         candidates above it), ``cost`` made non-decreasing (:func:`rising`), with the hysteresis. Auto rows use
         their observed and calibrated curve (:func:`observed_curve`), those without one the mean of those with one
         (no row has one: :func:`initial_budget`); fixed rows count theirs at their own budget (else their
-        acceptance so far), AR rows 1."""
+        acceptance so far), AR rows 1. Exploration: when the auto rows' evidence on the next candidate above the
+        best has decayed below :data:`EXPLORE_EVIDENCE` and its objective is within :data:`EXPLORE_SLACK` of the
+        best's, that candidate runs instead: one such round tells the observed lengths of every size up to it."""
         auto = [s for s in states if s.tree.auto]
         fixed = [s for s in states if not s.tree.auto]
         floor = max((s.budget for s in fixed), default=0)
@@ -272,9 +292,17 @@ class AutoChooser:
                 rows.append(RowCurve(curves[s.request_id], cap=s.budget))
             else:
                 rows.append(RowCurve((s.stats.accept_length or 1.0,), cap=s.budget))
-        return choose_budget(rows, opts, rising(cost, opts), previous=self.previous, margin=MARGIN)
+        up = rising(cost, opts)
+        best = choose_budget(rows, opts, up, previous=self.previous, margin=MARGIN)
+        above = [b for b in opts if b > best]
+        if above:
+            nxt = above[0]
+            stale = sum(evidence(s.auto_seen, nxt) for s in auto) / len(auto) < EXPLORE_EVIDENCE
+            if stale and objective(rows, nxt, up) >= (1.0 - EXPLORE_SLACK) * objective(rows, best, up):
+                return nxt
+        return best
 
 
-__all__ = ["AUTO", "GAIN_DECAY", "MARGIN", "SMOOTHING", "AutoChooser", "RowCurve", "calibrated", "candidates", "choose_budget",
-           "curve_width", "gain_update", "initial_budget", "mean_curve", "objective", "observed_curve",
+__all__ = ["AUTO", "EXPLORE_EVIDENCE", "EXPLORE_SLACK", "GAIN_DECAY", "MARGIN", "PRIOR_WEIGHT", "SMOOTHING", "AutoChooser", "RowCurve", "calibrated", "candidates", "choose_budget",
+           "curve_width", "evidence", "gain_update", "initial_budget", "mean_curve", "objective", "observed_curve",
            "observed_update", "options", "rising", "smoothed"]
