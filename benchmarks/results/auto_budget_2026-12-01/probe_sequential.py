@@ -1,4 +1,5 @@
 """Budget auto over four requests in a row at C = 1 (as a sweep cell runs them): the choice's inputs per round."""
+import collections, json, sys
 from ddtree.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, TreeSettings
 from ddtree.engine import auto_budget as ab
 from ddtree.lab.bench.workload import held_out_token_stream, prompts_for
