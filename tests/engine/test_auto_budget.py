@@ -325,14 +325,15 @@ def test_a_size_one_round_made_look_poor_is_explored_again():
     flat = (1.0,) * 31  # the surrogate: nothing beyond the root
     seen = ab.observed_update((), [], 15)  # the unlucky first round
     rows = [_Row("a", seen, flat)]
-    assert chooser.choose(rows, cost) == 1  # b3's evidence is one round: no exploration yet
+    assert chooser.choose(rows, cost) == (1, 1)  # b3's evidence is one round: no exploration yet
     for _ in range(11):  # rounds at b1 that accepted nothing
         seen = ab.observed_update(seen, [], 1)
     rows = [_Row("a", seen, flat)]
     assert ab.evidence(seen, 3) < ab.EXPLORE_EVIDENCE
-    assert chooser.choose(rows, cost) == 3
+    assert chooser.choose(rows, cost) == (3, 1)  # explored; the best stays b1 (the hysteresis keeps that)
+    assert chooser.choose(rows, cost, explore=False) == (1, 1)  # a follow-up check never explores
     dear = {**{b: 0.04 for b in (1,)}, 3: 0.08, 7: 0.09, 15: 0.1, 31: 0.11, 63: 0.12}.__getitem__
-    assert chooser.choose(rows, dear) == 1  # b3 would cost half the objective: not explored
+    assert chooser.choose(rows, dear) == (1, 1)  # b3 would cost half the objective: not explored
 
 
 def test_auto_rounds_report_their_accepted_paths(tiny_engine_factory, monkeypatch):
@@ -359,3 +360,47 @@ def test_auto_rounds_report_their_accepted_paths(tiny_engine_factory, monkeypatc
         assert ranks == sorted(set(ranks)) and all(1 <= r <= verified for r in ranks)
     committed = sum(k * c for o in outs for k, c in enumerate(o.stats.accept_hist))
     assert sum(1 + len(ranks) for ranks, _ in seen) == committed
+
+
+def test_auto_measures_its_curve_only_while_no_round_is_in_flight(tiny_engine_factory, tiny_tokenizer, tiny_pair,
+                                                                  monkeypatch):
+    """With rounds queued ahead (overlap_rounds), the first auto choice that weighs a cost curve measures one on
+    the round graphs, whose buffers a queued round's result lives in: it must wait until every queued round was
+    read (a measurement from the follow-up check would overwrite them on CUDA). Counts rounds queued and read."""
+    from ddtree.engine import scheduler as sch
+    from ddtree.engine.engine import Engine
+
+    outstanding = {"n": 0, "at_measure": [], "follow_ups": 0}
+    real_queue, real_collect, real_follow, real_fallback = (Engine._queue, Engine._collect, Engine._follow_up,
+                                                            sch.fallback_curve)
+
+    def queue(self, *args):
+        outstanding["n"] += 1
+        return real_queue(self, *args)
+
+    def collect(self, flight):
+        outstanding["n"] -= 1
+        return real_collect(self, flight)
+
+    def follow(self, flight):
+        outstanding["follow_ups"] += 1
+        return real_follow(self, flight)
+
+    def fallback(sched, cands):
+        outstanding["at_measure"].append(outstanding["n"])
+        return real_fallback(sched, cands)
+
+    monkeypatch.setattr(Engine, "_queue", queue)
+    monkeypatch.setattr(Engine, "_collect", collect)
+    monkeypatch.setattr(Engine, "_follow_up", follow)
+    monkeypatch.setattr(sch, "fallback_curve", fallback)
+    engine = tiny_engine_factory(oracle=True, overlap_rounds=True, max_batch=2, max_budget=7,
+                                 default_tree=TreeSettings(budget="auto"))
+    assert engine.cost_curve is None
+    target, _ = tiny_pair
+    outs = engine.generate([GenerationRequest(prompt=p, sampling=SamplingParams(max_tokens=24, ignore_eos=True))
+                            for p in PROMPTS[:1]])
+    for p, out in zip(PROMPTS[:1], outs, strict=True):
+        assert out.token_ids == plain_greedy(target, tiny_tokenizer.encode(p), 24)
+    assert outstanding["at_measure"] == [0]
+    assert outstanding["follow_ups"] > 0  # rounds were queued ahead once the curve was there

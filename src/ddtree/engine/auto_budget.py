@@ -187,8 +187,11 @@ def observed_update(seen: Sequence[tuple[float, float]], ranks: Sequence[int], v
     Every size decays each round, so the evidence on a size the row stopped verifying fades and the prior takes
     over again (:func:`observed_curve`)."""
     out = [(decay * total, decay * weight) for total, weight in seen]
+    accepted = 0  # ranks <= m so far (the ranks increase: one pass)
     for m in range(1, verified + 1):
-        committed = 1.0 + sum(1 for r in ranks if r <= m)
+        while accepted < len(ranks) and ranks[accepted] <= m:
+            accepted += 1
+        committed = 1.0 + accepted
         if m <= len(out):
             total, weight = out[m - 1]
             out[m - 1] = (total + committed, weight + 1.0)
@@ -266,14 +269,17 @@ class AutoChooser:
         self.gain = gain_update(self.gain, committed, e_used, decay=0.99)
         state.auto_curve = smoothed(state.auto_curve, reported)
 
-    def choose(self, states: Sequence[Any], cost: Callable[[int], float]) -> int:
+    def choose(self, states: Sequence[Any], cost: Callable[[int], float], *,
+               explore: bool = True) -> tuple[int, int]:
         """The argmax of :func:`objective` over the round's options (:func:`options`: the fixed rows' floor and the
         candidates above it), ``cost`` made non-decreasing (:func:`rising`), with the hysteresis. Auto rows use
         their observed and calibrated curve (:func:`observed_curve`), those without one the mean of those with one
         (no row has one: :func:`initial_budget`); fixed rows count theirs at their own budget (else their
         acceptance so far), AR rows 1. Exploration: when the auto rows' evidence on the next candidate above the
         best has decayed below :data:`EXPLORE_EVIDENCE` and its objective is within :data:`EXPLORE_SLACK` of the
-        best's, that candidate runs instead: one such round tells the observed lengths of every size up to it."""
+        best's, that candidate runs instead (with ``explore``): one such round tells the observed lengths of every
+        size up to it. Returns (the size to run, the best size): the hysteresis keeps the best, not an exploration,
+        so an explored size is not favoured next round."""
         auto = [s for s in states if s.tree.auto]
         fixed = [s for s in states if not s.tree.auto]
         floor = max((s.budget for s in fixed), default=0)
@@ -283,7 +289,8 @@ class AutoChooser:
         prior = mean_curve([curves[s.request_id] for s in auto])
         if not prior:
             first = initial_budget(self.candidates)
-            return first if first in opts else opts[0]
+            first = first if first in opts else opts[0]
+            return first, first
         rows = [RowCurve(curves[s.request_id] or prior) for s in auto]
         for s in fixed:
             if s.tree.method == "ar":
@@ -295,12 +302,12 @@ class AutoChooser:
         up = rising(cost, opts)
         best = choose_budget(rows, opts, up, previous=self.previous, margin=MARGIN)
         above = [b for b in opts if b > best]
-        if above:
+        if explore and above:
             nxt = above[0]
             stale = sum(evidence(s.auto_seen, nxt) for s in auto) / len(auto) < EXPLORE_EVIDENCE
             if stale and objective(rows, nxt, up) >= (1.0 - EXPLORE_SLACK) * objective(rows, best, up):
-                return nxt
-        return best
+                return nxt, best
+        return best, best
 
 
 __all__ = ["AUTO", "EXPLORE_EVIDENCE", "EXPLORE_SLACK", "GAIN_DECAY", "MARGIN", "PRIOR_WEIGHT", "SMOOTHING", "AutoChooser", "RowCurve", "calibrated", "candidates", "choose_budget",

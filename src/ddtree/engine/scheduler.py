@@ -96,6 +96,7 @@ class Scheduler:
         # engine at the first auto round (logged), unless a caller sets one first
         self.cost_curve: CostCurve | None = None
         self._auto = auto_budget.AutoChooser(parts.config.max_budget)
+        self._cost_waiters: list[threading.Event] = []  # prepare_auto calls waiting for the loop to measure
 
     # ---- the inbox (any thread) --------------------------------------------------------------------------------
     def _enqueue(self, state: RequestState) -> None:
@@ -127,6 +128,8 @@ class Scheduler:
                 results = self._collect_guarded(flight)
                 flight = follow_up
                 worked = True
+            if self._cost_waiters and flight is None:  # prepare_auto: the measurement replays the round graphs
+                self._measure_for_waiters()
             pending = {state.request_id: tokens for state, tokens, _ in results}
             decoding = [s for s in self._active.values()
                         if s.phase is Phase.DECODE and not s.ends_by_token(pending.get(s.request_id, ()))]
@@ -153,6 +156,15 @@ class Scheduler:
         for state in list(self._by_id.values()):
             self._finish(state, "cancelled")
 
+    def _measure_for_waiters(self) -> None:
+        try:
+            self._auto_cost()
+        except Exception:  # the loop goes on; prepare_auto's caller gets the error
+            log.exception("budget auto: measuring the cost curve failed")
+        for done in self._cost_waiters:
+            done.set()
+        self._cost_waiters.clear()
+
     def _drain_inbox(self) -> None:
         while True:
             try:
@@ -166,12 +178,8 @@ class Scheduler:
                 state = self._by_id.get(payload)
                 if state is not None:
                     self._finish(state, "cancelled")
-            elif kind == "cost":  # prepare_auto: measure on the engine thread, between rounds
-                try:
-                    self._auto_cost()
-                except Exception:  # the loop goes on; prepare_auto's caller gets the error
-                    log.exception("budget auto: measuring the cost curve failed")
-                payload.set()
+            elif kind == "cost":  # prepare_auto: measured by the loop once no round is in flight
+                self._cost_waiters.append(payload)
 
     def _admit(self) -> None:
         while self._waiting and self._free_slots:
@@ -313,7 +321,7 @@ class Scheduler:
         block = max((int(s.tree.block_size) for s in drafting), default=1) if self.drafter is not None else 1
         auto = block > 1 and any(s.tree.auto for s in states)
         if auto:  # every auto row takes the round's whole budget: the verify is padded to it anyway
-            self._auto.previous = chosen = self._auto_choice(states, pending)
+            chosen = self._auto_choice(states, pending, launch=True)
             for s in (s for s in states if s.tree.auto):
                 s.auto_budget = chosen
         max_budget = max(s.budget for s in states) if block > 1 else 0
@@ -358,7 +366,7 @@ class Scheduler:
         """Whether the next round can be queued before ``flight`` is read: the same rows will run it (every one still
         decoding, nobody else decoding, prefilling or able to take a free slot) and its writes stay inside the cache
         whatever ``flight`` accepts. Rows that finish on ``flight``'s tokens only waste their place in it."""
-        if not self._overlap or self._waiting and self._free_slots:
+        if not self._overlap or self._waiting and self._free_slots or self._cost_waiters:
             return False
         if any(s.phase is not Phase.DECODE for s in flight.states):
             return False
@@ -368,8 +376,11 @@ class Scheduler:
         # The next round's roots lie at most a block past the states' positions; from there it writes its tree
         # (nodes) into the target cache and its block into the drafter's.
         block, nodes = flight.shape.block_size, flight.shape.max_budget + 1
-        if flight.shape.auto_width and self._auto_choice(flight.states, {}) != flight.shape.max_budget:
-            return False  # auto chose another size: the next round is launched from the host with it
+        if flight.shape.auto_width and (not self._auto_curve_ready()
+                                        or self._auto_choice(flight.states, {}) != flight.shape.max_budget):
+            # auto chose another size (or needs its curve measured, which replays the round graphs whose buffers
+            # the flight's result lives in): the next round is launched from the host once the flight is read
+            return False
         return max(s.root_position for s in flight.states) + block + max(nodes, block) + 1 <= self.cache_len
 
     def _follow_up(self, flight: _Flight) -> _Flight | None:
@@ -428,13 +439,25 @@ class Scheduler:
         return out
 
     # ---- budget "auto" ---------------------------------------------------------------------------------------------
-    def _auto_choice(self, states: list[RequestState], pending: dict[str, list[int]]) -> int:
+    def _auto_choice(self, states: list[RequestState], pending: dict[str, list[int]], *, launch: bool = False) -> int:
         """The budget of the next round of ``states`` (some "auto"): :meth:`auto_budget.AutoChooser.choose` over the
         cost curve at this round's rows bucket and furthest root (measured, when the engine has none, only once a
-        row has a curve to weigh: the first round starts at the initial budget)."""
+        row has a curve to weigh: the first round starts at the initial budget). ``launch``: the round is launched
+        now (it may explore, and its best size becomes the hysteresis' previous); else a check of whether a
+        follow-up round keeps the flight's size (never an exploration: the flight's own evidence is not read)."""
         n = bucket_rows(len(states), self.config.max_batch) if self.graphs is not None else len(states)
         reach = max(s.root_position + len(pending.get(s.request_id, ())) for s in states)
-        return self._auto.choose(states, lambda b: self._auto_cost().round_seconds(n, b, reach + b + 1))
+        chosen, best = self._auto.choose(states, lambda b: self._auto_cost().round_seconds(n, b, reach + b + 1),
+                                         explore=launch)
+        if launch:
+            self._auto.previous = best
+        return chosen
+
+    def _auto_curve_ready(self) -> bool:
+        """Whether auto's cost curve is at hand (set, or resolved at engine start): else the next auto choice that
+        weighs one measures it, on the round graphs, so only while no round is in flight."""
+        source = getattr(self, "cost_curve_source", None)
+        return self.cost_curve is not None or (source is not None and source.curve is not None)
 
     def prepare_auto(self, timeout: float | None = None) -> CostCurve:
         """The cost curve budget "auto" uses, measured now if the engine has none (on the engine thread when it
