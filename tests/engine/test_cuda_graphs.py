@@ -3,7 +3,8 @@
 GPU only: graphs need a CUDA device. fp32 on the shipped demo pair, so both engines run the same kernels in the
 same order and must give the same tokens. The requests mix budgets 4 and 8 and greedy and sampled rows, so graph
 keys share their draft and tree stages (``cuda_graphs.RoundGraphs``: one draft graph per rows, block and length,
-one tree graph per node bucket) and a wrong share shows as a different token.
+one tree graph per node bucket) and a wrong share shows as a different token; budget auto rounds (their result
+carries the accepted paths and expected lengths) must give AR's tokens.
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ def _decode(graphs: bool) -> tuple[list[list[int]], Engine]:
                     prompt_token_ids=tokenizer.encode(p, add_special_tokens=False),
                     tree=TreeSettings(method="ddtree", budget=budget),
                     sampling=SamplingParams(max_tokens=24, ignore_eos=True, temperature=temperature, seed=7))])
+        # budget auto: its rounds append each row's accepted path and expected lengths to the graphed result (and
+        # measure their cost curve on the graphs first)
+        outputs += engine.generate([GenerationRequest(
+            prompt_token_ids=tokenizer.encode(p, add_special_tokens=False), tree=TreeSettings(budget="auto"),
+            sampling=SamplingParams(max_tokens=24, ignore_eos=True)) for p in PROMPTS[:2]])
     finally:
         engine.shutdown()
     assert all(o.error is None for o in outputs), [o.error for o in outputs]
@@ -56,5 +62,6 @@ def test_graphed_rounds_and_prefills_equal_eager():
     assert graphed == eager
     assert graphed[0:6:2] == graphed[1:6:2]  # DDTree == AR, prompt by prompt
     assert graphed[6:8] == graphed[0:4:2][:2]  # greedy budget 4 == greedy budget 8 (== AR)
+    assert graphed[12:14] == graphed[1:4:2]  # greedy auto == AR
     stages = engine.graphs.stage_graphs()
     assert stages["forward"] < stages["choose"] or stages["draft"] < stages["forward"], stages  # something shared
