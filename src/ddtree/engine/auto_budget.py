@@ -214,9 +214,8 @@ def observed_curve(seen: Sequence[tuple[float, float]], surrogate: Sequence[floa
         prior = float(surrogate[min(m, len(surrogate) - 1)]) if surrogate else 1.0
         top = max(top, (total + prior_weight * prior) / (weight + prior_weight))
         out.append(top)
-    base = float(surrogate[len(seen) - 1]) if len(surrogate) >= len(seen) else None
-    for m in range(len(seen), len(surrogate)):
-        out.append(top + max(0.0, float(surrogate[m]) - base))
+    for m in range(len(seen), len(surrogate)):  # past the observed sizes: the surrogate's increments
+        out.append(top + max(0.0, float(surrogate[m]) - float(surrogate[len(seen) - 1])))
     return tuple(out)
 
 

@@ -454,10 +454,16 @@ class Scheduler:
         return chosen
 
     def _auto_curve_ready(self) -> bool:
-        """Whether auto's cost curve is at hand (set, or resolved at engine start): else the next auto choice that
-        weighs one measures it, on the round graphs, so only while no round is in flight."""
-        source = getattr(self, "cost_curve_source", None)
-        return self.cost_curve is not None or (source is not None and source.curve is not None)
+        """Whether auto's cost curve is at hand (:meth:`_known_curve`): else the next auto choice that weighs one
+        measures it, on the round graphs, so only while no round is in flight."""
+        return self._known_curve() is not None
+
+    def _known_curve(self) -> CostCurve | None:
+        """The curve set on the engine, else EngineConfig.cost_curve's (Engine.start resolves it; adopted here)."""
+        source = getattr(self, "cost_curve_source", None)  # ddtree.engine.cost_measure.CurveSource, set by Engine.start
+        if self.cost_curve is None and source is not None and source.curve is not None:
+            self.cost_curve = source.curve
+        return self.cost_curve
 
     def prepare_auto(self, timeout: float | None = None) -> CostCurve:
         """The cost curve budget "auto" uses, measured now if the engine has none (on the engine thread when it
@@ -477,10 +483,7 @@ class Scheduler:
     def _auto_cost(self) -> CostCurve:
         """The cost curve auto divides by: the one set on the engine, else EngineConfig.cost_curve's (Engine.start
         resolves it), else one measured now over the candidates (logged: it stalls the loop once, seconds on a CPU)."""
-        source = getattr(self, "cost_curve_source", None)  # ddtree.engine.cost_measure.CurveSource, set by Engine.start
-        if self.cost_curve is None and source is not None and source.curve is not None:
-            self.cost_curve = source.curve
-        if self.cost_curve is None:
+        if self._known_curve() is None:
             self.cost_curve = fallback_curve(self, self._auto.candidates)
         return self.cost_curve
 
