@@ -119,7 +119,7 @@ def test_linear_rows_torch_path():
 # ---- attention ----------------------------------------------------------------------------------------------------
 
 PARENTS = (-1, 0, 0, 1, 3, 2, 4)  # root; a, b under it; c under a; d under c; e under b; f under d
-# 20 nodes: with G query heads per KV head its queries span several programs
+# 20 nodes: with G query heads per KV head its programs fold 64 rows (T x G = 40, attention_block_m)
 WIDE = (-1, 0, 0, 1, 1, 2, 3, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
 KV, G, D = 2, 2, 16
 
@@ -241,9 +241,10 @@ def test_gpu_linear_rows_bit_identical(shape):
 
 
 def test_wide_tree_node_equals_its_ar_decode():
-    """A tree of 20 nodes, its queries over several programs, against AR steps (the interpreter)."""
+    """A tree whose programs fold 64 rows (T x G = 40) against AR steps folded in 32 (the interpreter)."""
     gen = torch.Generator().manual_seed(5)
     t = len(WIDE)
+    assert bi.attention_block_m(t, G) == 64 and bi.attention_block_m(1, G) == bi.ATTN_BLOCK_M
     kc = torch.randn(3, KV, 256, D, generator=gen).to(torch.bfloat16)
     vc = torch.randn(3, KV, 256, D, generator=gen).to(torch.bfloat16)
     q = torch.randn(1, KV * G, t, D, generator=gen).to(torch.bfloat16)
@@ -261,7 +262,7 @@ def test_wide_tree_node_equals_its_ar_decode():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("parents", [PARENTS, WIDE[:12]], ids=["7 nodes", "12 nodes"])
+@pytest.mark.parametrize("parents", [PARENTS, WIDE[:12]], ids=["7 nodes", "12 nodes (64-row programs)"])
 @pytest.mark.parametrize("start", [100, 1000, 3000])
 def test_gpu_tree_node_equals_its_ar_decode(start, parents):
     PARENTS = parents  # noqa: N806 (the tree under test)

@@ -20,7 +20,7 @@ Attention (:func:`attention`, new tokens over a KV-cache slot)
     fixed multiples of ``ATTN_SPLIT_KEYS`` positions; a query at position p combines splits 0 .. p // ATTN_SPLIT_KEYS
     in ascending order. Key position j of query t is cache index j below ``start`` (the committed prefix) and
     ``start + anc[t, j - start]`` above it (the node's ancestor at depth ``j - start``: in a tree the ancestors are not
-    contiguous in the cache, :func:`ancestor_map`). A program's rows are ``ATTN_BLOCK_M`` = queries x the G query heads
+    contiguous in the cache, :func:`ancestor_map`). A program's rows (32 or 64, :func:`attention_block_m`) = queries x the G query heads
     of one KV head. Where its queries share their keys (prefix tiles; every tile of a chain or a prompt chunk) one K/V
     tile serves them all; in a tree's tiles the program gathers each query's own tile and keeps, of each dot, the rows
     of that query (a tensor-core dot's row depends only on that row and the tile). Masked keys are exact no-ops
@@ -55,9 +55,8 @@ MATMUL_MAX_BLOCK_K = 64
 MATMUL_TARGET_PROGRAMS = 160
 MATMUL_MAX_SPLIT_K = 4  # 8 measured no faster at decode and slower on wide calls (H200)
 MATMUL_MIN_K_BLOCKS_PER_SPLIT = 4
-ATTN_BLOCK_M = 32  # folded rows (queries x query heads of one KV head) per attention program; fixed: 64-row
-# programs gave rows 1 ulp off a 32-row program's now and then (H200, 2026-12-01: a chain of 16 at start 64; the
-# reductions over a tile follow the dot's register layout, which follows the rows), so every call takes 32
+ATTN_BLOCK_M = 32  # folded rows (queries x query heads of one KV head) per attention program (64: attention_block_m)
+ATTN_SUM_COLS = 16  # columns of the ones matrix the tile's row sums are a dot with (a tensor-core dot's least N)
 ATTN_BLOCK_N = 64  # key positions per tile
 ATTN_SPLIT_KEYS = 256  # key positions per split (a multiple of ATTN_BLOCK_N)
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -302,16 +301,22 @@ if triton is not None:
         return tl.load(base + idx[:, None] * stride_p + offs_d[None, :], mask=ok[:, None], other=0.0)
 
     @triton.jit
-    def _softmax_step(scores, vis, m_i, l_i, scale_log2):
+    def _softmax_step(scores, vis, m_i, l_i, ones, scale_log2, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
         """One key tile of the online softmax, the same code for the shared and the per-query tiles (their bits must
-        agree): -> (p, alpha, l, m) with p the tile's unnormalised probabilities, alpha the rescale of what came
-        before, l the running sum and m the running max (masked keys: exp2(-inf) = 0, -inf - -inf guarded)."""
+        agree): -> (p, alpha, l, m) with p the tile's unnormalised probabilities in the dot's dtype, alpha the
+        rescale of what came before, l [BLOCK_M, ATTN_SUM_COLS] the running sum (every column alike) and m the
+        running max (masked keys: exp2(-inf) = 0, -inf - -inf guarded).
+
+        The row sum is a dot with a ones matrix, not ``tl.sum(p, 1)``: a reduction over the tile follows the
+        register layout the dot left it in, and that layout follows the program's row count (64-row programs gave
+        chain rows 1 ulp off a 32-row program's, H200, 2026-12-01), while a tensor-core dot's row depends on that
+        row and the tile only. It sums the same bf16 weights P @ V uses; max is exact in any order."""
         qk = tl.where(vis, scores * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(qk - m_use[:, None])
-        return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
+        p = tl.exp2(qk - m_use[:, None]).to(ones.dtype)
+        return p, alpha, _dot(p, ones, l_i * alpha[:, None], EMULATE, PRECISION), m_new
 
     @triton.jit(do_not_specialize=["T"])
     def _attention_split_kernel(
@@ -319,7 +324,7 @@ if triton is not None:
         stride_qr, stride_qh, stride_qt, stride_ks, stride_kh, stride_kp, stride_vs, stride_vh, stride_vp,
         T, G, num_kv, num_splits, scale_log2,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, QT: tl.constexpr, BLOCK_N: tl.constexpr,
-        TILES_PER_SPLIT: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
+        TILES_PER_SPLIT: tl.constexpr, SUM_COLS: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
     ):
         """Program (query tile, split, row x KV head): the online softmax of its rows over the key tiles of its
         split in ascending position order -> fp32 partials (max m, sum l, unnormalised acc) per (row, head, split)."""
@@ -348,7 +353,8 @@ if triton is not None:
 
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M, SUM_COLS], dtype=tl.float32)
+        ones = tl.full([BLOCK_N, SUM_COLS], 1.0, dtype=q_ptr.dtype.element_ty)
         tile_lo = pid_s * TILES_PER_SPLIT
         tile_hi = tl.minimum(tile_lo + TILES_PER_SPLIT, max_pos // BLOCK_N + 1)
         # Tiles every query of the program reads alike (all of them for chains and prompt chunks, else those wholly
@@ -366,9 +372,10 @@ if triton is not None:
             k = _gather_tile(k_base, stride_kp, offs_d, j, start, max_pos, anc_base, True)
             scores = _dot(q, tl.trans(k.to(q.dtype)), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), EMULATE,
                           PRECISION)
-            p, alpha, l_i, m_new = _softmax_step(scores, vis & row_ok[:, None], m_i, l_i, scale_log2)
+            p, alpha, l_i, m_new = _softmax_step(scores, vis & row_ok[:, None], m_i, l_i, ones, scale_log2, EMULATE,
+                                                 PRECISION)
             v = _gather_tile(v_base, stride_vp, offs_d, j, start, max_pos, anc_base, True)
-            acc = _dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], EMULATE, PRECISION)
+            acc = _dot(p, v.to(q.dtype), acc * alpha[:, None], EMULATE, PRECISION)
             m_i = m_new
         for tile in range(shared_hi, tile_hi):
             j = tile * BLOCK_N + offs_n
@@ -386,21 +393,22 @@ if triton is not None:
                 s = _dot(q, tl.trans(k.to(q.dtype)), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), EMULATE,
                          PRECISION)
                 scores = tl.where((qi == grp)[:, None], s, scores)
-            p, alpha, l_i, m_new = _softmax_step(scores, vis & row_ok[:, None], m_i, l_i, scale_log2)
+            p, alpha, l_i, m_new = _softmax_step(scores, vis & row_ok[:, None], m_i, l_i, ones, scale_log2, EMULATE,
+                                                 PRECISION)
             scaled = acc * alpha[:, None]
             acc = scaled  # rows of no query (past T) keep it
             for grp in range(0, groups):
                 t_g = pid_q * QT + grp
                 pos_g = tl.load(pos_ptr + r * T + t_g, mask=t_g < T, other=-1)
                 v = _gather_tile(v_base, stride_vp, offs_d, j, start, pos_g, anc_base + t_g * T, False)
-                o = _dot(p.to(q.dtype), v.to(q.dtype), scaled, EMULATE, PRECISION)
+                o = _dot(p, v.to(q.dtype), scaled, EMULATE, PRECISION)
                 acc = tl.where((qi == grp)[:, None], o, acc)
             m_i = m_new
 
         # partials [R, T, H, splits] (+ D): written for every valid row, read only for splits up to its position
         part = ((r * T + t) * (num_kv * G) + head) * num_splits + pid_s
         tl.store(part_m_ptr + part, m_i, mask=row_ok)
-        tl.store(part_l_ptr + part, l_i, mask=row_ok)
+        tl.store(part_l_ptr + part, tl.max(l_i, 1), mask=row_ok)  # its columns are equal
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None])
 
     @triton.jit(do_not_specialize=["T"])
@@ -448,6 +456,16 @@ def _check_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
                           f"positions {tuple(positions.shape)}, anc {tuple(anc.shape)} do not fit q {tuple(q.shape)}")
 
 
+def attention_block_m(tokens: int, group: int) -> int:
+    """Folded rows per attention program for ``tokens`` new tokens of ``group`` query heads per KV head: 64 where
+    that puts every token of a row in one program (a chain of 16 or a tree of 9-16 nodes at G = 4: each program
+    reads its keys once, not twice), else :data:`ATTN_BLOCK_M` (a large tree's per-query tiles cost rows x
+    queries). A launch choice, not a bit-fixing one: a tensor-core dot's row depends on that row and the tile only,
+    and the tile's reductions are dots or maxima (:func:`_softmax_step`); the GPU tests compare chain rows and tree
+    nodes in 64-row programs with their AR steps in 32-row ones."""
+    return 64 if ATTN_BLOCK_M < tokens * group <= 64 else ATTN_BLOCK_M
+
+
 def supports_head_dim(head_dim: int) -> bool:
     """Head dims the Triton attention takes (one power-of-two block, at least a tensor-core tile)."""
     return head_dim in SUPPORTED_HEAD_DIMS
@@ -475,7 +493,8 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start:
     g = h // kv
     if g > ATTN_BLOCK_M:
         raise ConfigError(f"batch_invariant.attention: {g} query heads per KV head exceed {ATTN_BLOCK_M}")
-    qt = ATTN_BLOCK_M // g
+    block_m = attention_block_m(t, g)
+    qt = block_m // g
     if q.stride(-1) != 1:
         q = q.contiguous()
     slots, start, positions = slots.contiguous(), start.contiguous(), positions.contiguous()
@@ -494,8 +513,8 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start:
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         t, g, kv, splits, scale_log2,
-        HEAD_DIM=d, BLOCK_M=ATTN_BLOCK_M, QT=qt, BLOCK_N=ATTN_BLOCK_N, TILES_PER_SPLIT=split_keys // ATTN_BLOCK_N,
-        EMULATE=INTERPRETED, PRECISION=precision, num_warps=4, num_stages=2,
+        HEAD_DIM=d, BLOCK_M=block_m, QT=qt, BLOCK_N=ATTN_BLOCK_N, TILES_PER_SPLIT=split_keys // ATTN_BLOCK_N,
+        SUM_COLS=ATTN_SUM_COLS, EMULATE=INTERPRETED, PRECISION=precision, num_warps=4, num_stages=2,
     )
     _attention_combine_kernel[(r * t, h)](
         out, positions, part_m, part_l, part_acc, out.stride(0), out.stride(1), out.stride(2), t, h, splits,
