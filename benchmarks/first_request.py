@@ -203,6 +203,10 @@ def main(argv: list[str] | None = None) -> None:
     from ddtree.models import load_tokenizer
     from ddtree.models.standin import load_demo_benchmark_pair
 
+    t_init = time.perf_counter()
+    if cuda:  # the CUDA context on its own, so that the stand-in's build time is the build's
+        torch.empty(1, device=device)
+        synchronize(device)
     t_load = time.perf_counter()
     target, drafter, tokenizer_dir = load_demo_benchmark_pair(args.shape, device,
                                                              torch.bfloat16 if cuda else torch.float32)
@@ -228,7 +232,8 @@ def main(argv: list[str] | None = None) -> None:
                                                                 if k != "default_tree"},
         "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR", "~/.triton/cache (Triton's default)"),
         "compile_log": listening,
-        "startup": {"imports_s": round(t_load - T_PROCESS, 2), "standin_build_s": round(t_built - t_load, 2),
+        "startup": {"imports_s": round(t_init - T_PROCESS, 2), "cuda_init_s": round(t_load - t_init, 2),
+                    "standin_build_s": round(t_built - t_load, 2),
                     "engine_build_s": round(t_engine - t_built, 2), "start_s": round(t_ready - t_engine, 2),
                     "process_to_ready_s": round(t_ready - T_PROCESS, 2),
                     "compiles_during_start": compiles.between(t_engine, t_ready),
@@ -278,7 +283,8 @@ def render(report: dict) -> str:
     s, w = report["startup"], report["engine_warmup"]
     lines = [f"Device {report['device']}, torch {report['torch']}, shape {report['shape']}, --warmup "
              f"{report['warmup']}, Triton cache {report['triton_cache_dir']}", "",
-             f"start-up: process to ready {s['process_to_ready_s']} s (stand-in build {s['standin_build_s']} s, "
+             f"start-up: process to ready {s['process_to_ready_s']} s (imports {s['imports_s']} s, CUDA context "
+             f"{s.get('cuda_init_s')} s, stand-in build {s['standin_build_s']} s, "
              f"engine build {s['engine_build_s']} s, start {s['start_s']} s); warm-up {w['seconds']} s, "
              f"{w['graphs_done']} graphs ({w['round_keys']} round keys, {w['prefill_keys']} prefill keys), "
              f"Triton {w['triton_compiled']} compiled + {w['triton_disk_hits']} from disk, graph memory "
@@ -286,6 +292,8 @@ def render(report: dict) -> str:
              f"({(w['allocated_delta_bytes'] or 0) / 2**30:.2f} GiB allocated; driver free memory "
              f"{(w['graph_bytes'] or 0) / 2**30:.2f} GiB) / {w['estimated_graph_bytes'] / 2**30:.2f} GiB estimated; "
              f"precompiled {w.get('precompiled')}", "",
+             "capture phases: " + ", ".join(f"{k} {v['count']} ({v['seconds']:.1f} s)"
+                                            for k, v in (w.get("capture") or {}).items()), "",
              "| workload | first time | second time | ratio | captures / compiles in the first |",
              "| --- | --- | --- | --- | --- |"]
     for r in report["workloads"]:

@@ -58,6 +58,10 @@ class _Recorder:
         out = fn()
         return _Graph(self, fn), out
 
+    def record_stages(self, eager, stages, pool, *, signature):
+        self.warm_up(eager, signature)
+        return [self.record(fn, pool, stage=stage, signature=signature) for stage, fn in stages]
+
 
 @pytest.fixture
 def graphs(tiny_pair, monkeypatch):

@@ -344,10 +344,11 @@ class RoundGraphs:
                        draft=None, draft_logits=None, valid_at=self.generation)
         static = RoundInputs.from_packed(packed, key)
         if runner.drafts(static):
-            rec.warm_up(lambda: runner.stage_draft(static, RoundWork()), ("draft", skey))
             work = RoundWork()
-            front.draft, _ = rec.record(lambda: runner.stage_draft(static, work), self.pool, stage="draft",
-                                        signature=("draft", skey))
+            # the drafter's kernels follow its rows and block; a new draft length may meet a first use (a retry)
+            [(front.draft, _)] = rec.record_stages(
+                lambda: runner.stage_draft(static, RoundWork()), [("draft", lambda: runner.stage_draft(static, work))],
+                self.pool, signature=("draft", key.rows, key.block_size))
             front.draft.replay()
             front.draft_logits = work.draft_logits
         self.fronts[skey] = front
@@ -373,14 +374,14 @@ class RoundGraphs:
             runner.stage_tree(static, scratch)
             runner.stage_forward(static, scratch)
 
-        # the layers' kernels follow every field of the tree key (rows x nodes for the matmuls, the length for the
-        # attention's launch): each tree key is new, and warms up once
-        sig = ("forward", skey)
-        rec.warm_up(eager, sig)
+        # the matmuls and norms follow rows x nodes; the key length picks the attention's launch, whose variants
+        # the warm-up has compiled (ddtree.engine.precompile) but this process may not have loaded yet: such a
+        # first use fails the capture, which record_stages retries after eager passes
+        sig = ("forward", key.rows, key.block_size, key.max_budget, key.auto_width)
         work = RoundWork(draft_logits=front.draft_logits)
-        graph, _ = rec.record(lambda: runner.stage_tree(static, work), self.pool, stage="tree", signature=sig)
-        forward, _ = rec.record(lambda: runner.stage_forward(static, work), self.pool, stage="forward",
-                                signature=sig)
+        (graph, _), (forward, _) = rec.record_stages(
+            eager, [("tree", lambda: runner.stage_tree(static, work)),
+                    ("forward", lambda: runner.stage_forward(static, work))], self.pool, signature=sig)
         graph.replay()
         forward.replay()
         tree = self.trees[skey] = _Tree(graph=graph, forward=forward, tree=work.tree, verify=work.verify, front=front,
@@ -427,10 +428,10 @@ class RoundGraphs:
 
         # the head, the choice and the commit read no cache length: keys that differ only there run the same kernels
         sig = ("choose", replace(key, kv_len=0, draft_kv_len=0))
-        rec.warm_up(choose_commit, sig)
         work = fresh()
-        choose, _ = rec.record(lambda: runner.stage_choose(static, work), self.pool, stage="choose", signature=sig)
-        commit, _ = rec.record(lambda: runner.stage_commit(static, work), self.pool, stage="commit", signature=sig)
+        (choose, _), (commit, _) = rec.record_stages(
+            choose_commit, [("choose", lambda: runner.stage_choose(static, work)),
+                            ("commit", lambda: runner.stage_commit(static, work))], self.pool, signature=sig)
         graphs = {"draft": () if front.draft is None else (front.draft,), "tree": (tree.graph,),
                   "verify": (tree.forward, choose), "commit": (commit,)}
         front.users += 1

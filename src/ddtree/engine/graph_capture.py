@@ -11,9 +11,13 @@ its handle and workspace for a thread and stream, cuBLASLt its own, Triton compi
 use inside a capture invalidates it (``CUBLAS_STATUS_NOT_INITIALIZED`` from ``cublasCreate``, H200, 2026-12-01)
 and leaves torch's allocator recording into the graph's pool, so every later capture into that pool fails. A pass
 costs as much host time as the recording (about 30 ms for the stand-in's 36-layer forward), so the recorder runs
-one per *signature*: the caller names what a stage's kernels depend on (its shapes, its attention launches) and a
-signature met once on a thread is not warmed up again (re-capturing 40 round keys on the H200: 87 ms a key with two
-eager passes, 57 with one, 31 with none). A capture that fails forgets its signature, so the next try warms up.
+one per *signature*: the caller names a class of stages whose kernels are likely the same (the draft's and the
+layers' row and node counts, not the key length) and a signature met once on a thread is not warmed up again
+(re-capturing 40 round keys on the H200: 87 ms a key with two eager passes, 57 with one, 31 with none). A signature
+is a guess, not a promise: a stage of a known signature may still meet a first use (a tree-attention variant of
+another key length: Triton loads its module with ``cuModuleLoadData``, which the driver refuses while a stream
+captures). :meth:`Recorder.record_stages` then warms up and captures again, once; a capture that fails forgets its
+signature, so the next key of it warms up first.
 
 :class:`CaptureClock` adds up where the time goes (eager passes, recording per stage, cache flushes) so that
 ``Engine.info()["warmup"]["capture"]`` and the start-up benchmark can say it.
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -38,7 +42,8 @@ LOW_FREE_BYTES = 2 << 30  # below this much free device memory a capture first e
 @dataclass
 class CaptureClock:
     """Seconds and counts per capture phase: ``eager`` (warm-up passes), ``record <stage>`` (capture and
-    instantiation of one stage's graph), ``empty_cache`` (cache flushes before a capture)."""
+    instantiation of one stage's graph), ``retry`` (eager passes after a capture of a known signature failed: its
+    count is the number of such failures), ``empty_cache`` (cache flushes before a capture)."""
 
     seconds: dict[str, float] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
@@ -78,20 +83,44 @@ class Recorder:
             self._stream = torch.cuda.Stream(self.device)
         return self._stream
 
-    def warm_up(self, fn: Callable[[], object], signature: Hashable = None) -> None:
+    def warm_up(self, fn: Callable[[], object], signature: Hashable = None) -> bool:
         """Run ``fn`` ``eager_runs`` times on the capture stream, ordered after the current one, unless
-        ``signature`` (None: always new) was warmed up on this thread already."""
+        ``signature`` (None: always new) was warmed up on this thread already -> whether it ran."""
         seen = (threading.get_ident(), signature)
         if not self.eager_runs or (signature is not None and seen in self._seen):
-            return
+            return False
         with self.clock.phase("eager"):
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.stream):
-                for _ in range(self.eager_runs):
-                    fn()
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            self._eager(fn)
         if signature is not None:
             self._seen.add(seen)
+        return True
+
+    def _eager(self, fn: Callable[[], object]) -> None:
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            for _ in range(self.eager_runs):
+                fn()
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def record_stages(self, eager: Callable[[], object], stages: Sequence[tuple[str, Callable[[], T]]], pool, *,
+                      signature: Hashable) -> list[tuple[torch.cuda.CUDAGraph, T]]:
+        """Capture each (stage name, fn) of ``stages`` in order -> their (graph, output), after eager passes of
+        ``eager`` (every stage's work, on scratch outputs) if ``signature`` is new on this thread. If it was not
+        and a capture fails (a first use the signature did not foresee), ``eager`` runs and that capture is tried
+        once more; the retries are counted in :attr:`clock` as ``retry``. A second failure, or one after eager
+        passes, is raised."""
+        warmed = self.warm_up(eager, signature)
+        out = []
+        for stage, fn in stages:
+            try:
+                out.append(self.record(fn, pool, stage=stage, signature=signature))
+            except Exception:
+                if warmed or not self.eager_runs:
+                    raise
+                with self.clock.phase("retry"):
+                    warmed = self.warm_up(eager, signature)  # the failed record forgot it: this runs
+                out.append(self.record(fn, pool, stage=stage, signature=signature))
+        return out
 
     def forget(self) -> None:
         """Forget every signature met (the next capture of each warms up again): for benchmarks of the eager cost."""
