@@ -36,6 +36,7 @@ class _Recorder:
         self.capturing = False
         self.seen: list[str] = []
         self.fail_stage: str | None = None
+        self.signatures: list = []
 
     def make_room(self) -> None:
         self.capturing = True  # RoundGraphs._capture starts here
@@ -59,6 +60,7 @@ class _Recorder:
         return _Graph(self, fn), out
 
     def record_stages(self, eager, stages, pool, *, signature):
+        self.signatures.append(signature)
         self.warm_up(eager, signature)
         return [self.record(fn, pool, stage=stage, signature=signature) for stage, fn in stages]
 
@@ -119,13 +121,27 @@ def test_shared_stages_go_with_their_last_key(graphs):
     assert graphs.fronts == {} and graphs.trees == {}
 
 
-def test_a_failed_capture_leaves_no_shared_stage_behind(graphs):
-    """The choice's recording fails: the front and tree made for the key are gone, nothing counts a user, and
+@pytest.mark.parametrize("stage", ["forward", "choose", "commit"])
+def test_a_failed_capture_leaves_no_shared_stage_behind(graphs, stage):
+    """A stage's recording fails: the front and tree made for the key are gone, nothing counts a user, and
     the next capture of the same key works."""
-    graphs.recorder.fail_stage = "choose"
-    with pytest.raises(RuntimeError, match="capture of choose failed"):
+    graphs.recorder.fail_stage = stage
+    with pytest.raises(RuntimeError, match=f"capture of {stage} failed"):
         graphs.capture(_key())
     assert graphs.graphs == {} and graphs.fronts == {} and graphs.trees == {}
     graphs.recorder.fail_stage = None
     graphs.capture(_key())
     assert graphs.fronts[stage_key(_key(), "draft")].users == 1 and len(graphs.graphs) == 1
+
+
+def test_eager_signatures_leave_out_the_key_lengths(graphs):
+    """Keys that differ only in their cache lengths share every eager-pass signature (their kernels differ at most in
+    the attention's launch, whose first use a retry covers), and a different node bucket does not."""
+    for kv_len in (64, 80):
+        graphs.capture(_key(kv_len=kv_len))
+    first, second = graphs.recorder.signatures[:3], graphs.recorder.signatures[3:6]
+    assert len(graphs.trees) == 2 and len(graphs.fronts) == 2  # two keys' own shared stages ...
+    assert first == second  # ... under the same signatures
+    graphs.capture(_key(budget=8))  # reuses the first key's front: the layers' and the choice's signatures only
+    assert len(graphs.recorder.signatures) == 8 and graphs.recorder.signatures[6][0] == "forward"
+    assert graphs.recorder.signatures[6] != first[1]  # the layers' signature follows the node bucket

@@ -25,6 +25,7 @@ signature, so the next key of it warms up first.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -35,6 +36,7 @@ from typing import TypeVar
 import torch
 
 T = TypeVar("T")
+log = logging.getLogger("ddtree.engine")
 
 LOW_FREE_BYTES = 2 << 30  # below this much free device memory a capture first empties torch's device cache
 
@@ -114,11 +116,14 @@ class Recorder:
         for stage, fn in stages:
             try:
                 out.append(self.record(fn, pool, stage=stage, signature=signature))
-            except Exception:
+            except Exception as exc:
                 if warmed or not self.eager_runs:
                     raise
+                log.warning("capture of %s (signature %s) failed without eager passes (%s: %s); warming up and "
+                            "capturing again", stage, signature, type(exc).__name__, exc)
+                self._seen.discard((threading.get_ident(), signature))
                 with self.clock.phase("retry"):
-                    warmed = self.warm_up(eager, signature)  # the failed record forgot it: this runs
+                    warmed = self.warm_up(eager, signature)
                 out.append(self.record(fn, pool, stage=stage, signature=signature))
         return out
 
