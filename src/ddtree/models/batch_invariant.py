@@ -355,7 +355,8 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M, SUM_COLS], dtype=tl.float32)
-        ones = tl.full([BLOCK_N, SUM_COLS], 1.0, dtype=q_ptr.dtype.element_ty)
+        # made in fp32 and cast: Triton 3.6's interpreter has no bf16 constant (``tl.full`` in bf16 fails there)
+        ones = tl.full([BLOCK_N, SUM_COLS], 1.0, dtype=tl.float32).to(q_ptr.dtype.element_ty)
         tile_lo = pid_s * TILES_PER_SPLIT
         tile_hi = tl.minimum(tile_lo + TILES_PER_SPLIT, max_pos // BLOCK_N + 1)
         # Tiles every query of the program reads alike (all of them for chains and prompt chunks, else those wholly
