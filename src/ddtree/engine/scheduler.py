@@ -376,7 +376,7 @@ class Scheduler:
         # The next round's roots lie at most a block past the states' positions; from there it writes its tree
         # (nodes) into the target cache and its block into the drafter's.
         block, nodes = flight.shape.block_size, flight.shape.max_budget + 1
-        if flight.shape.auto_width and (not self._auto_curve_ready()
+        if flight.shape.auto_width and (self._known_curve() is None
                                         or self._auto_choice(flight.states, {}) != flight.shape.max_budget):
             # auto chose another size (or needs its curve measured, which replays the round graphs whose buffers
             # the flight's result lives in): the next round is launched from the host once the flight is read
@@ -453,13 +453,9 @@ class Scheduler:
             self._auto.previous = best
         return chosen
 
-    def _auto_curve_ready(self) -> bool:
-        """Whether auto's cost curve is at hand (:meth:`_known_curve`): else the next auto choice that weighs one
-        measures it, on the round graphs, so only while no round is in flight."""
-        return self._known_curve() is not None
-
     def _known_curve(self) -> CostCurve | None:
-        """The curve set on the engine, else EngineConfig.cost_curve's (Engine.start resolves it; adopted here)."""
+        """The curve set on the engine, else EngineConfig.cost_curve's (Engine.start resolves it; adopted here).
+        None: the next auto choice that weighs one measures it, on the round graphs, so only with no round in flight."""
         source = getattr(self, "cost_curve_source", None)  # ddtree.engine.cost_measure.CurveSource, set by Engine.start
         if self.cost_curve is None and source is not None and source.curve is not None:
             self.cost_curve = source.curve
