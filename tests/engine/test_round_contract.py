@@ -57,9 +57,12 @@ class _ReadLog:
     def __init__(self, shape: RoundShape) -> None:
         self._shape, self.read = shape, set()
 
+    # the properties, by the fields they read
+    DERIVED = {"drafts": {"block_size"}, "draft_depths": {"block_size", "max_budget", "auto_width"}}
+
     def __getattr__(self, name: str):
         value = getattr(self._shape, name)
-        self.read.add("block_size" if name == "drafts" else name)  # drafts is block_size > 1
+        self.read.update(self.DERIVED.get(name, {name}))
         return value
 
 
@@ -83,7 +86,50 @@ def test_the_draft_and_tree_stages_read_only_their_declared_shape_fields(tiny_pa
                             ("forward", runner.stage_forward)):
             logs[name] = _ReadLog(shape)
             stage(RoundInputs.from_packed(PackedRows.pack(rows), logs[name]), work)
-        assert work.draft_logits is not None and work.tree is not None and work.verify.normed is not None
+        assert work.draft_hidden is not None and work.tree is not None and work.verify.normed is not None
         for name, log in logs.items():
             assert log.read - {"rows"} <= set(STAGE_SHAPE_FIELDS[name]), (name, log.read)
         assert "draft_kv_len" in logs["draft"].read and "max_budget" in logs["tree"].read
+
+
+def test_the_tree_stage_heads_only_the_reachable_depths_and_builds_the_full_heads_trees(tiny_pair):
+    """The draft stage hands the tree stage the drafter's states, and the head runs only at the depths a tree of the
+    round can reach (RoundShape.draft_depths: a tree of B nodes is at most B deep). The trees must equal those built
+    from the head over the whole block (the drafter's own draft_logits), for a fixed budget below the block, an auto
+    width above the budget, and a budget past the block (every depth)."""
+    from ddtree import speculative
+    from ddtree.engine.kernels import KernelSet
+    from ddtree.engine.round import RoundWork
+    from ddtree.engine.runner import ModelRunner
+    from ddtree.speculative import tree_select
+
+    target, drafter = tiny_pair
+    runner = ModelRunner(target, drafter, slots=3, cache_len=64, kernels=KernelSet.torch())
+    torch.manual_seed(0)
+    ctx = torch.randn(3, 20, drafter.config.feature_size)
+    pos = torch.arange(20).expand(3, -1)
+    drafter.append_context(ctx, pos, runner.drafter_cache, torch.arange(3), pos)
+    for budget, auto_width, depths in ((3, 0, 3), (3, 7, 7), (12, 0, 7)):
+        rows = [dataclasses.replace(_row(i), slot=i, root_token=3 + i, start=12 + i, budget=budget, topk=0,
+                                    window=99) for i in range(3)]
+        shape = RoundShape(rows=3, max_budget=budget, block_size=8, kv_len=40, draft_kv_len=20, greedy=True,
+                           filtered=False, contiguous=False, auto_width=auto_width)
+        assert shape.draft_depths == depths
+        inp = RoundInputs.from_packed(PackedRows.pack(rows), shape)
+        work = RoundWork()
+        runner.stage_draft(inp, work)
+        runner.stage_tree(inp, work)
+        assert work.draft_hidden.shape[1] == 7
+        full = drafter.draft_logits(target, inp.root_token, inp.start, runner.drafter_cache, inp.slot, 8,
+                                    block_len=inp.depth_limit + 1, window=inp.window, kv_len=20)  # [R, 7, V]
+        width = max(budget, auto_width)
+        ref = speculative.build_trees(full, width if auto_width else inp.budget, inp.topk, max_budget=width,
+                                      depth_limit=inp.depth_limit, root_tokens=inp.root_token)
+        if auto_width:
+            expected = tree_select.expected_lengths(ref.scores)
+            torch.testing.assert_close(work.tree.expected, expected)
+            ref = tree_select.prefix_trees(ref, budget + 1, inp.budget)
+        got = work.tree.trees
+        for field in ("tokens", "parents", "depths", "valid", "visibility"):
+            assert torch.equal(getattr(got, field), getattr(ref, field)), (budget, auto_width, field)
+        torch.testing.assert_close(got.scores, ref.scores)

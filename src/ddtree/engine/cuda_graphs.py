@@ -191,7 +191,7 @@ class _Front:
     host: PackedRows  # pinned staging copies of the two
     pad: PackedRows  # device copies of the padding rows, for rounds whose inputs are already on the device
     draft: torch.cuda.CUDAGraph | None  # None: the stage does nothing (no row drafts)
-    draft_logits: Tensor | None
+    draft_hidden: Tensor | None  # [R, L, H]
     users: int = 0  # captured keys that replay it
     valid_at: int = 0  # RoundGraphs.generation when its inputs were padding and its output last written
 
@@ -237,7 +237,7 @@ class RoundGraphs:
     and the sampling flags reach only the head's choice, so the 36-layer forward was captured three times (the
     H200 stand-in: 972 keys, 297 tree keys, about 38 ms of recording a forward). Sharing is safe because a round
     replays its graphs back to back on one stream and reads a shared stage's output only within the round; it also
-    keeps one copy of the draft logits ``[R, L, V]`` per draft key.
+    keeps one copy of the drafter's states ``[R, L, H]`` per draft key (the head runs in the tree stage).
     """
 
     def __init__(self, runner: ModelRunner, *, max_rows: int, cache_len: int, max_graphs: int = 96,
@@ -341,7 +341,7 @@ class RoundGraphs:
                           self._pad.floats.expand(-1, key.rows).contiguous().pin_memory())
         packed = PackedRows(host.longs.to(runner.device), host.floats.to(runner.device))
         front = _Front(packed=packed, host=host, pad=PackedRows(packed.longs.clone(), packed.floats.clone()),
-                       draft=None, draft_logits=None, valid_at=self.generation)
+                       draft=None, draft_hidden=None, valid_at=self.generation)
         static = RoundInputs.from_packed(packed, key)
         if runner.drafts(static):
             work = RoundWork()
@@ -350,7 +350,7 @@ class RoundGraphs:
                 lambda: runner.stage_draft(static, RoundWork()), [("draft", lambda: runner.stage_draft(static, work))],
                 self.pool, signature=("draft", key.rows, key.block_size))
             front.draft.replay()
-            front.draft_logits = work.draft_logits
+            front.draft_hidden = work.draft_hidden
         self.fronts[skey] = front
         return front
 
@@ -370,7 +370,7 @@ class RoundGraphs:
         runner, rec = self.runner, self.recorder
 
         def eager() -> None:
-            scratch = RoundWork(draft_logits=front.draft_logits)
+            scratch = RoundWork(draft_hidden=front.draft_hidden)
             runner.stage_tree(static, scratch)
             runner.stage_forward(static, scratch)
 
@@ -378,7 +378,7 @@ class RoundGraphs:
         # the warm-up has compiled (ddtree.engine.precompile) but this process may not have loaded yet: such a
         # first use fails the capture, which record_stages retries after eager passes
         sig = ("forward", key.rows, key.block_size, key.max_budget, key.auto_width)
-        work = RoundWork(draft_logits=front.draft_logits)
+        work = RoundWork(draft_hidden=front.draft_hidden)
         (graph, _), (forward, _) = rec.record_stages(
             eager, [("tree", lambda: runner.stage_tree(static, work)),
                     ("forward", lambda: runner.stage_forward(static, work))], self.pool, signature=sig)
@@ -419,7 +419,7 @@ class RoundGraphs:
 
         def fresh() -> RoundWork:  # this key's view of the shared outputs; its own stages fill the rest
             layers = VerifyStage(hidden=tree.verify.hidden, normed=tree.verify.normed)
-            return RoundWork(draft_logits=front.draft_logits, tree=tree.tree, verify=layers)
+            return RoundWork(draft_hidden=front.draft_hidden, tree=tree.tree, verify=layers)
 
         def choose_commit() -> None:
             scratch = fresh()

@@ -59,6 +59,13 @@ class RoundShape:
         """Whether some row drafts (block size above 1)."""
         return self.block_size > 1
 
+    @property
+    def draft_depths(self) -> int:
+        """Depths of the block whose drafter logits the tree stage computes: a tree of B nodes past the root is at
+        most B deep, so no tree of this round (``max(max_budget, auto_width)`` nodes) reaches past that depth;
+        at most the block's ``block_size - 1``, 0 when no row drafts."""
+        return min(self.block_size - 1, max(self.max_budget, self.auto_width))
+
 
 @dataclass(frozen=True)
 class RowInputs:
@@ -198,7 +205,9 @@ class VerifyStage:
 class RoundWork:
     """The stages' outputs of one round; each stage fills its own field. A captured graph's outputs live here."""
 
-    draft_logits: Tensor | None = None  # [R, L, V], None when no row drafts
+    # [R, L, H] the drafter's final-normed states at depths 1 .. L (its head runs in the tree stage, over the
+    # RoundShape.draft_depths a tree can reach), None when no row drafts
+    draft_hidden: Tensor | None = None
     tree: TreeStage | None = None
     verify: VerifyStage | None = None
     # [R, 1 + (L + 1)]: tokens committed (bonus included), then the tokens; with RoundShape.logprobs followed by

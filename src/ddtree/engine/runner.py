@@ -2,8 +2,9 @@
 
 One round for R requests (rows) that may each use a different method, budget, top-k, block size and window::
 
-    draft   drafter.draft_logits         [R] roots            -> [R, L, V]   (L = batch max block size - 1)
-    tree    speculative.build_trees             [R, L, V]            -> Trees, N = batch max budget + 1 nodes
+    draft   drafter.draft_hidden         [R] roots            -> [R, L, H]   (L = batch max block size - 1)
+    tree    drafter.head at depths 1 .. D    [R, D, H]            -> [R, D, V]   (D = RoundShape.draft_depths)
+            speculative.build_trees             [R, D, V]            -> Trees, N = batch max budget + 1 nodes
             speculative.tree_positions / build_attention_mask        -> positions [R, N], TreeVisibility or
                                                                         mask [R, N, kv_len]
     verify  target.forward, no head (tree tokens, ancestor visibility) -> normed [R, N, H], features [R, N, F]
@@ -199,7 +200,7 @@ class ModelRunner:
 
     def stage_draft(self, inp: RoundInputs, work: RoundWork) -> None:
         if self.drafts(inp):
-            work.draft_logits = self.drafter.draft_logits(
+            work.draft_hidden = self.drafter.draft_hidden(
                 self.target,
                 inp.root_token,
                 inp.start,
@@ -215,12 +216,14 @@ class ModelRunner:
     def stage_tree(self, inp: RoundInputs, work: RoundWork) -> None:
         shape = inp.shape
         expected = None
-        if work.draft_logits is not None:
-            # an auto round selects auto_width nodes for every row (its expected lengths), then verifies the first
-            # max_budget, each row cut at its own budget: the same tree as a build at max_budget
+        if work.draft_hidden is not None:
+            # the head only at the depths a tree of this round can reach (RoundShape.draft_depths); an auto round
+            # selects auto_width nodes for every row (its expected lengths), then verifies the first max_budget,
+            # each row cut at its own budget: the same tree as a build at max_budget
+            draft_logits = self.drafter.head(self.target, work.draft_hidden[:, : shape.draft_depths])
             wide = shape.auto_width > shape.max_budget
             trees = speculative.build_trees(
-                work.draft_logits,
+                draft_logits,
                 shape.auto_width if wide else inp.budget,
                 inp.topk,
                 max_budget=shape.auto_width if wide else shape.max_budget,
@@ -284,7 +287,7 @@ class ModelRunner:
         verify.logits = logits if inp.shape.logprobs else None
 
     def stage_commit(self, inp: RoundInputs, work: RoundWork) -> None:
-        max_depth = inp.shape.block_size - 1 if work.draft_logits is not None else 0
+        max_depth = inp.shape.block_size - 1 if work.draft_hidden is not None else 0
         walk = speculative.walk_trees(work.tree.trees, work.verify.choices, max_depth, kernel=self.kernels.walk)
         for cache in (self.target_cache.k, self.target_cache.v):
             speculative.compact_cache(cache, inp.slot, inp.start, walk.path, contiguous=inp.shape.contiguous,

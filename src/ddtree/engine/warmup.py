@@ -249,18 +249,20 @@ def round_bytes(key: RoundShape, dims: GraphDims) -> tuple[int, int]:
     Persistent: the stage outputs a key keeps between replays (target features ``[R, N, F]`` and the normed
     states ``[R, N, H]``, trees and visibility ``[R, N, N / 8]``; counted per key although keys of one tree key
     share them: an upper bound). Transient: the verify's peak (fp32 logits ``[R, N, V]`` and the MLP's
-    ``[R, N, 2I]``), freed into the pool every key shares, so only the largest counts."""
-    r, n, lb = key.rows, key.max_budget + 1, key.block_size - 1
+    ``[R, N, 2I]``), or the tree stage's (the drafter's logits ``[R, D, V]`` and their fp32 log-softmax), freed
+    into the pool every key shares, so only the largest counts."""
+    r, n, depths = key.rows, key.max_budget + 1, key.draft_depths
     persistent = r * n * ((dims.features + dims.hidden) * dims.elem + n // 8 + 64) + (1 << 16)
     transient = r * n * (4 * dims.vocab + dims.elem * (3 * dims.intermediate + 6 * dims.hidden))
-    if lb:
-        transient = max(transient, r * lb * 4 * dims.vocab)
+    if depths > 0:
+        transient = max(transient, r * depths * (4 + dims.elem) * dims.vocab)
     return persistent, transient
 
 
 def draft_bytes(key: RoundShape, dims: GraphDims) -> int:
-    """The draft logits ``[R, L, V]`` a draft key keeps (``cuda_graphs.RoundGraphs`` shares them among its keys)."""
-    return key.rows * (key.block_size - 1) * dims.vocab * dims.elem
+    """The drafter's states ``[R, L, H]`` a draft key keeps (``cuda_graphs.RoundGraphs`` shares them among its
+    keys; the head's logits are the tree stage's)."""
+    return key.rows * (key.block_size - 1) * dims.hidden * dims.elem
 
 
 def prefill_bytes(key: PrefillKey, dims: GraphDims) -> tuple[int, int]:

@@ -241,7 +241,20 @@ class DFlashDrafter(nn.Module):
                      slots: Tensor, block_size: int, *, block_len: Tensor | None = None,
                      window: Tensor | None = None, kv_len: int | None = None,
                      kernels: KernelSet | None = None) -> Tensor:
-        """Draft one block per request -> logits [R, block_size - 1, V] for depths 1 .. block_size - 1.
+        """Draft one block per request -> logits [R, block_size - 1, V] for depths 1 .. block_size - 1:
+        :meth:`head` over :meth:`draft_hidden` (same arguments)."""
+        return self.head(target, self.draft_hidden(target, root_tokens, ctx_len, cache, slots, block_size,
+                                                   block_len=block_len, window=window, kv_len=kv_len,
+                                                   kernels=kernels))
+
+    def draft_hidden(self, target: TargetModel, root_tokens: Tensor, ctx_len: Tensor, cache: KVCache,
+                     slots: Tensor, block_size: int, *, block_len: Tensor | None = None,
+                     window: Tensor | None = None, kv_len: int | None = None,
+                     kernels: KernelSet | None = None) -> Tensor:
+        """Draft one block per request -> the final-normed hidden [R, block_size - 1, H] at depths 1 ..
+        block_size - 1, before the head: the engine applies :meth:`head` only to the depths a round's trees can
+        reach (a tree of B nodes is at most B deep), which at 64 rows of budget 4 is a quarter of the head's
+        [R x 15, H] x [H, V] matmul.
 
         root_tokens [R] last committed token (the anchor, at position ``ctx_len``); ctx_len [R] context
         positions ``0 .. ctx_len - 1`` are in the cache; slots [R]; block_size the static block length of this
@@ -265,8 +278,8 @@ class DFlashDrafter(nn.Module):
             if not self.supports_tree_attention():
                 raise ConfigError("draft_logits with KernelSet.draft_attention needs supports_tree_attention(); "
                                   "resolve the KernelSet for this drafter (KernelSet.resolve) or turn it off")
-            return self.head(target, self._run_blocks(target, ids, positions, self._kernel_attend(
-                cache, slots, ctx_len, positions, block_size, block_len, window, length), kernels)[:, 1:])
+            return self._run_blocks(target, ids, positions, self._kernel_attend(
+                cache, slots, ctx_len, positions, block_size, block_len, window, length), kernels)[:, 1:]
         zeros = torch.zeros_like(depth)
         anchor = ctx_len[:, None].expand(-1, block_size)
         masks = self._layer_masks(lambda causal, sliding: draft_visibility(
@@ -277,8 +290,7 @@ class DFlashDrafter(nn.Module):
             ck, cv = cache.read(layer, slots, length)
             return attend_with_context(q, k, v, ck, cv, masks[layer])
 
-        h = self._run_blocks(target, ids, positions, attend, kernels)
-        return self.head(target, h[:, 1:])
+        return self._run_blocks(target, ids, positions, attend, kernels)[:, 1:]
 
     def _kernel_attend(self, cache: KVCache, slots: Tensor, ctx_len: Tensor, positions: Tensor, block_size: int,
                        block_len: Tensor | None, window: Tensor | None, length: int) -> Attend:
