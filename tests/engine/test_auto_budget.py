@@ -315,6 +315,29 @@ class _Row:
     def __init__(self, rid, seen, curve, auto=True, budget=0):
         self.request_id, self.auto_seen, self.auto_curve, self.auto_gain = rid, seen, curve, (0.0, 0.0)
         self.tree, self.budget = TreeSettings(budget="auto" if auto else budget), budget
+        self.auto_cached = None
+
+
+def test_a_rows_kept_curve_is_the_fresh_one_after_every_change():
+    """AutoChooser.row_curve keeps a row's curve until one of its inputs changes: after each read round (seen,
+    curve and gain replaced), and for a row whose own sums are too small, after the engine's prior gain changes,
+    it must equal the curve computed from scratch; with nothing changed it is the kept object itself."""
+    chooser = ab.AutoChooser(32)
+    rows = [_Row(str(i), (), ()) for i in range(3)]
+    rng = random.Random(0)
+
+    def fresh(row):
+        return ab.observed_curve(row.auto_seen, ab.calibrated(row.auto_curve, row.auto_gain, chooser.gain))
+
+    for _ in range(12):
+        for row in rows[:2]:  # row 2 is never read: it takes the engine's prior gain throughout
+            reported = sorted(1.0 + rng.random() * 3 for _ in range(15))
+            chooser.read_row(row, rng.randint(1, 4), reported, list(range(8)), 7)
+        rows[2].auto_curve = (1.5, 2.0, 2.2)
+        for row in rows:
+            assert chooser.row_curve(row) == fresh(row)
+            assert chooser.row_curve(row) is row.auto_cached[4]  # unchanged inputs: the kept curve
+    assert rows[0].auto_gain[1] >= 1.0 and rows[2].auto_gain[1] < 1.0  # both kinds of row were exercised
 
 
 def test_a_size_one_round_made_look_poor_is_explored_again():
