@@ -329,15 +329,26 @@ def test_a_rows_kept_curve_is_the_fresh_one_after_every_change():
     def fresh(row):
         return ab.observed_curve(row.auto_seen, ab.calibrated(row.auto_curve, row.auto_gain, chooser.gain))
 
+    rows[2].auto_curve = (1.5, 2.0, 2.2)  # row 2 is never read: its inputs stay, the engine's prior gain moves
     for _ in range(12):
-        for row in rows[:2]:  # row 2 is never read: it takes the engine's prior gain throughout
+        for row in rows[:2]:
             reported = sorted(1.0 + rng.random() * 3 for _ in range(15))
             chooser.read_row(row, rng.randint(1, 4), reported, list(range(8)), 7)
-        rows[2].auto_curve = (1.5, 2.0, 2.2)
         for row in rows:
-            assert chooser.row_curve(row) == fresh(row)
-            assert chooser.row_curve(row) is row.auto_cached[4]  # unchanged inputs: the kept curve
+            first = chooser.row_curve(row)
+            assert first == fresh(row)
+            assert chooser.row_curve(row) is first  # unchanged inputs: the kept curve, not a new one
     assert rows[0].auto_gain[1] >= 1.0 and rows[2].auto_gain[1] < 1.0  # both kinds of row were exercised
+    # the kept curve is really reused: a chooser that never kept one would return a new tuple each call
+    calls = []
+    real = ab.observed_curve
+    ab.observed_curve = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        chooser.row_curve(rows[0])
+        chooser.row_curve(rows[0])
+    finally:
+        ab.observed_curve = real
+    assert calls == []
 
 
 def test_a_size_one_round_made_look_poor_is_explored_again():

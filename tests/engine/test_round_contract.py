@@ -57,13 +57,12 @@ class _ReadLog:
     def __init__(self, shape: RoundShape) -> None:
         self._shape, self.read = shape, set()
 
-    # the properties, by the fields they read
-    DERIVED = {"drafts": {"block_size"}, "draft_depths": {"block_size", "max_budget", "auto_width"}}
-
     def __getattr__(self, name: str):
-        value = getattr(self._shape, name)
-        self.read.update(self.DERIVED.get(name, {name}))
-        return value
+        prop = getattr(RoundShape, name, None)
+        if isinstance(prop, property):  # a derived size (drafts, draft_depths): record the fields it reads
+            return prop.fget(self)
+        self.read.add(name)
+        return getattr(self._shape, name)
 
 
 def test_the_draft_and_tree_stages_read_only_their_declared_shape_fields(tiny_pair):
@@ -109,19 +108,20 @@ def test_the_tree_stage_heads_only_the_reachable_depths_and_builds_the_full_head
     ctx = torch.randn(3, 20, drafter.config.feature_size)
     pos = torch.arange(20).expand(3, -1)
     drafter.append_context(ctx, pos, runner.drafter_cache, torch.arange(3), pos)
-    for budget, auto_width, depths in ((3, 0, 3), (3, 7, 7), (12, 0, 7)):
+    for block, budget, auto_width, depths in ((8, 3, 0, 3), (8, 3, 7, 7), (8, 12, 0, 7), (16, 3, 7, 7),
+                                              (16, 1, 3, 3), (16, 4, 0, 4)):
         rows = [dataclasses.replace(_row(i), slot=i, root_token=3 + i, start=12 + i, budget=budget, topk=0,
-                                    window=99) for i in range(3)]
-        shape = RoundShape(rows=3, max_budget=budget, block_size=8, kv_len=40, draft_kv_len=20, greedy=True,
+                                    depth_limit=block - 1, window=99) for i in range(3)]
+        shape = RoundShape(rows=3, max_budget=budget, block_size=block, kv_len=40, draft_kv_len=20, greedy=True,
                            filtered=False, contiguous=False, auto_width=auto_width)
         assert shape.draft_depths == depths
         inp = RoundInputs.from_packed(PackedRows.pack(rows), shape)
         work = RoundWork()
         runner.stage_draft(inp, work)
         runner.stage_tree(inp, work)
-        assert work.draft_hidden.shape[1] == 7
-        full = drafter.draft_logits(target, inp.root_token, inp.start, runner.drafter_cache, inp.slot, 8,
-                                    block_len=inp.depth_limit + 1, window=inp.window, kv_len=20)  # [R, 7, V]
+        assert work.draft_hidden.shape[1] == block - 1
+        full = drafter.draft_logits(target, inp.root_token, inp.start, runner.drafter_cache, inp.slot, block,
+                                    block_len=inp.depth_limit + 1, window=inp.window, kv_len=20)  # [R, L, V]
         width = max(budget, auto_width)
         ref = speculative.build_trees(full, width if auto_width else inp.budget, inp.topk, max_budget=width,
                                       depth_limit=inp.depth_limit, root_tokens=inp.root_token)
@@ -131,5 +131,5 @@ def test_the_tree_stage_heads_only_the_reachable_depths_and_builds_the_full_head
             ref = tree_select.prefix_trees(ref, budget + 1, inp.budget)
         got = work.tree.trees
         for field in ("tokens", "parents", "depths", "valid", "visibility"):
-            assert torch.equal(getattr(got, field), getattr(ref, field)), (budget, auto_width, field)
+            assert torch.equal(getattr(got, field), getattr(ref, field)), (block, budget, auto_width, field)
         torch.testing.assert_close(got.scores, ref.scores)

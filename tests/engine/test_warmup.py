@@ -344,3 +344,21 @@ def test_plan_keeps_one_key_per_shared_group_and_plans_every_eager_variant():
     for chunk in plan.eager_chunks:
         covered.update(eager_chunk_variants(chunk, H200_8B))
     assert covered == plan.eager_variants
+
+
+def test_graph_memory_estimates_by_hand():
+    """round_bytes' transient is the verify's peak or the tree stage's drafter logits at the depths the round's trees
+    reach (RoundShape.draft_depths, not the whole block), whichever is larger; draft_bytes is the block's states."""
+    from ddtree.engine.warmup import draft_bytes
+
+    dims = GraphDims(vocab=1000, hidden=8, intermediate=16, features=24, elem=2)
+    key = RoundShape(rows=4, max_budget=3, block_size=16, kv_len=64, draft_kv_len=64, greedy=True, filtered=False,
+                     contiguous=False)
+    persistent, transient = round_bytes(key, dims)
+    verify = 4 * 4 * (4 * 1000 + 2 * (3 * 16 + 6 * 8))  # rows x nodes x (fp32 logits + MLP and norms)
+    tree = 4 * 3 * (8 + 2) * 1000  # rows x 3 depths (not 15) x (logits, fp32 copy, temporary)
+    assert transient == max(verify, tree) == tree
+    assert persistent == 4 * 4 * ((24 + 8) * 2 + 4 // 8 + 64) + (1 << 16)
+    assert draft_bytes(key, dims) == 4 * 16 * 8 * 2
+    auto = dataclasses.replace(key, auto_width=7)  # the tree stage heads 7 depths for the expected lengths
+    assert round_bytes(auto, dims)[1] == 4 * 7 * 10 * 1000

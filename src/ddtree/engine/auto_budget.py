@@ -69,7 +69,7 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 log = logging.getLogger("ddtree.engine")
 
@@ -245,6 +245,17 @@ def mean_curve(curves: Sequence[Sequence[float]]) -> tuple[float, ...]:
 
 # ---- the scheduler's bookkeeping -------------------------------------------------------------------------------
 
+class KeptCurve(NamedTuple):
+    """A row's curve as :meth:`AutoChooser.row_curve` computed it, with the inputs it was computed from (the state's
+    tuples themselves: they are replaced, never changed, when a round is read)."""
+
+    seen: tuple[tuple[float, float], ...]
+    surrogate: tuple[float, ...]
+    gain: tuple[float, float]
+    prior: tuple[float, float] | None  # the engine's gain, where the row's own sums were too small to be used
+    curve: tuple[float, ...]
+
+
 class AutoChooser:
     """What the scheduler keeps for budget auto across rounds: the candidates, the size of the last auto round
     launched (for the hysteresis) and the engine-wide calibration sums (the prior of a row without its own). Rows
@@ -276,12 +287,12 @@ class AutoChooser:
         only when one of its rounds is read. The engine's prior gain is an input only for a row whose own sums
         predict less than one draft token (:func:`calibrated`)."""
         prior = self.gain if state.auto_gain[1] < 1.0 else None
-        cached = state.auto_cached
-        if (cached is not None and cached[0] is state.auto_seen and cached[1] is state.auto_curve
-                and cached[2] == state.auto_gain and cached[3] == prior):
-            return cached[4]
+        kept = state.auto_cached
+        if (kept is not None and kept.seen is state.auto_seen and kept.surrogate is state.auto_curve
+                and kept.gain == state.auto_gain and kept.prior == prior):
+            return kept.curve
         curve = observed_curve(state.auto_seen, calibrated(state.auto_curve, state.auto_gain, self.gain))
-        state.auto_cached = (state.auto_seen, state.auto_curve, state.auto_gain, prior, curve)
+        state.auto_cached = KeptCurve(state.auto_seen, state.auto_curve, state.auto_gain, prior, curve)
         return curve
 
     def choose(self, states: Sequence[Any], cost: Callable[[int], float], *,
@@ -324,6 +335,7 @@ class AutoChooser:
         return best, best
 
 
-__all__ = ["AUTO", "EXPLORE_EVIDENCE", "EXPLORE_SLACK", "GAIN_DECAY", "MARGIN", "PRIOR_WEIGHT", "SMOOTHING", "AutoChooser", "RowCurve", "calibrated", "candidates", "choose_budget",
+__all__ = ["AUTO", "EXPLORE_EVIDENCE", "EXPLORE_SLACK", "GAIN_DECAY", "MARGIN", "PRIOR_WEIGHT", "SMOOTHING", "AutoChooser",
+           "KeptCurve", "RowCurve", "calibrated", "candidates", "choose_budget",
            "curve_width", "evidence", "gain_update", "initial_budget", "mean_curve", "objective", "observed_curve",
            "observed_update", "options", "rising", "smoothed"]

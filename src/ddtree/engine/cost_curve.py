@@ -226,10 +226,17 @@ class CostCurve:
                    prefill_tokens=d.get("prefill_tokens", ()), prefill_seconds=d.get("prefill_seconds", ()))
 
 
+# Bumped when the engine's rounds change what they cost (so curves cached by an older engine are measured again):
+# 2 = the drafter's head in the tree stage over the depths a round's trees reach (git 8f9665a)
+ROUND_COST_VERSION = 2
+
+
 def cache_key(device: str, model: str, **extra: Any) -> str:
     """A file-name-safe key for one device and model: a readable slug plus a hash of everything that sets the costs
-    (``extra``: dtype, kernels, graphs, the grid...), so two configs never share a file."""
-    canonical = json.dumps({"device": device, "model": model, **extra}, sort_keys=True, default=str)
+    (``extra``: dtype, kernels, graphs, the grid...) and of :data:`ROUND_COST_VERSION`, so two configs, or two
+    engines whose rounds cost differently, never share a file."""
+    canonical = json.dumps({"device": device, "model": model, "rounds": ROUND_COST_VERSION, **extra}, sort_keys=True,
+                           default=str)
     slug = re.sub(r"[^A-Za-z0-9._-]+", "-", f"{device}_{model}").strip("-")[:80] or "curve"
     return f"{slug}-{hashlib.sha256(canonical.encode()).hexdigest()[:12]}"
 

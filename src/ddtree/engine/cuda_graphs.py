@@ -137,7 +137,7 @@ class AttentionDims:
 def round_launches(key: RoundShape, dims: AttentionDims, cache_len: int) -> tuple:
     """The tree-attention launches of a round of graph key ``key``: the verify's (rows x nodes + 1 tokens over
     ``kv_len``) and, for a drafting key, the drafter block's (rows x block_size over ``draft_kv_len`` + the block,
-    as :meth:`~ddtree.models.drafter.DFlashDrafter.draft_logits` launches it; its length itself where the drafter
+    as :meth:`~ddtree.models.drafter.DFlashDrafter.draft_hidden` launches it; its length itself where the drafter
     attends densely)."""
     from ddtree.models.tree_attention import plan_launch
 

@@ -5,7 +5,7 @@ with the models (their device, head dims and layer kinds), into one frozen per-o
 :func:`ddtree.engine.build.build` hands to :class:`~ddtree.engine.runner.ModelRunner`. The runner passes it down
 explicitly to every call it governs:
 
-- the model forwards take the whole set (``TargetModel.forward(..., kernels=)``, ``DFlashDrafter.draft_logits`` and
+- the model forwards take the whole set (``TargetModel.forward(..., kernels=)``, ``DFlashDrafter.draft_hidden`` and
   ``append_context``), read ``fused_ops``, ``draft_attention`` and ``blas_rule`` and hand each layer its
   ``kernels=`` bool (:mod:`ddtree.models.layers`: fusing changes only the weights' layout, no module remembers a
   choice);

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from ddtree.engine.api import (
     FinishReason,
@@ -25,6 +26,9 @@ from ddtree.engine.api import (
     TreeSettings,
 )
 from ddtree.engine.detok import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from ddtree.engine.auto_budget import KeptCurve
 
 
 class Phase(Enum):
@@ -67,10 +71,10 @@ class RequestState:
     # per tree size m = 1 ..: decayed (sum, count) of the tokens the first m nodes of its verified trees would have
     # committed (auto_budget.observed_update)
     auto_seen: tuple[tuple[float, float], ...] = ()
-    # the curve the choice last computed from the three above (and the engine's prior gain where it was used):
-    # (auto_seen, auto_curve, auto_gain, prior or None, curve); AutoChooser.row_curve recomputes it only when one of
-    # them changed, which happens once per read round, while the choice runs up to twice a round
-    auto_cached: tuple | None = None
+    # the curve the choice last computed from the three above (and the engine's prior gain where it was used);
+    # AutoChooser.row_curve recomputes it only when one of them changed, which happens once per read round, while
+    # the choice runs up to twice a round (ddtree.engine.auto_budget.KeptCurve)
+    auto_cached: KeptCurve | None = None
 
     # ---- derived positions -------------------------------------------------------------------------------
     @property

@@ -243,26 +243,28 @@ class GraphDims:
 
 
 def round_bytes(key: RoundShape, dims: GraphDims) -> tuple[int, int]:
-    """Estimated (persistent, transient) bytes of one captured round key, its draft logits left out (keys of one
-    draft key share them: :func:`draft_bytes`).
+    """Estimated (persistent, transient) bytes of one captured round key, the drafter's states left out (keys of
+    one draft key share them: :func:`draft_bytes`).
 
     Persistent: the stage outputs a key keeps between replays (target features ``[R, N, F]`` and the normed
     states ``[R, N, H]``, trees and visibility ``[R, N, N / 8]``; counted per key although keys of one tree key
     share them: an upper bound). Transient: the verify's peak (fp32 logits ``[R, N, V]`` and the MLP's
-    ``[R, N, 2I]``), or the tree stage's (the drafter's logits ``[R, D, V]`` and their fp32 log-softmax), freed
-    into the pool every key shares, so only the largest counts."""
+    ``[R, N, 2I]``), or the tree stage's (the drafter's logits ``[R, D, V]``, their fp32 copy and the
+    log-sum-exp's temporary on the torch path: an upper bound for the Triton top-k's), freed into the pool every
+    key shares, so only the largest counts."""
     r, n, depths = key.rows, key.max_budget + 1, key.draft_depths
     persistent = r * n * ((dims.features + dims.hidden) * dims.elem + n // 8 + 64) + (1 << 16)
     transient = r * n * (4 * dims.vocab + dims.elem * (3 * dims.intermediate + 6 * dims.hidden))
     if depths > 0:
-        transient = max(transient, r * depths * (4 + dims.elem) * dims.vocab)
+        transient = max(transient, r * depths * (8 + dims.elem) * dims.vocab)
     return persistent, transient
 
 
 def draft_bytes(key: RoundShape, dims: GraphDims) -> int:
-    """The drafter's states ``[R, L, H]`` a draft key keeps (``cuda_graphs.RoundGraphs`` shares them among its
-    keys; the head's logits are the tree stage's)."""
-    return key.rows * (key.block_size - 1) * dims.hidden * dims.elem
+    """The drafter's states a draft key keeps (``cuda_graphs.RoundGraphs`` shares them among its keys): the
+    ``[R, L, H]`` the tree stage reads, a view of the block's ``[R, L + 1, H]``; the head's logits are the tree
+    stage's."""
+    return key.rows * key.block_size * dims.hidden * dims.elem
 
 
 def prefill_bytes(key: PrefillKey, dims: GraphDims) -> tuple[int, int]:
@@ -272,7 +274,7 @@ def prefill_bytes(key: PrefillKey, dims: GraphDims) -> tuple[int, int]:
 
 
 def plan_bytes(plan: WarmupPlan, dims: GraphDims) -> int:
-    """Estimated graph memory of a whole plan: every key's persistent outputs, each draft key's logits once, plus
+    """Estimated graph memory of a whole plan: every key's persistent outputs, each draft key's states once, plus
     the largest transient per pool."""
     total = sum(draft_bytes(k, dims) for k in {stage_key(k, "draft"): k for k in plan.rounds}.values())
     for sizes in ([round_bytes(k, dims) for k in plan.rounds], [prefill_bytes(k, dims) for k in plan.prefills]):

@@ -22,7 +22,8 @@ visibility
 The drafter cache is indexed by absolute position (``write_pos == positions`` when appending context), so cache
 index ``s`` is position ``s``. Blocks are recomputed each round and never cached.
 
-:meth:`DFlashDrafter.draft_logits` (engine, one block per request, context from the cache) and
+:meth:`DFlashDrafter.draft_hidden` (engine, one block per request, context from the cache; :meth:`~DFlashDrafter.
+draft_logits` adds the head) and
 :meth:`DFlashDrafter.forward_train` (training, every anchored block of a sequence, context recomputed) share the
 layer code and the mask rule (:func:`draft_visibility`), so a trained drafter drafts exactly as it was trained.
 
@@ -276,7 +277,7 @@ class DFlashDrafter(nn.Module):
         positions = ctx_len[:, None] + depth  # [R, bs]
         if kernels is not None and kernels.draft_attention:
             if not self.supports_tree_attention():
-                raise ConfigError("draft_logits with KernelSet.draft_attention needs supports_tree_attention(); "
+                raise ConfigError("draft_hidden with KernelSet.draft_attention needs supports_tree_attention(); "
                                   "resolve the KernelSet for this drafter (KernelSet.resolve) or turn it off")
             return self._run_blocks(target, ids, positions, self._kernel_attend(
                 cache, slots, ctx_len, positions, block_size, block_len, window, length), kernels)[:, 1:]
