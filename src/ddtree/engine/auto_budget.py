@@ -282,9 +282,9 @@ class AutoChooser:
     def row_curve(self, state: Any) -> tuple[float, ...]:
         """The row's observed and calibrated curve, ``observed_curve(seen, calibrated(curve, gain, prior))``, kept on
         the state (``auto_cached``) until one of its inputs changes. Why: the choice runs when a round is launched
-        and again when the next is checked for overlap, over every row of the batch (on a 2-core CPU 64 rows took
-        1.3 ms a choice, host time the device waits for whenever the overlap is broken), while a row's inputs change
-        only when one of its rounds is read. The engine's prior gain is an input only for a row whose own sums
+        and again when the next is checked for overlap, a Python pass over every row of the batch (host time the
+        device waits for whenever the overlap is broken), while a row's inputs change only when one of its rounds
+        is read. The engine's prior gain is an input only for a row whose own sums
         predict less than one draft token (:func:`calibrated`)."""
         prior = self.gain if state.auto_gain[1] < 1.0 else None
         kept = state.auto_cached
