@@ -17,7 +17,8 @@ windows, every cell is warmed up, timed and (after a first-use cost) timed again
 and each run is ``ddtree.lab.bench.inprocess.run_cell``: the engine's own closed loop (``Engine.generate`` with
 ``max_in_flight = C``), with submission, first-token and finish times taken from the engine's ``RequestStats``.
 This script loads the models, builds the stand-in and the engines, and adds the graph-vs-eager probe and the
-Hugging Face reference. Writes ``OUT/gpu.json`` and ``OUT/gpu.md``; prints the markdown table.
+Hugging Face reference. Writes ``OUT/gpu.json`` and ``OUT/gpu.md`` (and ``OUT/cost_curve.json``, the cost curve
+the engine measured or read at start, when it has one); prints the markdown table.
 
     python benchmarks/gpu.py --out $OUT              # stand-in (Qwen3-8B body) built from the demo pair
     python benchmarks/gpu.py --out /tmp/x --shape none --quick   # the demo pair itself, a few cells
@@ -157,6 +158,10 @@ def _run(args: argparse.Namespace, compiles: CompileLog, listening: bool) -> Non
                           cost_curve=args.cost_curve or ("auto" if args.auto else "off"))
     engine = Engine(target, drafter, tokenizer, config, model_name=f"standin-{args.shape}")
     engine.start()
+    if engine.cost_curve is not None:  # the curve budget auto divided by: `ddtree replay predict --cost-curve` reads it
+        from ddtree.engine.cost_curve import save_curve
+
+        save_curve(engine.cost_curve, out_dir / "cost_curve.json")
     eager = Engine(target, drafter, tokenizer, dataclasses.replace(config, cuda_graphs=False, max_batch=2, warmup="none"),
                    model_name="eager")
     eager.start()
@@ -166,7 +171,8 @@ def _run(args: argparse.Namespace, compiles: CompileLog, listening: bool) -> Non
               "gpu_kernels": not args.no_kernels, "prefill_chunk": args.prefill_chunk,
               "draft_fp8": args.draft_fp8, "blas_rule": not args.no_blas_rule, "compile_log": listening,
               "standin_build_s": build_s, "params_target": sum(p.numel() for p in target.parameters()),
-              "params_drafter": sum(p.numel() for p in drafter.parameters()), "cells": [], "skipped": []}
+              "params_drafter": sum(p.numel() for p in drafter.parameters()),
+              "cost_curve": engine.cost_curve_source.info(), "cells": [], "skipped": []}
 
     # 1. graph replay == eager on a short greedy run (bf16; reported, not asserted)
     probe = prompts_for(stream, min(1024, max(contexts)), 2, salt=99)

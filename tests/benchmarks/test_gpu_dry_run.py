@@ -39,6 +39,24 @@ def test_dry_run_records_a_closed_loop_timeline(tmp_path, monkeypatch):
     assert "| 2 | 16 | ddtree-b4 |" in (out / "gpu.md").read_text()
 
 
+def test_the_engine_s_cost_curve_is_written_beside_the_cells(tmp_path):
+    """With a cost curve (here a file, EngineConfig.cost_curve), the run writes the one the engine used to
+    OUT/cost_curve.json, for `ddtree replay predict --cost-curve`, and names its source in gpu.json."""
+    from ddtree.engine.cost_curve import load_curve, make_curve, save_curve
+
+    curve = make_curve("cpu", "standin-none (float32)", (1, 4), (0, 3, 7), (64, 512),
+                       lambda r, b, k: 0.01 + 0.001 * r * (b + 1) + 1e-6 * k)
+    path = save_curve(curve, tmp_path / "curve.json")
+    out = tmp_path / "run"
+    load_script("gpu").main(["--device", "cpu", "--shape", "none", "--no-hf", "--concurrency", "2", "--contexts", "16",
+                             "--budgets", "4", "--new-tokens", "4", "--waves", "1", "--auto", "--cost-curve", str(path),
+                             "--out", str(out)])
+    assert load_curve(out / "cost_curve.json") == curve
+    report = json.loads((out / "gpu.json").read_text())
+    assert report["cost_curve"]["source"] == "file" and report["cost_curve"]["path"] == str(path)
+    assert [c["method"] for c in report["cells"]][-1] == "ddtree-auto"
+
+
 def test_compile_log_splits_compilations_by_window():
     """The listener's records land in the window they happened in, with disk-cache hits counted apart."""
     from types import SimpleNamespace
