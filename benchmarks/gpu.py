@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from ddtree.engine import Engine, EngineConfig, TreeSettings
+from ddtree.engine.cost_curve import save_curve
 from ddtree.engine.options import int_list
 from ddtree.lab.bench.inprocess import run_cell, synchronize
 from ddtree.lab.bench.matrix import WARM_UPS, CompileLog, MatrixPlan, render_markdown, run_matrix
@@ -159,8 +160,6 @@ def _run(args: argparse.Namespace, compiles: CompileLog, listening: bool) -> Non
     engine = Engine(target, drafter, tokenizer, config, model_name=f"standin-{args.shape}")
     engine.start()
     if engine.cost_curve is not None:  # the curve budget auto divided by: `ddtree replay predict --cost-curve` reads it
-        from ddtree.engine.cost_curve import save_curve
-
         save_curve(engine.cost_curve, out_dir / "cost_curve.json")
     eager = Engine(target, drafter, tokenizer, dataclasses.replace(config, cuda_graphs=False, max_batch=2, warmup="none"),
                    model_name="eager")

@@ -206,12 +206,12 @@ class OracleDrafter(torch.nn.Module):
             tok = logits.argmax(-1)
         return torch.stack(out, dim=1)
 
-    def draft_hidden(self, *args, **kwargs):
+    def draft_hidden(self, *args, **kwargs) -> torch.Tensor:
         """The engine's split of :meth:`draft_logits`: its "states" are the logits themselves, and :meth:`head`
         passes them through (the engine heads only the depths a round's trees reach, a prefix of these)."""
         return self.draft_logits(*args, **kwargs)
 
-    def head(self, target, normed):
+    def head(self, target, normed: torch.Tensor) -> torch.Tensor:
         return normed
 
 
