@@ -408,17 +408,17 @@ def test_auto_measures_its_curve_only_while_no_round_is_in_flight(tiny_engine_fa
     real_queue, real_collect, real_follow, real_fallback = (Engine._queue, Engine._collect, Engine._follow_up,
                                                             sch.fallback_curve)
 
-    def queue(self, *args):
+    def queue(self, *args, **kwargs):
         outstanding["n"] += 1
-        return real_queue(self, *args)
+        return real_queue(self, *args, **kwargs)
 
     def collect(self, flight):
         outstanding["n"] -= 1
         return real_collect(self, flight)
 
-    def follow(self, flight):
+    def follow(self, flight, *args):
         outstanding["follow_ups"] += 1
-        return real_follow(self, flight)
+        return real_follow(self, flight, *args)
 
     def fallback(sched, cands):
         outstanding["at_measure"].append(outstanding["n"])
@@ -438,3 +438,66 @@ def test_auto_measures_its_curve_only_while_no_round_is_in_flight(tiny_engine_fa
         assert out.token_ids == plain_greedy(target, tiny_tokenizer.encode(p), 24)
     assert outstanding["at_measure"] == [0]
     assert outstanding["follow_ups"] > 0  # rounds were queued ahead once the curve was there
+
+
+def test_follow_up_rounds_change_the_auto_size_on_the_device(tiny_engine_factory, tiny_tokenizer, tiny_pair,
+                                                             monkeypatch):
+    """With rounds queued ahead (overlap_rounds), a new auto size no longer waits for a host launch: the follow-up
+    round sets it on the device (PackedRows.advanced). A chooser forced to alternate b3 and b7 every round, beside
+    a fixed b4 row and an AR row (fp32, greedy): outputs equal the plain decoder's, follow-ups changed size, every
+    queued round's auto rows carry its size and the fixed rows their own, and each read round is accounted at the
+    size it ran (the sizes' counts are the rounds, the nodes its rows verified that size)."""
+    from ddtree.engine.engine import Engine
+    from ddtree.engine.round import LONG_FIELDS
+
+    calls = itertools.count()
+    monkeypatch.setattr(ab.AutoChooser, "choose", lambda self, states, cost, explore=True: (
+        (7, 7) if next(calls) % 2 else (15, 15)))  # both above the fixed row's floor, as the options are
+    queued, changed, verified_seen, reading = [], [], [], []
+    real_queue, real_follow, real_collect, real_read = (Engine._queue, Engine._follow_up, Engine._collect,
+                                                        ab.AutoChooser.read_row)
+
+    def queue(self, states, rows, shape, **kw):
+        budgets = rows.longs[LONG_FIELDS.index("budget")].tolist()
+        queued.append((shape.max_budget, [(s.tree.auto, s.tree.method, b) for s, b in zip(states, budgets,
+                                                                                         strict=True)]))
+        return real_queue(self, states, rows, shape, **kw)
+
+    def follow(self, flight, size, *args):
+        changed.append(size != flight.shape.max_budget)
+        return real_follow(self, flight, size, *args)
+
+    def collect(self, flight):
+        reading[:] = [flight.shape.max_budget]
+        return real_collect(self, flight)
+
+    def read_row(self, state, committed, reported, path, verified):
+        verified_seen.append((state.tree.auto, state.tree.method, verified, reading[0]))
+        return real_read(self, state, committed, reported, path, verified)
+
+    monkeypatch.setattr(Engine, "_queue", queue)
+    monkeypatch.setattr(Engine, "_follow_up", follow)
+    monkeypatch.setattr(Engine, "_collect", collect)
+    monkeypatch.setattr(ab.AutoChooser, "read_row", read_row)
+    engine = tiny_engine_factory(oracle=True, overlap_rounds=True)
+    engine.cost_curve = hand_curve(8, 1e-5)
+    queued.clear()  # the engine's start-up round
+    target, _ = tiny_pair
+    trees = [TreeSettings(budget="auto"), TreeSettings(budget=4), TreeSettings(method="ar"),
+             TreeSettings(budget="auto", topk=3)]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(trees))]
+    outs = engine.generate([GenerationRequest(prompt=p, tree=t, sampling=SamplingParams(max_tokens=40, ignore_eos=True))
+                            for p, t in zip(prompts, trees, strict=True)])
+    for out, p, t in zip(outs, prompts, trees, strict=True):
+        assert out.token_ids == plain_greedy(target, tiny_tokenizer.encode(p), 40), f"{t} differs"
+    assert any(changed), "no follow-up round changed the auto size"
+    for size, rows in queued:
+        for auto, method, budget in rows:
+            assert budget == (size if auto else 4 if method == "ddtree" else 0)
+    for out, t in zip(outs, trees, strict=True):
+        if t.auto:
+            assert set(out.stats.auto_budgets) == {7, 15}
+            assert sum(out.stats.auto_budgets.values()) == out.stats.verify_rounds
+    assert {size for *_, size in verified_seen} == {7, 15}
+    for auto, method, verified, size in verified_seen:  # a read round's nodes are its own, not its follow-up's
+        assert verified == (size if auto else 4 if method == "ddtree" else 0)

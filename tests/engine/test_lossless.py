@@ -116,7 +116,7 @@ def test_rounds_queued_before_the_previous_is_read_change_nothing(tiny_engine_fa
 
     follow_ups = []
     real = Engine._follow_up
-    monkeypatch.setattr(Engine, "_follow_up", lambda self, flight: follow_ups.append(1) or real(self, flight))
+    monkeypatch.setattr(Engine, "_follow_up", lambda self, flight, *a: follow_ups.append(1) or real(self, flight, *a))
     overlapped = tiny_engine_factory(oracle=True, overlap_rounds=True)
     plain = tiny_engine_factory(oracle=True, overlap_rounds=False)
     tree = TreeSettings(method="ddtree", budget=8)

@@ -84,6 +84,9 @@ class RowInputs:
     min_tokens: int  # SamplingParams.min_tokens: banned ids are masked at output indices below it (0: never)
     temperature: float  # 0 = greedy
     top_p: float
+    # 1: budget "auto" (the scheduler chose this round's budget; a follow-up round queued on the device may set
+    # another, PackedRows.advanced), 0: the request's own budget
+    auto: int = 0
     # the ids min_tokens masks (EOS ids unless ignore_eos, stop_token_ids): packed after the long fields as
     # MAX_STOP_IDS rows, padded with -1 (masks nothing)
     banned: tuple[int, ...] = ()
@@ -134,14 +137,18 @@ class PackedRows:
         return PackedRows(self.longs.contiguous().to(device, non_blocking=True),
                           self.floats.contiguous().to(device, non_blocking=True))
 
-    def advanced(self, result: Tensor) -> PackedRows:
+    def advanced(self, result: Tensor, auto_budget: int | None = None) -> PackedRows:
         """The next round's rows from this round's device ``result`` (:meth:`ModelRunner.round`), on the device:
-        each row's root is the last token it commits, its position and step move by the tokens it commits."""
+        each row's root is the last token it commits, its position and step move by the tokens it commits; with
+        ``auto_budget``, the budget of every "auto" row becomes it (budget auto's next size, chosen on the host)."""
         n = result[:, 0]
         longs = self.longs.clone()
         longs[LONG_FIELDS.index("root_token")] = torch.gather(result, 1, n[:, None])[:, 0]  # result[:, 1 + n - 1]
         longs[LONG_FIELDS.index("start")] += n
         longs[LONG_FIELDS.index("step")] += n
+        if auto_budget is not None:
+            budget = longs[LONG_FIELDS.index("budget")]
+            budget.copy_(torch.where(longs[LONG_FIELDS.index("auto")] == 1, auto_budget, budget))
         return PackedRows(longs, self.floats)
 
 
@@ -164,6 +171,7 @@ class RoundInputs:
     min_tokens: Tensor
     temperature: Tensor
     top_p: Tensor
+    auto: Tensor
     banned: Tensor  # [MAX_STOP_IDS, R] the ids min_tokens masks, -1 = none
 
     @classmethod

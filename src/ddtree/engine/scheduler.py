@@ -64,6 +64,7 @@ class _Flight:
     rows: PackedRows  # the round's device inputs (a follow-up round advances them)
     shape: RoundShape
     timer: StageTimer
+    explores: bool = False  # budget auto ran a size above its best to observe it (AutoChooser.choose)
 
 
 class Scheduler:
@@ -123,8 +124,9 @@ class Scheduler:
             results: list[RowResult] = []
             follow_up: _Flight | None = None
             if flight is not None:
-                if self._can_follow(flight):
-                    follow_up = self._follow_up(flight)
+                follow = self._follow_size(flight)
+                if follow is not None:
+                    follow_up = self._follow_up(flight, *follow)
                 results = self._collect_guarded(flight)
                 flight = follow_up
                 worked = True
@@ -320,8 +322,10 @@ class Scheduler:
         drafting = [s for s in states if s.tree.method != "ar"]
         block = max((int(s.tree.block_size) for s in drafting), default=1) if self.drafter is not None else 1
         auto = block > 1 and any(s.tree.auto for s in states)
+        explores = False
         if auto:  # every auto row takes the round's whole budget: the verify is padded to it anyway
-            chosen = self._auto_choice(states, pending, launch=True)
+            chosen, best = self._auto_choice(states, pending, explore=True)
+            explores = chosen != best
             for s in (s for s in states if s.tree.auto):
                 s.auto_budget = chosen
         max_budget = max(s.budget for s in states) if block > 1 else 0
@@ -334,7 +338,7 @@ class Scheduler:
                 budget=s.budget, topk=s.topk, depth_limit=s.depth_limit, window=s.tree.draft_window or NO_WINDOW,
                 top_k=int(s.sampling.top_k), seed=s.seed, step=len(s.output_ids) + len(extra),
                 min_tokens=s.sampling.min_tokens, temperature=float(s.sampling.temperature),
-                top_p=float(s.sampling.top_p), banned=s.banned_ids))
+                top_p=float(s.sampling.top_p), auto=int(s.tree.auto), banned=s.banned_ids))
         reach = max(r.start for r in rows)
         shape = RoundShape(
             rows=len(rows),
@@ -350,9 +354,10 @@ class Scheduler:
             auto_width=auto_width,
         )
         # One host tensor per dtype: one copy each to the device instead of one per field.
-        return self._queue(states, PackedRows.pack(rows), shape)
+        return self._queue(states, PackedRows.pack(rows), shape, explores=explores)
 
-    def _queue(self, states: list[RequestState], rows: PackedRows, shape: RoundShape) -> _Flight:
+    def _queue(self, states: list[RequestState], rows: PackedRows, shape: RoundShape, *,
+               explores: bool = False) -> _Flight:
         """Queue a round from packed inputs (host tensors, or device tensors for a follow-up round)."""
         timer = StageTimer(self.device)
         if self.graphs is not None and self.graphs.can_run(len(states)):
@@ -360,37 +365,57 @@ class Scheduler:
         else:
             rows = rows.to(self.device)
             result = self.runner.round(RoundInputs.from_packed(rows, shape), timer)
-        return _Flight(states=states, result=result, copy=HostCopy(result), rows=rows, shape=shape, timer=timer)
+        return _Flight(states=states, result=result, copy=HostCopy(result), rows=rows, shape=shape, timer=timer,
+                       explores=explores)
 
-    def _can_follow(self, flight: _Flight) -> bool:
-        """Whether the next round can be queued before ``flight`` is read: the same rows will run it (every one still
-        decoding, nobody else decoding, prefilling or able to take a free slot) and its writes stay inside the cache
-        whatever ``flight`` accepts. Rows that finish on ``flight``'s tokens only waste their place in it."""
+    def _follow_size(self, flight: _Flight) -> tuple[int, bool] | None:
+        """(The budget, whether it explores) of the round that can be queued before ``flight`` is read, or None
+        when the next round must be launched from the host once it is.
+
+        A follow-up needs the same rows (every one still decoding, nobody else decoding, prefilling or able to take
+        a free slot) and writes that stay inside the cache whatever ``flight`` accepts; rows that finish on
+        ``flight``'s tokens only waste their place in it. Its budget is ``flight``'s, or for an auto round budget
+        auto's next choice, made on the evidence of the rounds read so far (one round behind a host launch's): a
+        change of size costs another graph, not a break in the overlap of rounds (the host launch it needed before
+        left the device idle while the flight was read and the next round packed and uploaded)."""
         if not self._overlap or self._waiting and self._free_slots or self._cost_waiters:
-            return False
+            return None
         if any(s.phase is not Phase.DECODE for s in flight.states):
-            return False
+            return None
         decoding = sum(1 for s in self._active.values() if s.phase is not Phase.DONE)
         if decoding != len(flight.states):
-            return False
+            return None
+        size, explores = flight.shape.max_budget, False
+        if flight.shape.auto_width:
+            if self._known_curve() is None:  # measuring it replays the round graphs whose buffers hold the result
+                return None
+            # an exploring flight's evidence is not read yet: its follow-up must not explore the same size again
+            size, best = self._auto_choice(flight.states, {}, explore=not flight.explores)
+            explores = size != best
         # The next round's roots lie at most a block past the states' positions; from there it writes its tree
         # (nodes) into the target cache and its block into the drafter's.
-        block, nodes = flight.shape.block_size, flight.shape.max_budget + 1
-        if flight.shape.auto_width and (self._known_curve() is None
-                                        or self._auto_choice(flight.states, {}) != flight.shape.max_budget):
-            # auto chose another size (or needs its curve measured, which replays the round graphs whose buffers
-            # the flight's result lives in): the next round is launched from the host once the flight is read
-            return False
-        return max(s.root_position for s in flight.states) + block + max(nodes, block) + 1 <= self.cache_len
+        block = flight.shape.block_size
+        fits = max(s.root_position for s in flight.states) + block + max(size + 1, block) + 1 <= self.cache_len
+        return (size, explores) if fits else None
 
-    def _follow_up(self, flight: _Flight) -> _Flight | None:
+    def _follow_up(self, flight: _Flight, size: int, explores: bool = False) -> _Flight | None:
         """Queue the round after ``flight`` with inputs advanced on the device from its result: each row's root is
-        the last token it commits, its position and step counter move by the tokens it commits. The states hold
-        every round before ``flight``, so their positions plus one block bound this round's cache reads."""
+        the last token it commits, its position and step counter move by the tokens it commits, and with budget
+        auto its auto rows take ``size`` (:meth:`_follow_size`). The states hold every round before ``flight``, so
+        their positions plus one block bound this round's cache reads."""
         try:
             reach = max(s.root_position for s in flight.states) + flight.shape.block_size
-            shape = replace(flight.shape, kv_len=reach + flight.shape.max_budget + 1, draft_kv_len=max(1, reach))
-            return self._queue(flight.states, flight.rows.advanced(flight.result), shape)
+            shape, auto = flight.shape, flight.shape.auto_width > 0
+            if auto:
+                for s in flight.states:
+                    if s.tree.auto:
+                        s.auto_budget = size
+                nodes = max(s.budget for s in flight.states)  # = size: the options are never below a fixed row's
+                shape = replace(shape, max_budget=nodes,
+                                auto_width=auto_budget.curve_width(bucket_nodes(nodes), self._auto.candidates))
+            rows = flight.rows.advanced(flight.result, auto_budget=size if auto else None)
+            shape = replace(shape, kv_len=reach + shape.max_budget + 1, draft_kv_len=max(1, reach))
+            return self._queue(flight.states, rows, shape, explores=explores)
         except Exception:  # the host path below will launch it (and isolate a faulty row if it fails again)
             log.warning("queuing a follow-up round failed; launching from the host instead", exc_info=True)
             return None
@@ -418,7 +443,8 @@ class Scheduler:
             if flight.shape.auto_width and flight.shape.drafts:
                 width = flight.shape.auto_width  # the last columns: this row's E(1 .. W), before them its path
                 path = row[-width - flight.shape.block_size:-width]
-                verified = min(flight.shape.max_budget, state.budget)  # its tree's draft nodes
+                # its tree's draft nodes (an auto row's budget may already be a follow-up's)
+                verified = flight.shape.max_budget if state.tree.auto else min(flight.shape.max_budget, state.budget)
                 self._auto.read_row(state, n, bits_to_floats(row[-width:]), path, verified)
                 if state.tree.auto:
                     b = flight.shape.max_budget
@@ -439,19 +465,19 @@ class Scheduler:
         return out
 
     # ---- budget "auto" ---------------------------------------------------------------------------------------------
-    def _auto_choice(self, states: list[RequestState], pending: dict[str, list[int]], *, launch: bool = False) -> int:
-        """The budget of the next round of ``states`` (some "auto"): :meth:`auto_budget.AutoChooser.choose` over the
-        cost curve at this round's rows bucket and furthest root (measured, when the engine has none, only once a
-        row has a curve to weigh: the first round starts at the initial budget). ``launch``: the round is launched
-        now (it may explore, and its best size becomes the hysteresis' previous); else a check of whether a
-        follow-up round keeps the flight's size (never an exploration: the flight's own evidence is not read)."""
+    def _auto_choice(self, states: list[RequestState], pending: dict[str, list[int]], *,
+                     explore: bool) -> tuple[int, int]:
+        """(The budget of the next round of ``states``, some "auto"; the best size) by
+        :meth:`auto_budget.AutoChooser.choose` over the cost curve at this round's rows bucket and furthest root
+        (measured, when the engine has none, only once a row has a curve to weigh: the first round starts at the
+        initial budget). The round is queued now: the best size becomes the hysteresis' previous; ``explore``: it
+        may run a larger size to observe it (the two differ then)."""
         n = bucket_rows(len(states), self.config.max_batch) if self.graphs is not None else len(states)
         reach = max(s.root_position + len(pending.get(s.request_id, ())) for s in states)
         chosen, best = self._auto.choose(states, lambda b: self._auto_cost().round_seconds(n, b, reach + b + 1),
-                                         explore=launch)
-        if launch:
-            self._auto.previous = best
-        return chosen
+                                         explore=explore)
+        self._auto.previous = best
+        return chosen, best
 
     def _known_curve(self) -> CostCurve | None:
         """The curve set on the engine, else EngineConfig.cost_curve's (Engine.start resolves it; adopted here).
