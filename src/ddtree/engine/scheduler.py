@@ -245,7 +245,6 @@ class Scheduler:
         ids = torch.zeros((len(rows), width), dtype=torch.long)
         for i, (state, take) in enumerate(rows):
             ids[i, :take] = torch.tensor(state.prompt_ids[state.prefilled : state.prefilled + take])
-        dev = self.device
         start = [s.prefilled for s, _ in rows]
         takes = [t for _, t in rows]
         logits = None
@@ -262,12 +261,13 @@ class Scheduler:
         if logits is None:
             # width padded to a multiple of 16, key length bucketed: kernel variants the warm-up planned
             padded, kv_len = eager_chunk_dims(width, start, self.runner.target_cache.max_len)
+            up = self._upload
             inp = PrefillInputs(
-                ids=torch.nn.functional.pad(ids, (0, padded - width)).to(dev),
-                slots=torch.tensor([s.slot for s, _ in rows], device=dev),
-                start=torch.tensor(start, device=dev),
-                valid_len=torch.tensor(takes, device=dev),
-                last_index=torch.tensor([t - 1 for t in takes], device=dev),
+                ids=up(torch.nn.functional.pad(ids, (0, padded - width))),
+                slots=up(torch.tensor([s.slot for s, _ in rows])),
+                start=up(torch.tensor(start)),
+                valid_len=up(torch.tensor(takes)),
+                last_index=up(torch.tensor([t - 1 for t in takes])),
                 kv_len=kv_len,
             )
             if prompt_lp:
@@ -282,20 +282,20 @@ class Scheduler:
         first_lp: list[TokenLogprob | None] = []
         late: _FirstTokens | None = None
         if done:
-            sel = torch.tensor(done, device=dev)
             finished = [rows[i][0] for i in done]
+            last = logits if len(done) == len(rows) else logits[self._upload(torch.tensor(done))]  # [D, V]
             temp, top_p, top_k, seed = self._sampling_tensors(finished)
             greedy = all(s.sampling.greedy for s in finished)
             ban = None
             if any(s.banned_ids for s in finished):  # min_tokens: the first token (output index 0) is masked too
                 ids = [list(s.banned_ids) + [-1] * (MAX_STOP_IDS - len(s.banned_ids)) for s in finished]
-                ban = (torch.tensor(ids, dtype=torch.long).T.contiguous().to(dev),
-                       torch.tensor([s.sampling.min_tokens for s in finished], dtype=torch.long).to(dev))
-            chosen = self.runner.sample_first(logits[sel], temp, top_p, top_k, seed, greedy, _any_filter(finished),
+                ban = (self._upload(torch.tensor(ids, dtype=torch.long).T.contiguous()),
+                       self._upload(torch.tensor([s.sampling.min_tokens for s in finished], dtype=torch.long)))
+            chosen = self.runner.sample_first(last, temp, top_p, top_k, seed, greedy, _any_filter(finished),
                                               min_tokens=ban)
             if any(s.sampling.logprobs is not None for s in finished):
                 # the first token's log-probs: the prefill's last logits, in the same host read as the token
-                first, chosen_lp, top_lp, top_ids = to_host(chosen, *device_logprobs(logits[sel], chosen))
+                first, chosen_lp, top_lp, top_ids = to_host(chosen, *device_logprobs(last, chosen))
                 first_lp = [None if s.sampling.logprobs is None else
                             host_entries([chosen_lp[j]], [top_lp[j]], [top_ids[j]], [first[j]], s.sampling.logprobs)[0]
                             for j, s in enumerate(finished)]
@@ -587,12 +587,18 @@ class Scheduler:
 
     def _sampling_tensors(self, states: list[RequestState]):
         """temperature, top_p [R] float and top_k, seed [R] long on the device, in two copies."""
-        dev = self.device
-        floats = torch.tensor([[float(s.sampling.temperature), float(s.sampling.top_p)] for s in states],
-                              dtype=torch.float32).T.contiguous().to(dev, non_blocking=True)
-        longs = torch.tensor([[int(s.sampling.top_k), s.seed] for s in states],
-                             dtype=torch.long).T.contiguous().to(dev, non_blocking=True)
+        floats = self._upload(torch.tensor([[float(s.sampling.temperature), float(s.sampling.top_p)] for s in states],
+                                           dtype=torch.float32).T.contiguous())
+        longs = self._upload(torch.tensor([[int(s.sampling.top_k), s.seed] for s in states], dtype=torch.long).T.contiguous())
         return floats[0], floats[1], longs[0], longs[1]
+
+    def _upload(self, host: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the engine's device without waiting: through pinned memory, non-blocking (torch's
+        blocking host-to-device copy synchronises the stream, i.e. waits for the round in flight; torch keeps the
+        pinned block until the copy has run)."""
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     # ---- emitting and finishing --------------------------------------------------------------------------------
     def _emit(self, state: RequestState, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
