@@ -130,3 +130,54 @@ def test_rounds_queued_before_the_previous_is_read_change_nothing(tiny_engine_fa
                                                                             temperature=0.9, seed=5 + i))
                for i, p in enumerate(PROMPTS)]
     assert [o.token_ids for o in overlapped.generate(sampled)] == [o.token_ids for o in plain.generate(sampled)]
+
+
+def test_newcomers_join_the_next_round_with_their_first_token_still_on_the_device(tiny_engine_factory, references,
+                                                                                   monkeypatch):
+    """A prefill step does not read its first tokens: the newcomers join the round launched right after it, beside
+    the rows already decoding, with their roots written on the device (Scheduler._root_patch), and the tokens are
+    emitted at the next iteration. Outputs must equal the plain decoder's (a root left at its host stand-in would
+    not), and such rounds must really have held other rows too."""
+    import threading
+    import time
+
+    from ddtree.engine.engine import Engine
+
+    patched: list[tuple[int, int]] = []  # (rows in the round, rows patched)
+    real_launch, real_patch = Engine._launch, Engine._root_patch
+
+    def launch(self, states, pending):
+        out = real_launch(self, states, pending)
+        if self._last_patch:
+            patched.append((len(states), self._last_patch))
+        self._last_patch = 0
+        return out
+
+    def root_patch(self, patch):
+        self._last_patch = len(patch)
+        return real_patch(self, patch)
+
+    monkeypatch.setattr(Engine, "_launch", launch)
+    monkeypatch.setattr(Engine, "_root_patch", root_patch)
+    monkeypatch.setattr(Engine, "_last_patch", 0, raising=False)
+    engine = tiny_engine_factory(oracle=True, max_batch=4)
+    results: dict[int, list[int]] = {}
+    done = threading.Event()
+    tree = TreeSettings(method="ddtree", budget=6)
+    for i, prompt in enumerate(PROMPTS * 2):
+        toks: list[int] = []
+
+        def on_chunk(ch, i=i, toks=toks):
+            toks.extend(ch.token_ids)
+            if ch.finished:
+                results[i] = toks
+                if len(results) == 2 * len(PROMPTS):
+                    done.set()
+
+        engine.submit(GenerationRequest(prompt=prompt, tree=tree,
+                                        sampling=SamplingParams(max_tokens=16 + 3 * i, ignore_eos=True)), on_chunk)
+        time.sleep(0.02)
+    assert done.wait(120)
+    for i, prompt in enumerate(PROMPTS * 2):
+        assert results[i] == references[prompt][: 16 + 3 * i], f"request {i} differs"
+    assert patched and any(rows > late for rows, late in patched), patched

@@ -276,9 +276,11 @@ class RoundGraphs:
                 "forward": len(self.trees), "choose": len(self.graphs), "commit": len(self.graphs)}
 
     @torch.inference_mode()
-    def run(self, rows_in: PackedRows, shape: RoundShape, timer: StageTimer) -> tuple[Tensor, PackedRows]:
+    def run(self, rows_in: PackedRows, shape: RoundShape, timer: StageTimer,
+            patch: Callable[[PackedRows], None] | None = None) -> tuple[Tensor, PackedRows]:
         """Replay the round of ``shape`` for ``rows_in``: host tensors (one pinned copy each) or device tensors
-        (copied on the device, no host involvement).
+        (copied on the device, no host involvement); ``patch`` edits the real rows' device inputs after the copy
+        (the scheduler's first tokens still on the device).
 
         Returns the device result ``[R, 2 + L]`` as :meth:`ModelRunner.round` does and the device inputs of the
         real rows, all views of the capture's buffers: the next replay of the same graph overwrites them, so
@@ -307,6 +309,8 @@ class RoundGraphs:
             host.floats[:, rows:] = self._pad.floats
             packed.longs.copy_(host.longs, non_blocking=True)
             packed.floats.copy_(host.floats, non_blocking=True)
+        if patch is not None:
+            patch(PackedRows(packed.longs[:, :rows], packed.floats[:, :rows]))
         for name, graphs in zip(ModelRunner.STAGES, cap.graphs, strict=True):
             with timer.stage(name):
                 for graph in graphs:

@@ -41,6 +41,10 @@ from ddtree.engine.runner import HostCopy, PrefillInputs, StageTimer, to_host
 
 log = logging.getLogger("ddtree.engine")
 
+# The host's stand-in for a first token still on the device (_FirstTokens), in the tokens a launch takes as read but
+# not committed: never a token id, so no stop rule matches it (its row's root is patched on the device).
+UNREAD = -1
+
 # One row's share of a round read on the host: its state, the tokens it commits, their log-probs (None unless asked).
 RowResult = tuple["RequestState", list[int], "list[TokenLogprob] | None"]
 
@@ -52,6 +56,22 @@ class _Counters:
     verify_rounds_total: int = 0
     accept_hist: list[int] = field(default_factory=list)
     stage_seconds_total: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _FirstTokens:
+    """First completion tokens sampled on the device by a prefill step and not read on the host yet: the rows join
+    the next round at once, their roots patched on the device (:meth:`Scheduler._launch`), and the tokens are read
+    and emitted at the top of the next loop iteration, before that round is read.
+
+    Why: reading them in the prefill step made the host wait for the round in flight and the prefill, then build
+    the next round while the device idled; at 64 in flight requests arrive about every round (the H200 stand-in:
+    3.6 ms a round past the device stages for DDTree b4, 0.3 ms for AR, whose requests arrive once a wave)."""
+
+    states: list[RequestState]  # in the order of ``tokens``
+    tokens: torch.Tensor  # [D] long, device
+    copy: HostCopy  # ``tokens``' copy to the host, started when they were sampled
+    started: float  # perf_counter at the start of the prefill step (the rows' prefill stage time ends at the read)
 
 
 @dataclass
@@ -98,6 +118,7 @@ class Scheduler:
         self.cost_curve: CostCurve | None = None
         self._auto = auto_budget.AutoChooser(parts.config.max_budget)
         self._cost_waiters: list[threading.Event] = []  # prepare_auto calls waiting for the loop to measure
+        self._first: _FirstTokens | None = None  # the last prefill step's first tokens, until read
 
     # ---- the inbox (any thread) --------------------------------------------------------------------------------
     def _enqueue(self, state: RequestState) -> None:
@@ -116,7 +137,7 @@ class Scheduler:
         while not self._stopping:
             self._drain_inbox()
             self._admit()
-            worked = False
+            worked = self._read_first_tokens()
             prefilling = [s for s in self._active.values() if s.phase is Phase.PREFILL]
             if prefilling:
                 self._guarded(self._prefill_step, prefilling)
@@ -133,17 +154,21 @@ class Scheduler:
             if self._cost_waiters and flight is None:  # prepare_auto: the measurement replays the round graphs
                 self._measure_for_waiters()
             pending = {state.request_id: tokens for state, tokens, _ in results}
+            first = self._first.states if self._first is not None else []
+            for state in first:  # one token each, still on the device: counted, its value patched there
+                pending[state.request_id] = [UNREAD]
             decoding = [s for s in self._active.values()
                         if s.phase is Phase.DECODE and not s.ends_by_token(pending.get(s.request_id, ()))]
             if follow_up is None and decoding:
                 try:
                     flight = self._launch(decoding, pending)
                 except Exception:
-                    # Emit first so every state is exact, then isolate the fault row by row, synchronously.
+                    # Emit first so every state is exact, then isolate the fault row by row, synchronously (rows
+                    # whose first token is unread join once it is read).
                     self._emit_results(results)
                     results = []
                     for state in decoding:
-                        if state.phase is Phase.DECODE:
+                        if state.phase is Phase.DECODE and not _holds(first, state):
                             self._guarded(self._decode_round, [state])
                 worked = True
             self._emit_results(results)
@@ -152,6 +177,7 @@ class Scheduler:
                 self._wake.clear()
         if flight is not None:
             self._collect_guarded(flight)  # let the device finish; the requests are being cancelled
+        self._first = None
         self._drain_inbox()  # deliver the final chunks of cancellations queued by shutdown()
         # A submit that passed the accepting check just before shutdown() arrives after its cancellations: finish
         # it too, or its caller (a generate() waiting on it) would wait forever.
@@ -221,7 +247,6 @@ class Scheduler:
         ids = torch.zeros((len(rows), width), dtype=torch.long)
         for i, (state, take) in enumerate(rows):
             ids[i, :take] = torch.tensor(state.prompt_ids[state.prefilled : state.prefilled + take])
-        dev = self.device
         start = [s.prefilled for s, _ in rows]
         takes = [t for _, t in rows]
         logits = None
@@ -238,12 +263,13 @@ class Scheduler:
         if logits is None:
             # width padded to a multiple of 16, key length bucketed: kernel variants the warm-up planned
             padded, kv_len = eager_chunk_dims(width, start, self.runner.target_cache.max_len)
+            up = self._upload
             inp = PrefillInputs(
-                ids=torch.nn.functional.pad(ids, (0, padded - width)).to(dev),
-                slots=torch.tensor([s.slot for s, _ in rows], device=dev),
-                start=torch.tensor(start, device=dev),
-                valid_len=torch.tensor(takes, device=dev),
-                last_index=torch.tensor([t - 1 for t in takes], device=dev),
+                ids=up(torch.nn.functional.pad(ids, (0, padded - width))),
+                slots=up(torch.tensor([s.slot for s, _ in rows])),
+                start=up(torch.tensor(start)),
+                valid_len=up(torch.tensor(takes)),
+                last_index=up(torch.tensor([t - 1 for t in takes])),
                 kv_len=kv_len,
             )
             if prompt_lp:
@@ -256,38 +282,71 @@ class Scheduler:
         done = [i for i, (s, take) in enumerate(rows) if s.prefilled + take == len(s.prompt_ids)]
         first: list[int] = []
         first_lp: list[TokenLogprob | None] = []
+        late: _FirstTokens | None = None
         if done:
-            sel = torch.tensor(done, device=dev)
             finished = [rows[i][0] for i in done]
+            last = logits if len(done) == len(rows) else logits[self._upload(torch.tensor(done))]  # [D, V]
             temp, top_p, top_k, seed = self._sampling_tensors(finished)
             greedy = all(s.sampling.greedy for s in finished)
             ban = None
             if any(s.banned_ids for s in finished):  # min_tokens: the first token (output index 0) is masked too
                 ids = [list(s.banned_ids) + [-1] * (MAX_STOP_IDS - len(s.banned_ids)) for s in finished]
-                ban = (torch.tensor(ids, dtype=torch.long).T.contiguous().to(dev),
-                       torch.tensor([s.sampling.min_tokens for s in finished], dtype=torch.long).to(dev))
-            chosen = self.runner.sample_first(logits[sel], temp, top_p, top_k, seed, greedy, _any_filter(finished),
+                ban = (self._upload(torch.tensor(ids, dtype=torch.long).T.contiguous()),
+                       self._upload(torch.tensor([s.sampling.min_tokens for s in finished], dtype=torch.long)))
+            chosen = self.runner.sample_first(last, temp, top_p, top_k, seed, greedy, _any_filter(finished),
                                               min_tokens=ban)
             if any(s.sampling.logprobs is not None for s in finished):
                 # the first token's log-probs: the prefill's last logits, in the same host read as the token
-                first, chosen_lp, top_lp, top_ids = to_host(chosen, *device_logprobs(logits[sel], chosen))
+                first, chosen_lp, top_lp, top_ids = to_host(chosen, *device_logprobs(last, chosen))
                 first_lp = [None if s.sampling.logprobs is None else
                             host_entries([chosen_lp[j]], [top_lp[j]], [top_ids[j]], [first[j]], s.sampling.logprobs)[0]
                             for j, s in enumerate(finished)]
-            else:
-                (first,) = to_host(chosen)
+            else:  # read at the top of the next iteration (_FirstTokens); the rows decode meanwhile
+                self._read_first_tokens()  # one step's tokens unread at a time (fault isolation reruns this step)
+                late = _FirstTokens(states=finished, tokens=chosen, copy=HostCopy(chosen), started=t0)
         elapsed = time.perf_counter() - t0
         for state, take in rows:
             state.prefilled += take
-            state.stats.stage_s["prefill"] = state.stats.stage_s.get("prefill", 0.0) + elapsed
+            if late is None or not _holds(late.states, state):
+                state.stats.stage_s["prefill"] = state.stats.stage_s.get("prefill", 0.0) + elapsed
+        if late is not None:
+            for state in late.states:
+                state.phase = Phase.DECODE
+            self._first = late
+            return
         for j, (i, tok) in enumerate(zip(done, first, strict=False)):
-            state = rows[i][0]
-            state.phase = Phase.DECODE
-            state.stats.ttft_s = time.perf_counter() - state.arrival
-            with self._lock:
-                if state.counted:
-                    self._counters.prompt_tokens_total += len(state.prompt_ids)
-            self._emit(state, [tok], [first_lp[j]] if first_lp and first_lp[j] is not None else None)
+            self._first_token(rows[i][0], tok, [first_lp[j]] if first_lp and first_lp[j] is not None else None)
+
+    def _first_token(self, state: RequestState, token: int, logprobs: list[TokenLogprob] | None = None) -> None:
+        """A request's first completion token, read: it decodes from now on (and may finish on it)."""
+        state.phase = Phase.DECODE
+        state.stats.ttft_s = time.perf_counter() - state.arrival
+        with self._lock:
+            if state.counted:
+                self._counters.prompt_tokens_total += len(state.prompt_ids)
+        self._emit(state, [token], logprobs)
+
+    def _read_first_tokens(self) -> bool:
+        """Read and emit the last prefill step's first tokens (:class:`_FirstTokens`), if any; waits only for that
+        prefill (the round launched after it is still running). Rows cancelled meanwhile are skipped; a read that
+        fails (a device fault surfaces at the sync) fails its rows."""
+        first, self._first = self._first, None
+        if first is None:
+            return False
+        try:
+            tokens = first.copy.get()
+        except Exception:
+            log.exception("reading the first tokens of a prefill step failed")
+            error = _describe_current_exception()
+            for state in first.states:
+                self._finish(state, "error", error=error)
+            return True
+        elapsed = time.perf_counter() - first.started
+        for state, token in zip(first.states, tokens, strict=True):
+            if state.phase is Phase.DECODE:
+                state.stats.stage_s["prefill"] = state.stats.stage_s.get("prefill", 0.0) + elapsed
+                self._first_token(state, token)
+        return True
 
     def _prompt_logprobs(self, rows: list[tuple[RequestState, int]], ids: torch.Tensor, every: torch.Tensor) -> None:
         """Append this chunk's prompt log-probs to each asking row: column ``c`` (position ``s + c``) predicts the
@@ -331,10 +390,17 @@ class Scheduler:
         max_budget = max(s.budget for s in states) if block > 1 else 0
         auto_width = auto_budget.curve_width(bucket_nodes(max_budget), self._auto.candidates) if auto else 0
         rows = []
+        late = self._first.states if self._first is not None else []
+        patch: list[tuple[int, int]] = []  # (row, index into self._first.tokens): roots taken on the device
         for s in states:
             extra = pending.get(s.request_id, ())
+            j = next((j for j, t in enumerate(late) if t is s), None)
+            root = extra[-1] if extra else s.root_token
+            if j is not None:  # its first token is unread: one token past the prompt, the root patched on the device
+                extra, root = [UNREAD], 0
+                patch.append((len(rows), j))
             rows.append(RowInputs(
-                slot=s.slot, root_token=extra[-1] if extra else s.root_token, start=s.root_position + len(extra),
+                slot=s.slot, root_token=root, start=s.root_position + len(extra),
                 budget=s.budget, topk=s.topk, depth_limit=s.depth_limit, window=s.tree.draft_window or NO_WINDOW,
                 top_k=int(s.sampling.top_k), seed=s.seed, step=len(s.output_ids) + len(extra),
                 min_tokens=s.sampling.min_tokens, temperature=float(s.sampling.temperature),
@@ -354,16 +420,35 @@ class Scheduler:
             auto_width=auto_width,
         )
         # One host tensor per dtype: one copy each to the device instead of one per field.
-        return self._queue(states, PackedRows.pack(rows), shape, explores=explores)
+        return self._queue(states, PackedRows.pack(rows), shape, self._root_patch(patch), explores=explores)
 
-    def _queue(self, states: list[RequestState], rows: PackedRows, shape: RoundShape, *,
-               explores: bool = False) -> _Flight:
-        """Queue a round from packed inputs (host tensors, or device tensors for a follow-up round)."""
+    def _root_patch(self, patch: list[tuple[int, int]]) -> Callable[[PackedRows], None] | None:
+        """What writes the unread first tokens into their rows' roots on the device, after the inputs' copy and
+        before the round's kernels: one device-to-device copy per row (slices: no index tensor to upload, which
+        from pageable memory would synchronise)."""
+        if not patch:
+            return None
+        tokens = self._first.tokens
+
+        def apply(rows: PackedRows) -> None:
+            root = rows.field("root_token")
+            for r, j in patch:
+                root[r : r + 1].copy_(tokens[j : j + 1])
+
+        return apply
+
+    def _queue(self, states: list[RequestState], rows: PackedRows, shape: RoundShape,
+               patch: Callable[[PackedRows], None] | None = None, *, explores: bool = False) -> _Flight:
+        """Queue a round from packed inputs (host tensors, or device tensors for a follow-up round); ``patch``
+        edits the device inputs before the round runs (:meth:`_root_patch`)."""
         timer = StageTimer(self.device)
         if self.graphs is not None and self.graphs.can_run(len(states)):
-            result, rows = self.graphs.run(rows, shape, timer)
+            result, rows = self.graphs.run(rows, shape, timer, patch=patch)
         else:
             rows = rows.to(self.device)
+            if patch is not None:
+                rows = PackedRows(rows.longs.clone(), rows.floats)  # .to() may return the caller's host tensor
+                patch(rows)
             result = self.runner.round(RoundInputs.from_packed(rows, shape), timer)
         return _Flight(states=states, result=result, copy=HostCopy(result), rows=rows, shape=shape, timer=timer,
                        explores=explores)
@@ -527,12 +612,18 @@ class Scheduler:
 
     def _sampling_tensors(self, states: list[RequestState]):
         """temperature, top_p [R] float and top_k, seed [R] long on the device, in two copies."""
-        dev = self.device
-        floats = torch.tensor([[float(s.sampling.temperature), float(s.sampling.top_p)] for s in states],
-                              dtype=torch.float32).T.contiguous().to(dev, non_blocking=True)
-        longs = torch.tensor([[int(s.sampling.top_k), s.seed] for s in states],
-                             dtype=torch.long).T.contiguous().to(dev, non_blocking=True)
+        floats = self._upload(torch.tensor([[float(s.sampling.temperature), float(s.sampling.top_p)] for s in states],
+                                           dtype=torch.float32).T.contiguous())
+        longs = self._upload(torch.tensor([[int(s.sampling.top_k), s.seed] for s in states], dtype=torch.long).T.contiguous())
         return floats[0], floats[1], longs[0], longs[1]
+
+    def _upload(self, host: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the engine's device without waiting: through pinned memory, non-blocking (torch's
+        blocking host-to-device copy synchronises the stream, i.e. waits for the round in flight; torch keeps the
+        pinned block until the copy has run)."""
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     # ---- emitting and finishing --------------------------------------------------------------------------------
     def _emit(self, state: RequestState, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
@@ -598,6 +689,11 @@ class Scheduler:
             log.warning("request %s: the consumer raised; cancelling it", state.request_id, exc_info=True)
             if not final:
                 self._finish(state, "cancelled")
+
+
+def _holds(states: list[RequestState], state: RequestState) -> bool:
+    """Whether ``state`` itself is in ``states`` (identity: states are dataclasses, and equality compares fields)."""
+    return any(s is state for s in states)
 
 
 def _any_filter(states: list[RequestState]) -> bool:
