@@ -457,11 +457,11 @@ def test_follow_up_rounds_change_the_auto_size_on_the_device(tiny_engine_factory
     real_queue, real_follow, real_collect, real_read = (Engine._queue, Engine._follow_up, Engine._collect,
                                                         ab.AutoChooser.read_row)
 
-    def queue(self, states, rows, shape, **kw):
+    def queue(self, states, rows, shape, *args, **kw):
         budgets = rows.longs[LONG_FIELDS.index("budget")].tolist()
         queued.append((shape.max_budget, [(s.tree.auto, s.tree.method, b) for s, b in zip(states, budgets,
                                                                                          strict=True)]))
-        return real_queue(self, states, rows, shape, **kw)
+        return real_queue(self, states, rows, shape, *args, **kw)
 
     def follow(self, flight, size, *args):
         changed.append(size != flight.shape.max_budget)
