@@ -131,9 +131,9 @@ def _engine(level: str, tiny_pair, tiny_tokenizer):
         engine.shapes, engine.prefills = [], []
         queue, prefill = engine._queue, engine.runner.prefill
 
-        def recording_queue(states, rows, shape, *, _q=queue, _e=engine):
+        def recording_queue(states, rows, shape, *, _q=queue, _e=engine, **kw):
             _e.shapes.append(shape)
-            return _q(states, rows, shape)
+            return _q(states, rows, shape, **kw)
 
         def recording_prefill(inp, *, _p=prefill, _e=engine, **kw):
             _e.prefills.append((inp.ids.shape[0], inp.ids.shape[1], inp.kv_len, bool(inp.start.any())))
