@@ -166,7 +166,9 @@ class MLP(nn.Module):
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> Tensor:
     """Inverse frequencies ``[head_dim // 2]`` (fp32, CPU) for plain, ``linear`` or ``llama3`` RoPE."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    # on the CPU whatever the default device: on the meta device (every checkpoint load builds there) these ops go
+    # through Python references that import torch._dynamo, seconds of a cold start
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
     if scaling is None:
         return inv_freq
     kind = scaling["rope_type"]
@@ -194,7 +196,8 @@ class Rotary(nn.Module):
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None) -> None:
         super().__init__()
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
-        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+        default = torch.empty(0).device  # the device a model is built on (meta for a checkpoint load)
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling).to(default), persistent=False)
 
     def reset(self, device: torch.device | str) -> None:
         self.inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)

@@ -87,7 +87,12 @@ class TargetModel(nn.Module):
         super().__init__()
         self.config = config
         c = config
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        # nn.Embedding's own initialisation, written out: on the meta device (every checkpoint load builds there)
+        # its normal_ goes through a Python reference that imports torch._dynamo, about 3 s of a cold start
+        weight = torch.empty(c.vocab_size, c.hidden_size)
+        if weight.device.type != "meta":
+            nn.init.normal_(weight)
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(
             DecoderLayer(i, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim,
                          c.rms_norm_eps, qkv_bias=c.attention_bias, o_bias=c.o_bias, qk_norm=c.qk_norm)

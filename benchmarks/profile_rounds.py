@@ -1,0 +1,191 @@
+"""Where an engine round's device time goes, exact mode beside the default engine (torch.profiler over served rounds).
+
+The engine's stage timer gives each stage's total; ``benchmarks/profile_step.py`` lists the kernels of eager
+forwards. This runs the engine itself, CUDA graphs and all, on the same requests in both modes, and lists the
+kernels of the rounds as served (count and device time per round, per mode, side by side), with each mode's round
+wall time and the device time its kernels add up to: the difference is time the device did not run a kernel of
+the round (launch gaps, host waits). Why: exact mode's price at 64 in flight was about 3 ms a round of which the
+kernels measured alone explained 1 (docs/benchmarks.md, "Exact mode", fourth run).
+
+Each (method, mode) runs once untimed (captures and compilations), then again with the profiler on from the moment
+every request has its first token to the end (the decode rounds only): ``--concurrency`` requests at once,
+``--context`` tokens each, ``--new-tokens`` each, greedy; writes ``OUT/profile_rounds.md`` and ``.json``. Times
+under the profiler are slower than without it (its tracing adds host time per launch).
+
+    python benchmarks/profile_rounds.py --out $OUT/prof --methods ar,ddtree-4 --concurrency 64 --context 1024
+    python benchmarks/profile_rounds.py --out /tmp/p --device cpu --shape none --concurrency 2 --context 64  # dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from ddtree.engine import Engine, EngineConfig, TreeSettings
+from ddtree.lab.bench.inprocess import greedy_requests, run_cell, synchronize
+from ddtree.lab.bench.workload import held_out_token_stream, prompts_for
+
+MODES = ("default", "exact")
+
+
+def tree_of(method: str) -> TreeSettings:
+    """``ar``, ``dflash`` or ``ddtree-<budget>``."""
+    if method.startswith("ddtree-"):
+        return TreeSettings(budget=int(method.split("-", 1)[1]))
+    return TreeSettings(method=method)
+
+
+def kernel_times(prof, cuda: bool) -> dict[str, list[float]]:
+    """Kernel name (first 80 characters) -> [launches, device microseconds] over the profiled window (on a CPU:
+    aten operators and their self time, for the dry run)."""
+    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for evt in prof.events():
+        if cuda and evt.device_type == torch.autograd.DeviceType.CUDA:
+            entry = totals[evt.name[:80]]
+            entry[0] += 1
+            entry[1] += evt.device_time_total
+        elif not cuda and evt.device_type == torch.autograd.DeviceType.CPU and evt.name.startswith("aten::"):
+            entry = totals[evt.name[:80]]
+            entry[0] += 1
+            entry[1] += evt.self_cpu_time_total
+    return dict(totals)
+
+
+def decode_window(engine: Engine, prompts, tree: TreeSettings, new_tokens: int, cuda: bool) -> dict:
+    """Every prompt at once; the profiler runs from the moment every request has its first token (the prefills
+    are done) to the last one's end, so the kernels are the decode rounds'. Rounds in the window: the chunks
+    emitted in it over the requests (a round emits one chunk per request that commits tokens)."""
+    state = {"first": 0, "done": 0, "chunks": 0, "tokens": 0, "profiling": False}
+    lock, all_first, all_done = threading.Lock(), threading.Event(), threading.Event()
+
+    def on_chunk(chunk) -> None:
+        with lock:
+            if state["profiling"] and chunk.token_ids:
+                state["chunks"] += 1
+                state["tokens"] += len(chunk.token_ids)
+            if chunk.token_ids and chunk.request_id not in seen:
+                seen.add(chunk.request_id)
+                state["first"] += 1
+                if state["first"] == len(prompts):
+                    all_first.set()
+            if chunk.finished:
+                state["done"] += 1
+                if state["done"] == len(prompts):
+                    all_done.set()
+
+    seen: set[str] = set()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    for req in greedy_requests(prompts, tree, new_tokens):
+        engine.submit(req, on_chunk)
+    if not all_first.wait(600):
+        raise RuntimeError("the requests' first tokens did not all arrive")
+    with profile(activities=activities) as prof:
+        with lock:
+            state["profiling"] = True
+            t0 = time.perf_counter()
+        if not all_done.wait(600):
+            raise RuntimeError("the requests did not all finish")
+        wall = time.perf_counter() - t0
+        synchronize(engine.device)
+    rounds = max(1.0, state["chunks"] / len(prompts))
+    kernels = kernel_times(prof, cuda)
+    return {"rounds": rounds, "tokens": state["tokens"], "wall_s": wall, "round_ms": 1e3 * wall / rounds,
+            "tok_s": state["tokens"] / max(wall, 1e-9),
+            "kernel_ms_per_round": sum(us for _, us in kernels.values()) / rounds / 1e3, "kernels": kernels}
+
+
+def profiled_cell(engine: Engine, prompts, tree: TreeSettings, new_tokens: int, cuda: bool) -> dict:
+    run_cell(engine, prompts, tree, new_tokens)  # captures and compilations, untimed
+    synchronize(engine.device)
+    return decode_window(engine, prompts, tree, new_tokens, cuda)
+
+
+def table(report: dict, top: int) -> str:
+    lines = []
+    for method, modes in report["cells"].items():
+        d, e = modes.get("default"), modes.get("exact")
+        if not d or not e:
+            continue
+        lines += [f"### {method}, C = {report['concurrency']}, context {report['context']}", "",
+                  f"decode under the profiler, default: {d['tok_s']:.0f} tok/s, round {d['round_ms']:.2f} ms wall, "
+                  f"kernels {d['kernel_ms_per_round']:.2f} ms a round ({d['rounds']:.1f} rounds); exact: "
+                  f"{e['tok_s']:.0f} tok/s, round {e['round_ms']:.2f} ms wall, kernels "
+                  f"{e['kernel_ms_per_round']:.2f} ms a round ({e['rounds']:.1f} rounds)", "",
+                  "| kernel | default: per round | ms | exact: per round | ms | exact - default, ms |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        names = set(d["kernels"]) | set(e["kernels"])
+
+        def per_round(cell, name):
+            n, us = cell["kernels"].get(name, (0, 0.0))
+            return n / cell["rounds"], us / cell["rounds"] / 1e3
+
+        rows = sorted(names, key=lambda k: -max(per_round(d, k)[1], per_round(e, k)[1]))[:top]
+        for name in rows:
+            (dn, dms), (en, ems) = per_round(d, name), per_round(e, name)
+            lines.append(f"| `{name}` | {dn:.1f} | {dms:.3f} | {en:.1f} | {ems:.3f} | {ems - dms:+.3f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+@torch.inference_mode()
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shape", default="qwen3-8b", help="stand-in shape, or 'none' for the demo pair as is")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--methods", default="ar,ddtree-4")
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--top", type=int, default=24)
+    ap.add_argument("--prefill-chunk", type=int, default=None,
+                    help="EngineConfig.prefill_chunk (default: every prompt in one step, so the requests decode "
+                         "side by side from their first token)")
+    args = ap.parse_args(argv)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    t0 = time.perf_counter()
+
+    from ddtree.models import load_tokenizer
+    from ddtree.models.standin import load_demo_benchmark_pair
+
+    target, drafter, tokenizer_dir = load_demo_benchmark_pair(args.shape, device,
+                                                             torch.bfloat16 if cuda else torch.float32)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    prompts = prompts_for(held_out_token_stream(tokenizer, 2 * args.context + 4096), args.context,
+                          args.concurrency, salt=3)
+    report = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
+              "shape": args.shape, "concurrency": args.concurrency, "context": args.context,
+              "new_tokens": args.new_tokens, "cells": {}}
+    for mode in MODES:
+        config = EngineConfig(max_batch=args.concurrency, max_len=args.context + args.new_tokens + 80, max_budget=64,
+                              max_queue=4096, exact=mode == "exact", warmup="none",
+                              prefill_chunk=args.prefill_chunk or args.concurrency * args.context)
+        engine = Engine(target, drafter, tokenizer, config, model_name=f"standin-{args.shape}-{mode}")
+        engine.start()
+        try:
+            for method in args.methods.split(","):
+                cell = profiled_cell(engine, prompts, tree_of(method), args.new_tokens, cuda)
+                report["cells"].setdefault(method, {})[mode] = cell
+                print(f"{method} {mode}: decode {cell['tok_s']:.0f} tok/s, round {cell['round_ms']:.2f} ms, kernels "
+                      f"{cell['kernel_ms_per_round']:.2f} ms a round", flush=True)
+        finally:
+            engine.shutdown(drain_timeout=0)
+    report["total_s"] = time.perf_counter() - t0
+    (out_dir / "profile_rounds.json").write_text(json.dumps(report, indent=1))
+    text = table(report, args.top)
+    (out_dir / "profile_rounds.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
