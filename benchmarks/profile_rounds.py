@@ -146,8 +146,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--top", type=int, default=24)
     ap.add_argument("--prefill-chunk", type=int, default=None,
-                    help="EngineConfig.prefill_chunk (default: every prompt in one step, so the requests decode "
-                         "side by side from their first token)")
+                    help="EngineConfig.prefill_chunk (default: every prompt in one step up to 4096 tokens (the cache grows "
+                         "with it), so the requests decode side by side from their first token)")
     args = ap.parse_args(argv)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     for mode in MODES:
         config = EngineConfig(max_batch=args.concurrency, max_len=args.context + args.new_tokens + 80, max_budget=64,
                               max_queue=4096, exact=mode == "exact", warmup="none",
-                              prefill_chunk=args.prefill_chunk or args.concurrency * args.context)
+                              prefill_chunk=args.prefill_chunk or min(args.concurrency * args.context, 4096))
         engine = Engine(target, drafter, tokenizer, config, model_name=f"standin-{args.shape}-{mode}")
         engine.start()
         try:
