@@ -60,7 +60,8 @@ one unlucky round made look poor would otherwise never be tried again.
 Smoothing: a row's reported curve is averaged with its previous one (weight :data:`SMOOTHING` on the newest), over
 the sizes both cover. A row that has not reported yet (its first round) takes the mean curve of the round's rows
 that have; a round where no row has takes :func:`initial_budget`. Hysteresis: the round keeps the size of the
-previous round unless another beats it by :data:`MARGIN`, so near-ties do not break the overlap of rounds.
+previous round unless another beats it by :data:`MARGIN`, so near-ties do not change graphs back and forth (a new
+size no longer breaks the overlap of rounds: a follow-up round sets it on the device, ``Scheduler._follow_size``).
 """
 
 from __future__ import annotations
