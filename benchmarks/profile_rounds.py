@@ -22,7 +22,6 @@ import argparse
 import json
 import threading
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -30,6 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from ddtree.engine import Engine, EngineConfig, TreeSettings
 from ddtree.lab.bench.inprocess import greedy_requests, run_cell, synchronize
+from ddtree.lab.bench.kernel_timing import kernel_times
 from ddtree.lab.bench.workload import held_out_token_stream, prompts_for
 
 MODES = ("default", "exact")
@@ -40,22 +40,6 @@ def tree_of(method: str) -> TreeSettings:
     if method.startswith("ddtree-"):
         return TreeSettings(budget=int(method.split("-", 1)[1]))
     return TreeSettings(method=method)
-
-
-def kernel_times(prof, cuda: bool) -> dict[str, list[float]]:
-    """Kernel name (first 80 characters) -> [launches, device microseconds] over the profiled window (on a CPU:
-    aten operators and their self time, for the dry run)."""
-    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    for evt in prof.events():
-        if cuda and evt.device_type == torch.autograd.DeviceType.CUDA:
-            entry = totals[evt.name[:80]]
-            entry[0] += 1
-            entry[1] += evt.device_time_total
-        elif not cuda and evt.device_type == torch.autograd.DeviceType.CPU and evt.name.startswith("aten::"):
-            entry = totals[evt.name[:80]]
-            entry[0] += 1
-            entry[1] += evt.self_cpu_time_total
-    return dict(totals)
 
 
 def decode_window(engine: Engine, prompts, tree: TreeSettings, new_tokens: int, cuda: bool) -> dict:
@@ -95,7 +79,7 @@ def decode_window(engine: Engine, prompts, tree: TreeSettings, new_tokens: int, 
         wall = time.perf_counter() - t0
         synchronize(engine.device)
     rounds = max(1.0, state["chunks"] / len(prompts))
-    kernels = kernel_times(prof, cuda)
+    kernels = kernel_times(prof, cuda, width=80)
     return {"rounds": rounds, "tokens": state["tokens"], "wall_s": wall, "round_ms": 1e3 * wall / rounds,
             "tok_s": state["tokens"] / max(wall, 1e-9),
             "kernel_ms_per_round": sum(us for _, us in kernels.values()) / rounds / 1e3, "kernels": kernels}

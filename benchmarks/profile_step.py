@@ -11,28 +11,18 @@ mean device time), which says what is left to fuse and how far a stage is from i
 from __future__ import annotations
 
 import argparse
-from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from ddtree.engine import EngineConfig
 from ddtree.engine.kernels import KernelSet
-from ddtree.lab.bench.kernel_timing import load_standin_pair
+from ddtree.lab.bench.kernel_timing import kernel_times, load_standin_pair
 from ddtree.speculative.attention import TreeVisibility
 
 
 def kernel_table(prof, steps: int, cuda: bool, top: int = 18) -> list[str]:
-    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    for evt in prof.events():
-        if cuda and evt.device_type == torch.autograd.DeviceType.CUDA:
-            entry = totals[evt.name[:90]]
-            entry[0] += 1
-            entry[1] += evt.device_time_total
-        elif not cuda and evt.device_type == torch.autograd.DeviceType.CPU and evt.name.startswith("aten::"):
-            entry = totals[evt.name[:90]]  # dry run on a CPU: operators instead of kernels
-            entry[0] += 1
-            entry[1] += evt.self_cpu_time_total
+    totals = kernel_times(prof, cuda)  # dry run on a CPU: operators instead of kernels
     grand = sum(v[1] for v in totals.values())
     lines = [f"device time per step: {grand / steps / 1e3:.3f} ms, kernels per step: "
              f"{sum(v[0] for v in totals.values()) / steps:.0f}", "",

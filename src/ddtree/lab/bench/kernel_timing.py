@@ -1,5 +1,6 @@
-"""Shared by the kernel scripts under ``benchmarks/`` (tree_attention, fp8_gemm, verify_rows, profile_step): the
-device time of a call from a CUDA graph, and the model pair they time.
+"""Shared by the kernel scripts under ``benchmarks/`` (tree_attention, fp8_gemm, verify_rows, profile_step,
+profile_rounds): the device time of a call from a CUDA graph, kernel totals from a torch.profiler run, and the
+model pair they time.
 
 Why a module of the package: the scripts used to import each other through ``sys.path``; what two of them share
 lives here instead, so each script imports only ``ddtree``.
@@ -7,6 +8,7 @@ lives here instead, so each script imports only ``ddtree``.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable
 
 import torch
@@ -36,6 +38,22 @@ def time_ms(fns: Callable[[], object] | list[Callable[[], object]], reps: int = 
     end.record()
     torch.cuda.synchronize()
     return begin.elapsed_time(end) / (3 * reps)
+
+
+def kernel_times(prof, cuda: bool, width: int = 90) -> dict[str, list[float]]:
+    """Kernel name (its first ``width`` characters) -> [launches, device microseconds] over a torch.profiler run
+    ``prof``; on a CPU (a dry run) aten operators and their self time instead."""
+    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for evt in prof.events():
+        if cuda and evt.device_type == torch.autograd.DeviceType.CUDA:
+            entry = totals[evt.name[:width]]
+            entry[0] += 1
+            entry[1] += evt.device_time_total
+        elif not cuda and evt.device_type == torch.autograd.DeviceType.CPU and evt.name.startswith("aten::"):
+            entry = totals[evt.name[:width]]
+            entry[0] += 1
+            entry[1] += evt.self_cpu_time_total
+    return dict(totals)
 
 
 def load_standin_pair(dev: torch.device):
