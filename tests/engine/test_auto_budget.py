@@ -443,29 +443,43 @@ def test_auto_measures_its_curve_only_while_no_round_is_in_flight(tiny_engine_fa
 def test_follow_up_rounds_change_the_auto_size_on_the_device(tiny_engine_factory, tiny_tokenizer, tiny_pair,
                                                              monkeypatch):
     """With rounds queued ahead (overlap_rounds), a new auto size no longer waits for a host launch: the follow-up
-    round sets it on the device (PackedRows.advanced). A chooser forced to alternate b3 and b7 every round, beside
-    a fixed b4 row and an AR row (fp32, greedy): outputs equal the plain decoder's, follow-ups changed size, every
-    queued round's auto rows carry its size and the fixed rows their own, and each read round is accounted at the
-    size it ran (the sizes' counts are the rounds, the nodes its rows verified that size)."""
+    round sets it on the device (PackedRows.advanced). A chooser forced to cycle through b7, b15 and an exploration
+    of b15 (best b7), beside a fixed b4 row and an AR row (fp32, greedy): outputs equal the plain decoder's,
+    follow-ups were queued at a changed size, every queued round's auto rows carry its size, the fixed rows their
+    own, and its curve width is its size's; the follow-up of an exploring round never explores; each read round is
+    accounted at the size it ran (the sizes' counts are the rounds, the nodes its rows verified that size)."""
+    from ddtree.engine.cuda_graphs import bucket_nodes
     from ddtree.engine.engine import Engine
     from ddtree.engine.round import LONG_FIELDS
 
-    calls = itertools.count()
-    monkeypatch.setattr(ab.AutoChooser, "choose", lambda self, states, cost, explore=True: (
-        (7, 7) if next(calls) % 2 else (15, 15)))  # both above the fixed row's floor, as the options are
-    queued, changed, verified_seen, reading = [], [], [], []
-    real_queue, real_follow, real_collect, real_read = (Engine._queue, Engine._follow_up, Engine._collect,
-                                                        ab.AutoChooser.read_row)
+    calls, asked = itertools.count(), []
+    cycle = [(7, 7), (15, 15), (15, 7)]  # all above the fixed row's floor, as the options are; the last explores
+
+    def choose(self, states, cost, explore=True):
+        asked.append(explore)
+        pick = cycle[next(calls) % 3]
+        return pick if explore or pick[0] == pick[1] else (pick[1], pick[1])
+
+    monkeypatch.setattr(ab.AutoChooser, "choose", choose)
+    queued, follow_ups, verified_seen, reading, follow_explore = [], [], [], [], []
+    real_queue, real_follow, real_collect, real_read, real_size = (
+        Engine._queue, Engine._follow_up, Engine._collect, ab.AutoChooser.read_row, Engine._follow_size)
 
     def queue(self, states, rows, shape, *args, **kw):
         budgets = rows.longs[LONG_FIELDS.index("budget")].tolist()
-        queued.append((shape.max_budget, [(s.tree.auto, s.tree.method, b) for s, b in zip(states, budgets,
-                                                                                         strict=True)]))
+        queued.append((shape, [(s.tree.auto, s.tree.method, b) for s, b in zip(states, budgets, strict=True)]))
         return real_queue(self, states, rows, shape, *args, **kw)
 
     def follow(self, flight, size, *args):
-        changed.append(size != flight.shape.max_budget)
-        return real_follow(self, flight, size, *args)
+        out = real_follow(self, flight, size, *args)
+        follow_ups.append((flight.shape.max_budget, size, out))
+        return out
+
+    def follow_size(self, flight):
+        before = len(asked)
+        out = real_size(self, flight)
+        follow_explore.extend((flight.explores, e) for e in asked[before:])
+        return out
 
     def collect(self, flight):
         reading[:] = [flight.shape.max_budget]
@@ -477,6 +491,7 @@ def test_follow_up_rounds_change_the_auto_size_on_the_device(tiny_engine_factory
 
     monkeypatch.setattr(Engine, "_queue", queue)
     monkeypatch.setattr(Engine, "_follow_up", follow)
+    monkeypatch.setattr(Engine, "_follow_size", follow_size)
     monkeypatch.setattr(Engine, "_collect", collect)
     monkeypatch.setattr(ab.AutoChooser, "read_row", read_row)
     engine = tiny_engine_factory(oracle=True, overlap_rounds=True)
@@ -490,10 +505,16 @@ def test_follow_up_rounds_change_the_auto_size_on_the_device(tiny_engine_factory
                             for p, t in zip(prompts, trees, strict=True)])
     for out, p, t in zip(outs, prompts, trees, strict=True):
         assert out.token_ids == plain_greedy(target, tiny_tokenizer.encode(p), 40), f"{t} differs"
-    assert any(changed), "no follow-up round changed the auto size"
-    for size, rows in queued:
+    assert any(old != size and out is not None and out.shape.max_budget == size for old, size, out in follow_ups), \
+        "no follow-up round was queued at a changed auto size"
+    assert any(flight_explores for flight_explores, _ in follow_explore), "no follow-up of an exploring round"
+    for flight_explores, explore in follow_explore:
+        assert explore == (not flight_explores)
+    for shape, rows in queued:
         for auto, method, budget in rows:
-            assert budget == (size if auto else 4 if method == "ddtree" else 0)
+            assert budget == (shape.max_budget if auto else 4 if method == "ddtree" else 0)
+        if any(auto for auto, _, _ in rows):
+            assert shape.auto_width == ab.curve_width(bucket_nodes(shape.max_budget), engine._auto.candidates)
     for out, t in zip(outs, trees, strict=True):
         if t.auto:
             assert set(out.stats.auto_budgets) == {7, 15}

@@ -246,3 +246,20 @@ def test_load_tokenizer_without_files(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(CheckpointError, match="no usable tokenizer"):
         load_tokenizer(tmp_path)
+
+
+def test_a_checkpoint_load_does_not_import_torch_dynamo():
+    """Building a model on the meta device must not run a Python reference op (Embedding's normal_, RoPE's inverse
+    frequencies): each such op imports torch._dynamo, seconds of every cold start. In a fresh interpreter (another
+    test may have imported it already)."""
+    import subprocess
+    import sys
+
+    script = ("import sys, torch\n"
+              "from ddtree.assets import demo_drafter_path, demo_target_path\n"
+              "from ddtree.models import load_drafter, load_target\n"
+              "load_target(demo_target_path()); load_drafter(demo_drafter_path())\n"
+              "print('torch._dynamo' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "False"

@@ -346,6 +346,9 @@ class Scheduler:
             if state.phase is Phase.DECODE:
                 state.stats.stage_s["prefill"] = state.stats.stage_s.get("prefill", 0.0) + elapsed
                 self._first_token(state, token)
+            elif state.counted:  # cancelled after its prompt was prefilled: its prompt counts, as a read one's does
+                with self._lock:
+                    self._counters.prompt_tokens_total += len(state.prompt_ids)
         return True
 
     def _prompt_logprobs(self, rows: list[tuple[RequestState, int]], ids: torch.Tensor, every: torch.Tensor) -> None:
@@ -471,6 +474,7 @@ class Scheduler:
         if decoding != len(flight.states):
             return None
         size, explores = flight.shape.max_budget, False
+        previous = self._auto.previous
         if flight.shape.auto_width:
             if self._known_curve() is None:  # measuring it replays the round graphs whose buffers hold the result
                 return None
@@ -480,8 +484,10 @@ class Scheduler:
         # The next round's roots lie at most a block past the states' positions; from there it writes its tree
         # (nodes) into the target cache and its block into the drafter's.
         block = flight.shape.block_size
-        fits = max(s.root_position for s in flight.states) + block + max(size + 1, block) + 1 <= self.cache_len
-        return (size, explores) if fits else None
+        if max(s.root_position for s in flight.states) + block + max(size + 1, block) + 1 > self.cache_len:
+            self._auto.previous = previous  # no follow-up runs this choice: the host launch makes its own
+            return None
+        return size, explores
 
     def _follow_up(self, flight: _Flight, size: int, explores: bool = False) -> _Flight | None:
         """Queue the round after ``flight`` with inputs advanced on the device from its result: each row's root is
