@@ -147,8 +147,7 @@ class PackedRows:
         longs[LONG_FIELDS.index("start")] += n
         longs[LONG_FIELDS.index("step")] += n
         if auto_budget is not None:
-            budget = longs[LONG_FIELDS.index("budget")]
-            budget.copy_(torch.where(longs[LONG_FIELDS.index("auto")] == 1, auto_budget, budget))
+            longs[LONG_FIELDS.index("budget")].masked_fill_(longs[LONG_FIELDS.index("auto")] == 1, auto_budget)
         return PackedRows(longs, self.floats)
 
 

@@ -145,7 +145,7 @@ class Scheduler:
             results: list[RowResult] = []
             follow_up: _Flight | None = None
             if flight is not None:
-                follow = self._follow_size(flight)
+                follow = self._follow_size(flight)  # (size, best)
                 if follow is not None:
                     follow_up = self._follow_up(flight, *follow)
                 results = self._collect_guarded(flight)
@@ -388,6 +388,7 @@ class Scheduler:
         if auto:  # every auto row takes the round's whole budget: the verify is padded to it anyway
             chosen, best = self._auto_choice(states, pending, explore=True)
             explores = chosen != best
+            self._auto.previous = best  # the hysteresis keeps the best, not an explored size
             for s in (s for s in states if s.tree.auto):
                 s.auto_budget = chosen
         max_budget = max(s.budget for s in states) if block > 1 else 0
@@ -456,9 +457,9 @@ class Scheduler:
         return _Flight(states=states, result=result, copy=HostCopy(result), rows=rows, shape=shape, timer=timer,
                        explores=explores)
 
-    def _follow_size(self, flight: _Flight) -> tuple[int, bool] | None:
-        """(The budget, whether it explores) of the round that can be queued before ``flight`` is read, or None
-        when the next round must be launched from the host once it is.
+    def _follow_size(self, flight: _Flight) -> tuple[int, int] | None:
+        """(The budget, budget auto's best size: the two differ when it explores) of the round that can be queued
+        before ``flight`` is read, or None when the next round must be launched from the host once it is.
 
         A follow-up needs the same rows (every one still decoding, nobody else decoding, prefilling or able to take
         a free slot) and writes that stay inside the cache whatever ``flight`` accepts; rows that finish on
@@ -473,27 +474,24 @@ class Scheduler:
         decoding = sum(1 for s in self._active.values() if s.phase is not Phase.DONE)
         if decoding != len(flight.states):
             return None
-        size, explores = flight.shape.max_budget, False
-        previous = self._auto.previous
+        size = best = flight.shape.max_budget
         if flight.shape.auto_width:
             if self._known_curve() is None:  # measuring it replays the round graphs whose buffers hold the result
                 return None
             # an exploring flight's evidence is not read yet: its follow-up must not explore the same size again
             size, best = self._auto_choice(flight.states, {}, explore=not flight.explores)
-            explores = size != best
         # The next round's roots lie at most a block past the states' positions; from there it writes its tree
         # (nodes) into the target cache and its block into the drafter's.
         block = flight.shape.block_size
-        if max(s.root_position for s in flight.states) + block + max(size + 1, block) + 1 > self.cache_len:
-            self._auto.previous = previous  # no follow-up runs this choice: the host launch makes its own
-            return None
-        return size, explores
+        fits = max(s.root_position for s in flight.states) + block + max(size + 1, block) + 1 <= self.cache_len
+        return (size, best) if fits else None
 
-    def _follow_up(self, flight: _Flight, size: int, explores: bool = False) -> _Flight | None:
+    def _follow_up(self, flight: _Flight, size: int, best: int | None = None) -> _Flight | None:
         """Queue the round after ``flight`` with inputs advanced on the device from its result: each row's root is
         the last token it commits, its position and step counter move by the tokens it commits, and with budget
-        auto its auto rows take ``size`` (:meth:`_follow_size`). The states hold every round before ``flight``, so
-        their positions plus one block bound this round's cache reads."""
+        auto its auto rows take ``size`` (:meth:`_follow_size`; ``best`` its best size, None: ``size``), which becomes
+        the hysteresis' previous once the round is queued. The states hold every round before ``flight``, so their
+        positions plus one block bound this round's cache reads."""
         try:
             reach = max(s.root_position for s in flight.states) + flight.shape.block_size
             shape, auto = flight.shape, flight.shape.auto_width > 0
@@ -506,7 +504,11 @@ class Scheduler:
                                 auto_width=auto_budget.curve_width(bucket_nodes(nodes), self._auto.candidates))
             rows = flight.rows.advanced(flight.result, auto_budget=size if auto else None)
             shape = replace(shape, kv_len=reach + shape.max_budget + 1, draft_kv_len=max(1, reach))
-            return self._queue(flight.states, rows, shape, explores=explores)
+            best = size if best is None else best
+            follow_up = self._queue(flight.states, rows, shape, explores=size != best)
+            if auto:
+                self._auto.previous = best
+            return follow_up
         except Exception:  # the host path below will launch it (and isolate a faulty row if it fails again)
             log.warning("queuing a follow-up round failed; launching from the host instead", exc_info=True)
             return None
@@ -561,13 +563,12 @@ class Scheduler:
         """(The budget of the next round of ``states``, some "auto"; the best size) by
         :meth:`auto_budget.AutoChooser.choose` over the cost curve at this round's rows bucket and furthest root
         (measured, when the engine has none, only once a row has a curve to weigh: the first round starts at the
-        initial budget). The round is queued now: the best size becomes the hysteresis' previous; ``explore``: it
-        may run a larger size to observe it (the two differ then)."""
+        initial budget). ``explore``: it may run a larger size to observe it (the two differ then); the caller makes
+        the best size the hysteresis' previous once the round is queued."""
         n = bucket_rows(len(states), self.config.max_batch) if self.graphs is not None else len(states)
         reach = max(s.root_position + len(pending.get(s.request_id, ())) for s in states)
         chosen, best = self._auto.choose(states, lambda b: self._auto_cost().round_seconds(n, b, reach + b + 1),
                                          explore=explore)
-        self._auto.previous = best
         return chosen, best
 
     def _known_curve(self) -> CostCurve | None:
