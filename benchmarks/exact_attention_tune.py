@@ -14,6 +14,12 @@ And the property exact mode rests on, on the GPU: every tree node's output equal
 query over the same keys in position order), checked for the 64-node tree.
 
     python benchmarks/exact_attention_tune.py --out $OUT [--ref build/batch_invariant_before.py]     # H200
+    python benchmarks/exact_attention_tune.py --out $OUT --sweep     # the launch constants, below
+
+``--sweep`` times exact mode's attention under each setting of the constants that fix its bits (key tile
+``ATTN_BLOCK_N``, split size ``ATTN_SPLIT_KEYS``) and of its launch (warps, pipeline stages), on the shapes of
+:data:`SWEEP_SHAPES`, and checks for each setting that every node of a 64-node tree and every token of a chain row
+at 64 rows equals the AR step at its position (the property; a setting that breaks it is reported, never chosen).
 """
 
 from __future__ import annotations
@@ -34,6 +40,15 @@ SHAPES = (  # (name, rows, tokens, tree?, context)
     ("tree 64 C=1", 1, 64, True, 1024), ("AR C=64", 64, 1, False, 1024), ("tree 9 C=64", 64, 9, True, 1024),
     ("chain C=64", 64, 16, False, 1024), ("AR C=1 4k", 1, 1, False, 4096), ("tree 64 C=1 4k", 1, 64, True, 4096),
 )
+
+
+SWEEP_SHAPES = (
+    ("AR C=1", 1, 1, False, 1024), ("tree 17 C=1", 1, 17, True, 1024), ("tree 64 C=1", 1, 64, True, 1024),
+    ("AR C=64", 64, 1, False, 1024), ("tree 5 C=64", 64, 5, True, 1024), ("tree 9 C=64", 64, 9, True, 1024),
+    ("chain C=64", 64, 16, False, 1024), ("AR C=1 4k", 1, 1, False, 4096), ("tree 64 C=1 4k", 1, 64, True, 4096),
+)
+# (ATTN_BLOCK_N, ATTN_SPLIT_KEYS, ATTN_NUM_WARPS, ATTN_NUM_STAGES): every combination below
+SWEEP = tuple((bn, sk, w, st) for bn in (64, 128) for sk in (256, 512) for w in (4, 8) for st in (2, 3, 4))
 
 
 def random_trees(rows: int, t: int, tree: bool, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,10 +76,8 @@ def load_ref(path: str):
     return mod
 
 
-def one_shape(name: str, rows: int, t: int, tree: bool, ctx: int, ref, gen: torch.Generator) -> dict:
-    """Time every kernel on one shape (and, for the 64-node tree, check each node against its AR step)."""
-    from triton.testing import do_bench_cudagraph
-
+def inputs(rows: int, t: int, tree: bool, ctx: int, gen: torch.Generator) -> dict:
+    """Random K/V, queries and trees of one shape on the GPU."""
     dev = torch.device("cuda")
     kv_len = ctx + t
     k = torch.randn((rows + 1, KV, kv_len + 64, D), generator=gen).to(dev, torch.bfloat16)
@@ -76,6 +89,46 @@ def one_shape(name: str, rows: int, t: int, tree: bool, ctx: int, ref, gen: torc
     depth, vis = depth.to(dev), vis.to(dev)
     positions = start[:, None] + depth
     anc, chain = bi.ancestor_map(start, positions, vis)
+    return dict(q=q, k=k, v=v, slots=slots, start=start, depth=depth, vis=vis, positions=positions, anc=anc,
+                chain=chain, kv_len=kv_len, ctx=ctx, t=t)
+
+
+def nodes_equal_to_ar(x: dict, out: torch.Tensor) -> str:
+    """How many of row 0's tokens in ``out`` (exact mode's [R, H, T, D]) have the bits of the AR step at their
+    position: one query over the same keys, written in position order at positions ``ctx ..``."""
+    q, k, v, depth, vis, ctx, t = x["q"], x["k"], x["v"], x["depth"], x["vis"], x["ctx"], x["t"]
+    dev = q.device
+    same = 0
+    for node in range(t):
+        d = int(depth[0, node])
+        order = [j for j in range(t) if vis[0, node, j]]
+        order.sort(key=lambda j: int(depth[0, j]))
+        k1 = k[:1].clone()
+        v1 = v[:1].clone()
+        k1[0, :, ctx:ctx + d + 1] = k[0, :, [ctx + j for j in order]]
+        v1[0, :, ctx:ctx + d + 1] = v[0, :, [ctx + j for j in order]]
+        p1 = torch.full((1, 1), ctx + d, dtype=torch.long, device=dev)
+        s1 = torch.full((1,), ctx + d, dtype=torch.long, device=dev)
+        one = torch.ones((1, 1, 1), dtype=torch.bool, device=dev)
+        a1, c1 = bi.ancestor_map(s1, p1, one)
+        ar = bi.attention(q[:1, :, node:node + 1].contiguous(), k1, v1, x["slots"][:1], s1, p1, a1, c1, ctx + d + 1,
+                          split_keys=bi.ATTN_SPLIT_KEYS)
+        same += bool(torch.equal(ar[0, :, 0], out[0, :, node]))
+    return f"{same}/{t}"
+
+
+def exact_call(x: dict):
+    return lambda: bi.attention(x["q"], x["k"], x["v"], x["slots"], x["start"], x["positions"], x["anc"], x["chain"],
+                                x["kv_len"], split_keys=bi.ATTN_SPLIT_KEYS)
+
+
+def one_shape(name: str, rows: int, t: int, tree: bool, ctx: int, ref, gen: torch.Generator) -> dict:
+    """Time every kernel on one shape (and, for the 64-node tree, check each node against its AR step)."""
+    from triton.testing import do_bench_cudagraph
+
+    x = inputs(rows, t, tree, ctx, gen)
+    q, k, v, slots, start, vis, kv_len = x["q"], x["k"], x["v"], x["slots"], x["start"], x["vis"], x["kv_len"]
+    positions, anc, chain = x["positions"], x["anc"], x["chain"]
     calls = {"default": lambda: tree_attention(q, k, v, slots, start, vis, kv_len),
              "exact": lambda: bi.attention(q, k, v, slots, start, positions, anc, chain, kv_len)}
     if ref is not None:
@@ -88,33 +141,53 @@ def one_shape(name: str, rows: int, t: int, tree: bool, ctx: int, ref, gen: torc
     if ref is not None:
         row["ref_same_bits"] = bool(torch.equal(outs["exact"], outs["exact_ref"]))
     if tree and t == 64:  # each node against the AR step at its position over the same keys
-        same = 0
-        for node in range(t):
-            d = int(depth[0, node])
-            order = [j for j in range(t) if vis[0, node, j]]
-            order.sort(key=lambda j: int(depth[0, j]))
-            k1 = k[:1].clone()
-            v1 = v[:1].clone()
-            k1[0, :, ctx:ctx + d + 1] = k[0, :, [ctx + j for j in order]]
-            v1[0, :, ctx:ctx + d + 1] = v[0, :, [ctx + j for j in order]]
-            p1 = torch.full((1, 1), ctx + d, dtype=torch.long, device=dev)
-            s1 = torch.full((1,), ctx + d, dtype=torch.long, device=dev)
-            one = torch.ones((1, 1, 1), dtype=torch.bool, device=dev)
-            a1, c1 = bi.ancestor_map(s1, p1, one)
-            ar = bi.attention(q[:1, :, node:node + 1].contiguous(), k1, v1, slots[:1], s1, p1, a1, c1,
-                              ctx + d + 1)
-            same += bool(torch.equal(ar[0, :, 0], outs["exact"][0, :, node]))
-        row["nodes_equal_to_ar"] = f"{same}/{t}"
+        row["nodes_equal_to_ar"] = nodes_equal_to_ar(x, outs["exact"])
     return row
+
+
+def sweep(gen: torch.Generator) -> dict:
+    """Every setting of :data:`SWEEP` on :data:`SWEEP_SHAPES` (module docstring); the default kernel once a shape."""
+    from triton.testing import do_bench_cudagraph
+
+    shapes = [(name, inputs(rows, t, tree, ctx, gen)) for name, rows, t, tree, ctx in SWEEP_SHAPES]
+    default = {name: round(do_bench_cudagraph(lambda x=x: tree_attention(x["q"], x["k"], x["v"], x["slots"],
+                                                                         x["start"], x["vis"], x["kv_len"]),
+                                              rep=100) * 1e3, 1) for name, x in shapes}
+    print("default:", " | ".join(f"{n}={us}" for n, us in default.items()), flush=True)
+    kept = (bi.ATTN_BLOCK_N, bi.ATTN_SPLIT_KEYS, bi.ATTN_NUM_WARPS, bi.ATTN_NUM_STAGES)
+    results = []
+    for setting in SWEEP:
+        bi.ATTN_BLOCK_N, bi.ATTN_SPLIT_KEYS, bi.ATTN_NUM_WARPS, bi.ATTN_NUM_STAGES = setting
+        row: dict = {"block_n": setting[0], "split_keys": setting[1], "num_warps": setting[2],
+                     "num_stages": setting[3]}
+        try:
+            for name, x in shapes:
+                fn = exact_call(x)
+                out = fn().clone()
+                row[name] = round(do_bench_cudagraph(fn, rep=50) * 1e3, 1)
+                if name in ("tree 64 C=1", "chain C=64"):
+                    row[f"{name} =AR"] = nodes_equal_to_ar(x, out)
+        except Exception as exc:  # a launch the device refuses (shared memory): recorded, the sweep goes on
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        results.append(row)
+        print(" | ".join(f"{key}={val}" for key, val in row.items()), flush=True)
+    bi.ATTN_BLOCK_N, bi.ATTN_SPLIT_KEYS, bi.ATTN_NUM_WARPS, bi.ATTN_NUM_STAGES = kept
+    return {"default_us": default, "settings": results}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--ref", default=None, help="another batch_invariant.py to time beside this tree's")
+    ap.add_argument("--sweep", action="store_true", help="time every setting of the attention's constants instead")
     args = ap.parse_args()
     ref = load_ref(args.ref) if args.ref else None
     gen = torch.Generator().manual_seed(0)
+    if args.sweep:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "exact_attention_sweep.json").write_text(json.dumps(sweep(gen), indent=1))
+        return
     rows_out = []
     for shape in SHAPES:
         row = one_shape(*shape, ref, gen)

@@ -181,6 +181,8 @@ def main(argv: list[str] | None = None) -> None:
                     "keys again with 2, 1 and 0 eager passes (what a capture costs once nothing compiles)")
     ap.add_argument("--eager-runs", type=int, default=None, help="eager passes before each capture in the warm-up "
                     "(graph_capture.Recorder.eager_runs; default the engine's)")
+    ap.add_argument("--profile-build", action="store_true", help="cProfile the stand-in build and tokenizer load "
+                    "(OUT/build_profile.txt: the 40 largest cumulative entries)")
     ap.add_argument("--no-workloads", action="store_true", help="start-up only: no workloads, no sweep cell")
     ap.add_argument("--cell-repeats", type=int, default=3)
     ap.add_argument("--cell-tokens", type=int, default=512, help="new tokens per request in the sweep cell")
@@ -208,11 +210,26 @@ def main(argv: list[str] | None = None) -> None:
         torch.empty(1, device=device)
         synchronize(device)
     t_load = time.perf_counter()
+    profile = None
+    if args.profile_build:
+        import cProfile
+
+        profile = cProfile.Profile()
+        profile.enable()
     target, drafter, tokenizer_dir = load_demo_benchmark_pair(args.shape, device,
                                                              torch.bfloat16 if cuda else torch.float32)
-    tokenizer = load_tokenizer(tokenizer_dir)
     synchronize(device)
+    t_pair = time.perf_counter()
+    tokenizer = load_tokenizer(tokenizer_dir)
     t_built = time.perf_counter()
+    if profile is not None:
+        import io
+        import pstats
+
+        profile.disable()
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(40)
+        (out_dir / "build_profile.txt").write_text(text.getvalue())
     contexts = [w[2] for w in (*WORKLOADS, CELL)]
     config = EngineConfig(max_batch=args.max_batch, max_len=max(max(contexts) + NEW_TOKENS, CELL[2] + args.cell_tokens) + 16,
                           max_budget=32,
@@ -233,7 +250,8 @@ def main(argv: list[str] | None = None) -> None:
         "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR", "~/.triton/cache (Triton's default)"),
         "compile_log": listening,
         "startup": {"imports_s": round(t_init - T_PROCESS, 2), "cuda_init_s": round(t_load - t_init, 2),
-                    "standin_build_s": round(t_built - t_load, 2),
+                    "standin_build_s": round(t_built - t_load, 2), "pair_s": round(t_pair - t_load, 2),
+                    "tokenizer_s": round(t_built - t_pair, 2),
                     "engine_build_s": round(t_engine - t_built, 2), "start_s": round(t_ready - t_engine, 2),
                     "process_to_ready_s": round(t_ready - T_PROCESS, 2),
                     "compiles_during_start": compiles.between(t_engine, t_ready),

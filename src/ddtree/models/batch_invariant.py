@@ -59,6 +59,10 @@ ATTN_BLOCK_M = 32  # folded rows (queries x query heads of one KV head) per atte
 ATTN_SUM_COLS = 16  # columns of the ones matrix the tile's row sums are a dot with (a tensor-core dot's least N)
 ATTN_BLOCK_N = 64  # key positions per tile
 ATTN_SPLIT_KEYS = 256  # key positions per split (a multiple of ATTN_BLOCK_N)
+# The split kernel's launch (warps, software-pipeline stages): the same for every call, so never a source of a row's
+# difference between calls; benchmarks/exact_attention_tune.py --sweep times the alternatives on the H200.
+ATTN_NUM_WARPS = 4
+ATTN_NUM_STAGES = 2
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
@@ -516,7 +520,8 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start:
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         t, g, kv, splits, scale_log2,
         HEAD_DIM=d, BLOCK_M=block_m, QT=qt, BLOCK_N=ATTN_BLOCK_N, TILES_PER_SPLIT=split_keys // ATTN_BLOCK_N,
-        SUM_COLS=ATTN_SUM_COLS, EMULATE=INTERPRETED, PRECISION=precision, num_warps=4, num_stages=2,
+        SUM_COLS=ATTN_SUM_COLS, EMULATE=INTERPRETED, PRECISION=precision, num_warps=ATTN_NUM_WARPS,
+        num_stages=ATTN_NUM_STAGES,
     )
     _attention_combine_kernel[(r * t, h)](
         out, positions, part_m, part_l, part_acc, out.stride(0), out.stride(1), out.stride(2), t, h, splits,
