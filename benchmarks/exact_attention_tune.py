@@ -117,9 +117,16 @@ def nodes_equal_to_ar(x: dict, out: torch.Tensor) -> str:
     return f"{same}/{t}"
 
 
-def exact_call(x: dict):
-    return lambda: bi.attention(x["q"], x["k"], x["v"], x["slots"], x["start"], x["positions"], x["anc"], x["chain"],
-                                x["kv_len"], split_keys=bi.ATTN_SPLIT_KEYS)
+def default_call(x: dict):
+    """The default engine's tree-attention kernel on one shape's inputs, as a call to time."""
+    return lambda: tree_attention(x["q"], x["k"], x["v"], x["slots"], x["start"], x["vis"], x["kv_len"])
+
+
+def exact_call(x: dict, module=bi):
+    """``module.attention`` (this tree's exact attention, or a ``--ref`` copy) on one shape's inputs, at the split
+    size the module's constant says (the sweep changes it)."""
+    return lambda: module.attention(x["q"], x["k"], x["v"], x["slots"], x["start"], x["positions"], x["anc"],
+                                    x["chain"], x["kv_len"], split_keys=module.ATTN_SPLIT_KEYS)
 
 
 def one_shape(name: str, rows: int, t: int, tree: bool, ctx: int, ref, gen: torch.Generator) -> dict:
@@ -127,12 +134,9 @@ def one_shape(name: str, rows: int, t: int, tree: bool, ctx: int, ref, gen: torc
     from triton.testing import do_bench_cudagraph
 
     x = inputs(rows, t, tree, ctx, gen)
-    q, k, v, slots, start, vis, kv_len = x["q"], x["k"], x["v"], x["slots"], x["start"], x["vis"], x["kv_len"]
-    positions, anc, chain = x["positions"], x["anc"], x["chain"]
-    calls = {"default": lambda: tree_attention(q, k, v, slots, start, vis, kv_len),
-             "exact": lambda: bi.attention(q, k, v, slots, start, positions, anc, chain, kv_len)}
+    calls = {"default": default_call(x), "exact": exact_call(x)}
     if ref is not None:
-        calls["exact_ref"] = lambda: ref.attention(q, k, v, slots, start, positions, anc, chain, kv_len)
+        calls["exact_ref"] = exact_call(x, ref)
     row = {"shape": name, "rows": rows, "tokens": t, "context": ctx}
     outs = {}
     for label, fn in calls.items():
@@ -150,9 +154,7 @@ def sweep(gen: torch.Generator) -> dict:
     from triton.testing import do_bench_cudagraph
 
     shapes = [(name, inputs(rows, t, tree, ctx, gen)) for name, rows, t, tree, ctx in SWEEP_SHAPES]
-    default = {name: round(do_bench_cudagraph(lambda x=x: tree_attention(x["q"], x["k"], x["v"], x["slots"],
-                                                                         x["start"], x["vis"], x["kv_len"]),
-                                              rep=100) * 1e3, 1) for name, x in shapes}
+    default = {name: round(do_bench_cudagraph(default_call(x), rep=100) * 1e3, 1) for name, x in shapes}
     print("default:", " | ".join(f"{n}={us}" for n, us in default.items()), flush=True)
     kept = (bi.ATTN_BLOCK_N, bi.ATTN_SPLIT_KEYS, bi.ATTN_NUM_WARPS, bi.ATTN_NUM_STAGES)
     results = []
