@@ -149,8 +149,9 @@ def one_shape(name: str, rows: int, t: int, tree: bool, ctx: int, ref, gen: torc
     return row
 
 
-def sweep(gen: torch.Generator) -> dict:
-    """Every setting of :data:`SWEEP` on :data:`SWEEP_SHAPES` (module docstring); the default kernel once a shape."""
+def sweep(gen: torch.Generator, settings: tuple[tuple[int, int, int, int], ...] = SWEEP) -> dict:
+    """Every setting of ``settings`` (:data:`SWEEP` unless ``--settings`` names others) on :data:`SWEEP_SHAPES`
+    (module docstring); the default kernel once a shape."""
     from triton.testing import do_bench_cudagraph
 
     shapes = [(name, inputs(rows, t, tree, ctx, gen)) for name, rows, t, tree, ctx in SWEEP_SHAPES]
@@ -158,7 +159,7 @@ def sweep(gen: torch.Generator) -> dict:
     print("default:", " | ".join(f"{n}={us}" for n, us in default.items()), flush=True)
     kept = (bi.ATTN_BLOCK_N, bi.ATTN_SPLIT_KEYS, bi.ATTN_NUM_WARPS, bi.ATTN_NUM_STAGES)
     results = []
-    for setting in SWEEP:
+    for setting in settings:
         bi.ATTN_BLOCK_N, bi.ATTN_SPLIT_KEYS, bi.ATTN_NUM_WARPS, bi.ATTN_NUM_STAGES = setting
         row: dict = {"block_n": setting[0], "split_keys": setting[1], "num_warps": setting[2],
                      "num_stages": setting[3]}
@@ -177,18 +178,36 @@ def sweep(gen: torch.Generator) -> dict:
     return {"default_us": default, "settings": results}
 
 
+def parse_settings(text: str) -> tuple[tuple[int, int, int, int], ...]:
+    """``"64:512:4:2,64:1024:4:2"`` -> ((64, 512, 4, 2), (64, 1024, 4, 2)); a split that is not a multiple of its
+    tile is refused here, before any kernel runs."""
+    settings = []
+    for item in text.split(","):
+        parts = item.strip().split(":")
+        if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise SystemExit(f"--settings: {item!r} is not block_n:split_keys:warps:stages (four positive integers)")
+        bn, sk, w, st = (int(p) for p in parts)
+        if sk % bn:
+            raise SystemExit(f"--settings: split_keys {sk} is not a multiple of block_n {bn} in {item!r}")
+        settings.append((bn, sk, w, st))
+    return tuple(settings)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--ref", default=None, help="another batch_invariant.py to time beside this tree's")
     ap.add_argument("--sweep", action="store_true", help="time every setting of the attention's constants instead")
+    ap.add_argument("--settings", default=None, help="with --sweep: these settings instead of SWEEP, as "
+                    "block_n:split_keys:warps:stages,... (for example 64:512:4:2,64:1024:4:2)")
     args = ap.parse_args()
+    settings = SWEEP if args.settings is None else parse_settings(args.settings)
     ref = load_ref(args.ref) if args.ref else None
     gen = torch.Generator().manual_seed(0)
     if args.sweep:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "exact_attention_sweep.json").write_text(json.dumps(sweep(gen), indent=1))
+        (out / "exact_attention_sweep.json").write_text(json.dumps(sweep(gen, settings), indent=1))
         return
     rows_out = []
     for shape in SHAPES:

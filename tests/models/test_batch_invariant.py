@@ -297,7 +297,8 @@ def test_gpu_chain_row_equals_its_ar_decode(tokens):
     kv, g, d = 8, 4, 128
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     one = torch.ones(1, 1, 1, dtype=torch.bool, device="cuda")
-    for start in (63, 64, 100, 200, 250, 1000, 1020, 3000):  # 250, 1020: the chain crosses a 256-key split
+    # 250, 500, 1020: the chain crosses a split edge at a multiple of 256 or of bi.ATTN_SPLIT_KEYS
+    for start in (63, 64, 100, 200, 250, 500, 1000, 1020, 3000):
         kc = torch.randn(2, kv, 4096, d, device="cuda", dtype=torch.bfloat16, generator=gen)
         vc = torch.randn(2, kv, 4096, d, device="cuda", dtype=torch.bfloat16, generator=gen)
         q = torch.randn(1, kv * g, tokens, d, device="cuda", dtype=torch.bfloat16, generator=gen)

@@ -248,18 +248,41 @@ def test_load_tokenizer_without_files(tmp_path):
         load_tokenizer(tmp_path)
 
 
-def test_a_checkpoint_load_does_not_import_torch_dynamo():
+def test_the_demo_pair_loads_without_torch_dynamo_or_transformers_generation():
     """Building a model on the meta device must not run a Python reference op (Embedding's normal_, RoPE's inverse
-    frequencies): each such op imports torch._dynamo, seconds of every cold start. In a fresh interpreter (another
-    test may have imported it already)."""
+    frequencies): each such op imports torch._dynamo, seconds of every cold start. The demo tokenizer must not go
+    through AutoTokenizer, whose AutoConfig imports transformers.generation (seconds more; module docstring of
+    ddtree.models.tokenizer). In a fresh interpreter (another test may have imported either already)."""
     import subprocess
     import sys
 
     script = ("import sys, torch\n"
               "from ddtree.assets import demo_drafter_path, demo_target_path\n"
-              "from ddtree.models import load_drafter, load_target\n"
-              "load_target(demo_target_path()); load_drafter(demo_drafter_path())\n"
-              "print('torch._dynamo' in sys.modules)\n")
+              "from ddtree.models import load_drafter, load_target, load_tokenizer\n"
+              "load_target(demo_target_path()); load_drafter(demo_drafter_path()); load_tokenizer(demo_target_path())\n"
+              "print('torch._dynamo' in sys.modules, 'transformers.generation' in sys.modules)\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().splitlines()[-1] == "False"
+    assert done.stdout.strip().splitlines()[-1] == "False False"
+
+
+def test_the_demo_tokenizer_is_the_one_autotokenizer_loads():
+    # load_tokenizer takes the demo's tokenizer through PreTrainedTokenizerFast; sound only while AutoTokenizer picks
+    # that class with the same settings, vocabulary, special tokens and chat template
+    from transformers import AutoTokenizer
+
+    from ddtree.assets import demo_target_path
+
+    ours = load_tokenizer(demo_target_path())
+    auto = AutoTokenizer.from_pretrained(str(demo_target_path()))
+    assert type(ours) is type(auto)
+    assert ours.init_kwargs == auto.init_kwargs
+    assert ours.get_vocab() == auto.get_vocab()
+    assert ours.all_special_ids == auto.all_special_ids and ours.eos_token_id == auto.eos_token_id
+    text = "def f(x):\n    return x  # caf\u00e9 <|im_end|> done<|endoftext|>"
+    ids = auto(text)["input_ids"]
+    assert ours(text)["input_ids"] == ids
+    assert ours.decode(ids, skip_special_tokens=True) == auto.decode(ids, skip_special_tokens=True)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "sort a list"}]
+    assert (ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            == auto.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
