@@ -15,16 +15,11 @@ query over the same keys in position order), checked for the 64-node tree.
 
     python benchmarks/exact_attention_tune.py --out $OUT [--ref build/batch_invariant_before.py]     # H200
     python benchmarks/exact_attention_tune.py --out $OUT --sweep     # the launch constants, below
-    python benchmarks/exact_attention_tune.py --out $OUT --groups    # splits walked per program, below
 
 ``--sweep`` times exact mode's attention under each setting of the constants that fix its bits (key tile
 ``ATTN_BLOCK_N``, split size ``ATTN_SPLIT_KEYS``) and of its launch (warps, pipeline stages), on the shapes of
 :data:`SWEEP_SHAPES`, and checks for each setting that every node of a 64-node tree and every token of a chain row
 at 64 rows equals the AR step at its position (the property; a setting that breaks it is reported, never chosen).
-
-``--groups`` times the launch choice that leaves the bits alone: how many consecutive splits one program walks
-(``batch_invariant.attention_splits_per_program``), on the same shapes at their power-of-two length buckets, each
-size checked against one split a program.
 """
 
 from __future__ import annotations
@@ -81,10 +76,10 @@ def load_ref(path: str):
     return mod
 
 
-def inputs(rows: int, t: int, tree: bool, ctx: int, gen: torch.Generator, kv_len: int | None = None) -> dict:
-    """Random K/V, queries and trees of one shape on the GPU; ``kv_len`` (default ctx + t) the launch's key length."""
+def inputs(rows: int, t: int, tree: bool, ctx: int, gen: torch.Generator) -> dict:
+    """Random K/V, queries and trees of one shape on the GPU."""
     dev = torch.device("cuda")
-    kv_len = ctx + t if kv_len is None else kv_len
+    kv_len = ctx + t
     k = torch.randn((rows + 1, KV, kv_len + 64, D), generator=gen).to(dev, torch.bfloat16)
     v = torch.randn(k.shape, generator=gen).to(dev, torch.bfloat16)
     q = torch.randn((rows, t, HEADS, D), generator=gen).to(dev, torch.bfloat16).transpose(1, 2)
@@ -127,11 +122,11 @@ def default_call(x: dict):
     return lambda: tree_attention(x["q"], x["k"], x["v"], x["slots"], x["start"], x["vis"], x["kv_len"])
 
 
-def exact_call(x: dict, module=bi, **launch):
+def exact_call(x: dict, module=bi):
     """``module.attention`` (this tree's exact attention, or a ``--ref`` copy) on one shape's inputs, at the split
-    size the module's constant says (the sweep changes it); ``launch``: ``splits_per_program`` (``--groups``)."""
+    size the module's constant says (the sweep changes it)."""
     return lambda: module.attention(x["q"], x["k"], x["v"], x["slots"], x["start"], x["positions"], x["anc"],
-                                    x["chain"], x["kv_len"], split_keys=module.ATTN_SPLIT_KEYS, **launch)
+                                    x["chain"], x["kv_len"], split_keys=module.ATTN_SPLIT_KEYS)
 
 
 def one_shape(name: str, rows: int, t: int, tree: bool, ctx: int, ref, gen: torch.Generator) -> dict:
@@ -183,32 +178,6 @@ def sweep(gen: torch.Generator, settings: tuple[tuple[int, int, int, int], ...] 
     return {"default_us": default, "settings": results}
 
 
-def groups(gen: torch.Generator) -> dict:
-    """Each of :data:`SWEEP_SHAPES` at its power-of-two length bucket (the key length the engine launches with, so
-    programs for splits past every row's position are launched too): exact attention with 1, 2, 4, ... splits a
-    program and with ``attention_splits_per_program``'s choice, each checked against one split a program."""
-    from triton.testing import do_bench_cudagraph
-
-    rows_out = []
-    for name, rows, t, tree, ctx in SWEEP_SHAPES:
-        x = inputs(rows, t, tree, ctx, gen, kv_len=1 << (ctx + t - 1).bit_length())
-        splits = -(-x["kv_len"] // bi.ATTN_SPLIT_KEYS)
-        q_tiles = -(-t // (bi.attention_block_m(t, HEADS // KV) // (HEADS // KV)))
-        row: dict = {"shape": name, "kv_len": x["kv_len"], "splits": splits,
-                     "policy": bi.attention_splits_per_program(splits, q_tiles * rows * KV)}
-        row["default_us"] = round(do_bench_cudagraph(default_call(x), rep=50) * 1e3, 1)
-        one = exact_call(x, splits_per_program=1)().clone()
-        sizes = [1 << i for i in range(splits.bit_length()) if 1 << i <= splits]
-        for group in (*sizes, None):
-            fn = exact_call(x, splits_per_program=group)
-            label = "policy" if group is None else f"g{group}"
-            row[f"{label}_same"] = bool(torch.equal(fn(), one))
-            row[f"{label}_us"] = round(do_bench_cudagraph(fn, rep=50) * 1e3, 1)
-        rows_out.append(row)
-        print(" | ".join(f"{key}={val}" for key, val in row.items()), flush=True)
-    return {"split_keys": bi.ATTN_SPLIT_KEYS, "target_programs": bi.ATTN_TARGET_PROGRAMS, "rows": rows_out}
-
-
 def parse_settings(text: str) -> tuple[tuple[int, int, int, int], ...]:
     """``"64:512:4:2,64:1024:4:2"`` -> ((64, 512, 4, 2), (64, 1024, 4, 2)); a split that is not a multiple of its
     tile is refused here, before any kernel runs."""
@@ -231,16 +200,10 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="time every setting of the attention's constants instead")
     ap.add_argument("--settings", default=None, help="with --sweep: these settings instead of SWEEP, as "
                     "block_n:split_keys:warps:stages,... (for example 64:512:4:2,64:1024:4:2)")
-    ap.add_argument("--groups", action="store_true", help="time splits walked per program instead (groups())")
     args = ap.parse_args()
     settings = SWEEP if args.settings is None else parse_settings(args.settings)
     ref = load_ref(args.ref) if args.ref else None
     gen = torch.Generator().manual_seed(0)
-    if args.groups:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "exact_attention_groups.json").write_text(json.dumps(groups(gen), indent=1))
-        return
     if args.sweep:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

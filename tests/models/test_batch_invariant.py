@@ -214,31 +214,6 @@ def test_attention_row_independent_of_other_rows():
     assert torch.equal(together[:1], alone)
 
 
-def test_splits_per_program_policy():
-    assert bi.attention_splits_per_program(8, 8) == 1  # C = 1: a program a split, the SMs need them
-    assert bi.attention_splits_per_program(8, 512) == 8  # 512 programs without splitting: a row's splits in one
-    assert bi.attention_splits_per_program(8, 128) == 2  # 128 x 4 groups = 512; groups of 4 would leave 256
-    assert bi.attention_splits_per_program(5, 256) == 4  # 256 x ceil(5 / 4) = 512
-    assert bi.attention_splits_per_program(1, 4096) == 1
-
-
-@pytest.mark.parametrize("group", [2, 3, 8])  # 3: the last group runs past the fourth split (nothing stored there)
-def test_splits_walked_in_one_program_give_the_same_partials(group):
-    """Three trees at different starts over four 64-key splits: one program a split against several a program."""
-    gen = torch.Generator().manual_seed(group)
-    t = len(PARENTS)
-    kc = torch.randn(4, KV, 256, D, generator=gen)
-    vc = torch.randn(4, KV, 256, D, generator=gen)
-    q = torch.randn(3, KV * G, t, D, generator=gen)
-    vis, depth = _tree(PARENTS)
-    start = torch.tensor([70, 5, 200])
-    pos = start[:, None] + depth[None]
-    anc, chain = bi.ancestor_map(start, pos, vis.expand(3, t, t).contiguous())
-    args = (q, kc, vc, torch.tensor([2, 0, 3]), start, pos, anc, chain, 256)
-    one = bi.attention(*args, split_keys=64, splits_per_program=1)
-    assert torch.equal(bi.attention(*args, split_keys=64, splits_per_program=group), one)
-
-
 def test_ancestor_map_of_a_tree_and_a_chunk():
     vis, depth = _tree((-1, 0, 0, 1))
     anc, chain = bi.ancestor_map(torch.tensor([5]), 5 + depth[None], vis)
@@ -337,31 +312,6 @@ def test_gpu_chain_row_equals_its_ar_decode(tokens):
             ar = bi.attention(q[:, :, t:t + 1], kc, vc, torch.tensor([1], device="cuda"), pt, pt[:, None], a1, c1,
                               start + t + 1)
             assert torch.equal(ar[0, :, 0], out[0, :, t]), f"row {t} of a chain at {start}"
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("tokens,tree", [(1, False), (len(PARENTS), True), (16, False)])  # AR, a tree, a chain
-def test_gpu_splits_walked_in_one_program_give_the_same_bits(tokens, tree):
-    # 64 rows at scattered starts over a 2048-key bucket (8 splits): every group size against one split a program
-    kv, g, d, rows = 8, 4, 128, 64
-    gen = torch.Generator(device="cuda").manual_seed(tokens)
-    kc = torch.randn(rows, kv, 2048, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-    vc = torch.randn(rows, kv, 2048, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-    q = torch.randn(rows, kv * g, tokens, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-    start = torch.randint(200, 2048 - 32, (rows,), device="cuda", generator=gen)
-    if tree:
-        vis, depth = _tree(PARENTS)
-    else:
-        vis, depth = torch.tril(torch.ones(tokens, tokens, dtype=torch.bool)), torch.arange(tokens)
-    vis, depth = vis.to("cuda").expand(rows, tokens, tokens).contiguous(), depth.to("cuda")
-    pos = start[:, None] + depth[None]
-    anc, chain = bi.ancestor_map(start, pos, vis)
-    args = (q, kc, vc, torch.arange(rows, device="cuda"), start, pos, anc, chain, 2048)
-    one = bi.attention(*args, splits_per_program=1)
-    assert bi.attention_splits_per_program(8, rows * kv) == 8  # the engine's own choice at this shape
-    for group in (2, 3, 4, 8, None):
-        assert torch.equal(bi.attention(*args, splits_per_program=group), one), f"{group} splits a program"
 
 
 @pytest.mark.gpu

@@ -63,8 +63,6 @@ ATTN_SPLIT_KEYS = 256  # key positions per split (a multiple of ATTN_BLOCK_N); 5
 # difference between calls; benchmarks/exact_attention_tune.py --sweep times the alternatives on the H200.
 ATTN_NUM_WARPS = 4
 ATTN_NUM_STAGES = 2
-# Programs a launch keeps before consecutive splits share one (attention_splits_per_program): a launch choice too
-ATTN_TARGET_PROGRAMS = 512
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
@@ -331,15 +329,12 @@ if triton is not None:
         stride_qr, stride_qh, stride_qt, stride_ks, stride_kh, stride_kp, stride_vs, stride_vh, stride_vp,
         T, G, num_kv, num_splits, scale_log2,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, QT: tl.constexpr, BLOCK_N: tl.constexpr,
-        TILES_PER_SPLIT: tl.constexpr, SPLITS_PER_PROGRAM: tl.constexpr, SUM_COLS: tl.constexpr,
-        EMULATE: tl.constexpr, PRECISION: tl.constexpr,
+        TILES_PER_SPLIT: tl.constexpr, SUM_COLS: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
     ):
-        """Program (query tile, group of SPLITS_PER_PROGRAM consecutive splits, row x KV head): for each split of
-        its group in turn, the online softmax of its rows over the split's key tiles in ascending position order ->
-        fp32 partials (max m, sum l, unnormalised acc) per (row, head, split). Each split starts from zero state, so
-        a split's partial is the same whichever group size the launch chose."""
+        """Program (query tile, split, row x KV head): the online softmax of its rows over the key tiles of its
+        split in ascending position order -> fp32 partials (max m, sum l, unnormalised acc) per (row, head, split)."""
         pid_q = tl.program_id(0)
-        pid_group = tl.program_id(1)
+        pid_s = tl.program_id(1)
         pid_rk = tl.program_id(2)
         r = (pid_rk // num_kv).to(tl.int64)
         kv = pid_rk % num_kv
@@ -360,27 +355,12 @@ if triton is not None:
         k_base = k_ptr + slot * stride_ks + kv * stride_kh
         v_base = v_ptr + slot * stride_vs + kv * stride_vh
         anc_base = anc_ptr + r * T * T
-        # made in fp32 and cast: Triton 3.6's interpreter has no bf16 constant (``tl.full`` in bf16 fails there)
-        ones = tl.full([BLOCK_N, SUM_COLS], 1.0, dtype=tl.float32).to(q_ptr.dtype.element_ty)
-        for split_in_group in range(0, SPLITS_PER_PROGRAM):
-            pid_s = pid_group * SPLITS_PER_PROGRAM + split_in_group
-            _attention_split(q, k_base, v_base, stride_kp, stride_vp, anc_base, pos_ptr, part_m_ptr, part_l_ptr,
-                             part_acc_ptr, r, t, qi, row_ok, head, pos_row, max_pos, all_chain, start, ones, offs_d,
-                             offs_n, pid_q, pid_s, T, G, num_kv, num_splits, scale_log2, HEAD_DIM, BLOCK_M, QT,
-                             BLOCK_N, TILES_PER_SPLIT, SUM_COLS, EMULATE, PRECISION)
 
-    @triton.jit
-    def _attention_split(q, k_base, v_base, stride_kp, stride_vp, anc_base, pos_ptr, part_m_ptr, part_l_ptr,
-                         part_acc_ptr, r, t, qi, row_ok, head, pos_row, max_pos, all_chain, start, ones, offs_d,
-                         offs_n, pid_q, pid_s, T, G, num_kv, num_splits, scale_log2, HEAD_DIM: tl.constexpr,
-                         BLOCK_M: tl.constexpr, QT: tl.constexpr, BLOCK_N: tl.constexpr,
-                         TILES_PER_SPLIT: tl.constexpr, SUM_COLS: tl.constexpr, EMULATE: tl.constexpr,
-                         PRECISION: tl.constexpr):
-        """One split of :func:`_attention_split_kernel`'s program, from zero state to its stored partial (nothing
-        is stored for a split index past ``num_splits``, the tail of the last group)."""
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M, SUM_COLS], dtype=tl.float32)
+        # made in fp32 and cast: Triton 3.6's interpreter has no bf16 constant (``tl.full`` in bf16 fails there)
+        ones = tl.full([BLOCK_N, SUM_COLS], 1.0, dtype=tl.float32).to(q_ptr.dtype.element_ty)
         tile_lo = pid_s * TILES_PER_SPLIT
         tile_hi = tl.minimum(tile_lo + TILES_PER_SPLIT, max_pos // BLOCK_N + 1)
         # Tiles every query of the program reads alike (all of them for chains and prompt chunks, else those wholly
@@ -433,10 +413,9 @@ if triton is not None:
 
         # partials [R, T, H, splits] (+ D): written for every valid row, read only for splits up to its position
         part = ((r * T + t) * (num_kv * G) + head) * num_splits + pid_s
-        keep = row_ok & (tl.full([BLOCK_M], pid_s, tl.int32) < num_splits)  # a tensor: the interpreter's loop index is an int
-        tl.store(part_m_ptr + part, m_i, mask=keep)
-        tl.store(part_l_ptr + part, tl.max(l_i, 1), mask=keep)  # its columns are equal
-        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=keep[:, None])
+        tl.store(part_m_ptr + part, m_i, mask=row_ok)
+        tl.store(part_l_ptr + part, tl.max(l_i, 1), mask=row_ok)  # its columns are equal
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None])
 
     @triton.jit(do_not_specialize=["T"])
     def _attention_combine_kernel(
@@ -493,34 +472,19 @@ def attention_block_m(tokens: int, group: int) -> int:
     return 64 if ATTN_BLOCK_M < tokens * group <= 64 else ATTN_BLOCK_M
 
 
-def attention_splits_per_program(splits: int, programs_per_split: int) -> int:
-    """Consecutive key splits one program walks: the largest power of two (at most ``splits``) that keeps the
-    launch at :data:`ATTN_TARGET_PROGRAMS` programs or more, else 1. ``programs_per_split`` = query tiles x rows x
-    KV heads. At C = 64 a launch of one program per split has thousands of short programs (most of them, at a
-    long length bucket, for splits past every row's position) and writes their partials; walking several splits
-    in one program keeps the partials and their order, so it is a launch choice, not a bit-fixing one: each split
-    starts from zero state (the GPU tests compare every group size with one split a program)."""
-    group = 1
-    while group * 2 <= splits and programs_per_split * -(-splits // (group * 2)) >= ATTN_TARGET_PROGRAMS:
-        group *= 2
-    return group
-
-
 def supports_head_dim(head_dim: int) -> bool:
     """Head dims the Triton attention takes (one power-of-two block, at least a tensor-core tile)."""
     return head_dim in SUPPORTED_HEAD_DIMS
 
 
 def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start: Tensor, positions: Tensor,
-              anc: Tensor, chain: Tensor, kv_len: int, *, split_keys: int = ATTN_SPLIT_KEYS,
-              splits_per_program: int | None = None) -> Tensor:
+              anc: Tensor, chain: Tensor, kv_len: int, *, split_keys: int = ATTN_SPLIT_KEYS) -> Tensor:
     """Attention of the new tokens over their slots' keys in position order (module docstring).
 
     q [R, H, T, D]; k_cache, v_cache [slots, KV, max_len, D] (new tokens already written at ``start + t``);
     slots, start [R] long; positions [R, T] long (``start + depth``); anc, chain: :func:`ancestor_map`; kv_len: host
-    bound > every position (sizes the split grid only: a query's result does not depend on it);
-    splits_per_program: None = :func:`attention_splits_per_program` (tests and benchmarks force it). Softmax in
-    fp32 with scale 1/sqrt(D). Returns [R, H, T, D] in q's dtype (a view of [R, T, H, D] memory)."""
+    bound > every position (sizes the split grid only: a query's result does not depend on it). Softmax in fp32
+    with scale 1/sqrt(D). Returns [R, H, T, D] in q's dtype (a view of [R, T, H, D] memory)."""
     if triton is None:
         raise ConfigError("batch_invariant.attention needs Triton; use attention_rows")
     _check_attention(q, k_cache, v_cache, slots, start, positions, anc)
@@ -550,17 +514,13 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start:
     part_acc = torch.empty((r, t, h, splits, d), dtype=torch.float32, device=q.device)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     scale_log2 = d**-0.5 * math.log2(math.e)
-    q_tiles = -(-t // qt)
-    group = attention_splits_per_program(splits, q_tiles * r * kv) if splits_per_program is None else splits_per_program
-    if group < 1:
-        raise ConfigError(f"batch_invariant.attention: splits_per_program {group} is not positive")
-    _attention_split_kernel[(q_tiles, -(-splits // group), r * kv)](
+    _attention_split_kernel[(-(-t // qt), splits, r * kv)](
         q, k_cache, v_cache, slots, start, positions, anc, chain, part_m, part_l, part_acc,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         t, g, kv, splits, scale_log2,
         HEAD_DIM=d, BLOCK_M=block_m, QT=qt, BLOCK_N=ATTN_BLOCK_N, TILES_PER_SPLIT=split_keys // ATTN_BLOCK_N,
-        SPLITS_PER_PROGRAM=group, SUM_COLS=ATTN_SUM_COLS, EMULATE=INTERPRETED, PRECISION=precision, num_warps=ATTN_NUM_WARPS,
+        SUM_COLS=ATTN_SUM_COLS, EMULATE=INTERPRETED, PRECISION=precision, num_warps=ATTN_NUM_WARPS,
         num_stages=ATTN_NUM_STAGES,
     )
     _attention_combine_kernel[(r * t, h)](
