@@ -58,7 +58,7 @@ MATMUL_MIN_K_BLOCKS_PER_SPLIT = 4
 ATTN_BLOCK_M = 32  # folded rows (queries x query heads of one KV head) per attention program (64: attention_block_m)
 ATTN_SUM_COLS = 16  # columns of the ones matrix the tile's row sums are a dot with (a tensor-core dot's least N)
 ATTN_BLOCK_N = 64  # key positions per tile
-ATTN_SPLIT_KEYS = 256  # key positions per split (a multiple of ATTN_BLOCK_N); 512 measured, docs/benchmarks.md
+ATTN_SPLIT_KEYS = 256  # key positions per split (a multiple of ATTN_BLOCK_N); 512 served slower (benchmarks.md)
 # The split kernel's launch (warps, software-pipeline stages): the same for every call, so never a source of a row's
 # difference between calls; benchmarks/exact_attention_tune.py --sweep times the alternatives on the H200.
 ATTN_NUM_WARPS = 4
