@@ -201,6 +201,8 @@ def main() -> None:
     ap.add_argument("--settings", default=None, help="with --sweep: these settings instead of SWEEP, as "
                     "block_n:split_keys:warps:stages,... (for example 64:512:4:2,64:1024:4:2)")
     args = ap.parse_args()
+    if args.settings is not None and not args.sweep:
+        ap.error("--settings names settings for --sweep; pass --sweep with it")
     settings = SWEEP if args.settings is None else parse_settings(args.settings)
     ref = load_ref(args.ref) if args.ref else None
     gen = torch.Generator().manual_seed(0)
