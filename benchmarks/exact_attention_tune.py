@@ -14,6 +14,7 @@ And the property exact mode rests on, on the GPU: every tree node's output equal
 query over the same keys in position order), checked for the 64-node tree.
 
     python benchmarks/exact_attention_tune.py --out $OUT [--ref build/batch_invariant_before.py]     # H200
+    python benchmarks/exact_attention_tune.py --out $OUT --bucket    # at the engine's key-length buckets
     python benchmarks/exact_attention_tune.py --out $OUT --sweep     # the launch constants, below
 
 ``--sweep`` times exact mode's attention under each setting of the constants that fix its bits (key tile
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from ddtree.engine.cuda_graphs import bucket_length
 from ddtree.models import batch_invariant as bi
 from ddtree.models.tree_attention import tree_attention
 
@@ -76,10 +78,11 @@ def load_ref(path: str):
     return mod
 
 
-def inputs(rows: int, t: int, tree: bool, ctx: int, gen: torch.Generator) -> dict:
-    """Random K/V, queries and trees of one shape on the GPU."""
+def inputs(rows: int, t: int, tree: bool, ctx: int, gen: torch.Generator, bucket: bool = False) -> dict:
+    """Random K/V, queries and trees of one shape on the GPU. ``bucket``: the kernels get the key-length bound the
+    engine's graphs launch with (``cuda_graphs.bucket_length``: 2048 for a 1k context), not the exact one."""
     dev = torch.device("cuda")
-    kv_len = ctx + t
+    kv_len = bucket_length(ctx + t, 1 << 30) if bucket else ctx + t
     k = torch.randn((rows + 1, KV, kv_len + 64, D), generator=gen).to(dev, torch.bfloat16)
     v = torch.randn(k.shape, generator=gen).to(dev, torch.bfloat16)
     q = torch.randn((rows, t, HEADS, D), generator=gen).to(dev, torch.bfloat16).transpose(1, 2)
@@ -129,15 +132,16 @@ def exact_call(x: dict, module=bi):
                                     x["chain"], x["kv_len"], split_keys=module.ATTN_SPLIT_KEYS)
 
 
-def one_shape(name: str, rows: int, t: int, tree: bool, ctx: int, ref, gen: torch.Generator) -> dict:
+def one_shape(name: str, rows: int, t: int, tree: bool, ctx: int, ref, gen: torch.Generator,
+              bucket: bool = False) -> dict:
     """Time every kernel on one shape (and, for the 64-node tree, check each node against its AR step)."""
     from triton.testing import do_bench_cudagraph
 
-    x = inputs(rows, t, tree, ctx, gen)
+    x = inputs(rows, t, tree, ctx, gen, bucket)
     calls = {"default": default_call(x), "exact": exact_call(x)}
     if ref is not None:
         calls["exact_ref"] = exact_call(x, ref)
-    row = {"shape": name, "rows": rows, "tokens": t, "context": ctx}
+    row = {"shape": name, "rows": rows, "tokens": t, "context": ctx, "kv_len": x["kv_len"]}
     outs = {}
     for label, fn in calls.items():
         outs[label] = fn().clone()
@@ -198,11 +202,15 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--ref", default=None, help="another batch_invariant.py to time beside this tree's")
     ap.add_argument("--sweep", action="store_true", help="time every setting of the attention's constants instead")
+    ap.add_argument("--bucket", action="store_true", help="launch at the engine's key-length buckets (2048 for "
+                    "1k), not at the exact key count (the table only, not --sweep)")
     ap.add_argument("--settings", default=None, help="with --sweep: these settings instead of SWEEP, as "
                     "block_n:split_keys:warps:stages,... (for example 64:512:4:2,64:1024:4:2)")
     args = ap.parse_args()
     if args.settings is not None and not args.sweep:
         ap.error("--settings names settings for --sweep; pass --sweep with it")
+    if args.bucket and args.sweep:
+        ap.error("--bucket times the table of SHAPES; --sweep keeps exact key counts")
     settings = SWEEP if args.settings is None else parse_settings(args.settings)
     ref = load_ref(args.ref) if args.ref else None
     gen = torch.Generator().manual_seed(0)
@@ -213,12 +221,13 @@ def main() -> None:
         return
     rows_out = []
     for shape in SHAPES:
-        row = one_shape(*shape, ref, gen)
+        row = one_shape(*shape, ref, gen, args.bucket)
         rows_out.append(row)
         print(" | ".join(f"{key}={val}" for key, val in row.items()), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "exact_attention_tune.json").write_text(json.dumps({"rows": rows_out}, indent=1))
+    name = "exact_attention_tune_bucket.json" if args.bucket else "exact_attention_tune.json"
+    (out / name).write_text(json.dumps({"rows": rows_out, "bucket": args.bucket}, indent=1))
 
 
 if __name__ == "__main__":
