@@ -345,15 +345,11 @@ if triton is not None:
         head = kv * G + rows % G
         offs_d = tl.arange(0, HEAD_DIM)
         offs_n = tl.arange(0, BLOCK_N)
-        pos_row = tl.load(pos_ptr + r * T + t, mask=row_ok, other=-1)
-        # Rows whose combine reads this split (it reads splits 0 .. pos // split keys): the others load no query
-        # and store nothing. The grid's splits follow the call's kv_len bucket, so at 1k context in the 2048 bucket
-        # about half of a decode round's programs would otherwise load queries and store partials no one reads.
-        live = row_ok & (pos_row >= pid_s * (TILES_PER_SPLIT * BLOCK_N))
         q = tl.load(q_ptr + r * stride_qr + head[:, None] * stride_qh + t[:, None] * stride_qt + offs_d[None, :],
-                    mask=live[:, None], other=0.0)
+                    mask=row_ok[:, None], other=0.0)
         slot = tl.load(slots_ptr + r)
         start = tl.load(start_ptr + r)
+        pos_row = tl.load(pos_ptr + r * T + t, mask=row_ok, other=-1)
         max_pos = tl.max(pos_row, 0)
         all_chain = tl.min(tl.load(chain_ptr + r * T + t, mask=row_ok, other=1), 0)
         k_base = k_ptr + slot * stride_ks + kv * stride_kh
@@ -415,11 +411,11 @@ if triton is not None:
                 acc = tl.where((qi == grp)[:, None], o, acc)
             m_i = m_new
 
-        # partials [R, T, H, splits] (+ D): written for the rows whose combine reads them (splits up to a position)
+        # partials [R, T, H, splits] (+ D): written for every valid row, read only for splits up to its position
         part = ((r * T + t) * (num_kv * G) + head) * num_splits + pid_s
-        tl.store(part_m_ptr + part, m_i, mask=live)
-        tl.store(part_l_ptr + part, tl.max(l_i, 1), mask=live)  # its columns are equal
-        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=live[:, None])
+        tl.store(part_m_ptr + part, m_i, mask=row_ok)
+        tl.store(part_l_ptr + part, tl.max(l_i, 1), mask=row_ok)  # its columns are equal
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None])
 
     @triton.jit(do_not_specialize=["T"])
     def _attention_combine_kernel(
