@@ -16,6 +16,8 @@ Times are of CUDA-graph replays (the engine replays graphs; eager timing here me
 Prints a small table; writes ``OUT/exact_matmul_tune.json``.
 
     python benchmarks/exact_matmul_tune.py --out $OUT             # H200
+    python benchmarks/exact_matmul_tune.py --out $OUT --weights o_proj,down --splits 1,4 --cublas-rows 0 \
+        --launches split64x128w4,split64x64w4,fused128x128w8,split64x32w4,split16x32w2,split16x16w1
 """
 
 from __future__ import annotations
@@ -42,6 +44,10 @@ LAUNCHES = {
     "fused64x64w4": bi.MatmulLaunch(64, 64, 4, 4, fused=True),
     "fused128x128w8": bi.MatmulLaunch(128, 128, 8, 3, fused=True),
     "fused128x256w8": bi.MatmulLaunch(128, 256, 8, 3, fused=True),
+    # narrow column tiles: enough programs to stream a weight at one row tile without split-K (S = 1)
+    "split64x32w4": bi.MatmulLaunch(64, 32, 4, 4, fused=False),
+    "split16x32w2": bi.MatmulLaunch(16, 32, 2, 4, fused=False),
+    "split16x16w1": bi.MatmulLaunch(16, 16, 1, 4, fused=False),
 }
 SPLITS_OF = {"o_proj": "1,2,4,8", "down": "1,2,4,8"}  # the others: S1 and their default only
 
@@ -103,7 +109,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--weights", default=",".join(WEIGHTS))
     ap.add_argument("--splits", default="auto")
     ap.add_argument("--cublas-rows", type=int, default=2048)
+    ap.add_argument("--launches", default=",".join(LAUNCHES), help="names of LAUNCHES to time (the bits reference, "
+                    "split64x128w4, is always computed)")
     args = ap.parse_args(argv)
+    wanted = args.launches.split(",")
+    unknown = [name for name in wanted if name not in LAUNCHES]
+    if unknown:
+        ap.error(f"--launches: unknown {unknown}; known: {list(LAUNCHES)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
@@ -128,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
             ref = bi.linear(x, ws[0], tiles=tiles, launch=LAUNCHES["split64x128w4"])
             same = True
             for lname, launch in LAUNCHES.items():
-                if launch.block_n > n:
+                if launch.block_n > n or lname not in wanted:
                     continue
                 key = f"S{s}/{lname}"
                 try:
