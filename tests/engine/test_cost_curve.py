@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from ddtree.engine.config import EngineConfig
 from ddtree.engine.cost_curve import (
@@ -22,6 +23,7 @@ from ddtree.engine.cost_curve import (
     save_curve,
 )
 from ddtree.engine.cost_measure import CostGrid, curve_at_start, measure_cost_curve, sample_points
+from ddtree.engine.runner import PrefillInputs
 from ddtree.errors import ConfigError
 
 # rows (1, 4) x budgets (0, 8) x kv_lens (64, 576), in storage order [r][b][k]
@@ -179,6 +181,38 @@ def test_measurement_on_the_demo_pair_covers_the_declared_grid(demo_engine):
         measure_cost_curve(demo_engine.runner, CostGrid((1,), (0,), (10_000,), 16), device_name="cpu", model="m")
     with pytest.raises(CostCurveError, match="KV slots"):
         measure_cost_curve(demo_engine.runner, CostGrid((1, 5), (0,), (16,), 16), device_name="cpu", model="m")
+
+
+@pytest.mark.slow
+def test_prefill_points_replay_the_prefill_graphs_where_the_scheduler_would(demo_engine):
+    """A prefill point goes through the engine's prefill graphs when they take that chunk (as the scheduler's
+    prefill step does), else eagerly. A recording double stands in for the CUDA-only graphs: it takes chunks of at
+    most 32 tokens and returns the eager prefill's logits."""
+    runner = demo_engine.runner
+
+    class Graphs:
+        def __init__(self):
+            self.asked, self.ran = [], []
+
+        def can_run(self, rows, width, starts):
+            self.asked.append((rows, width, tuple(starts)))
+            return width <= 32
+
+        def run(self, ids, slots, valid_len):
+            self.ran.append((tuple(ids.shape), list(slots), list(valid_len)))
+            one = lambda v: torch.tensor([v], dtype=torch.long)  # noqa: E731
+            return runner.prefill(PrefillInputs(ids=ids, slots=one(slots[0]), start=one(0),
+                                                valid_len=one(valid_len[0]), last_index=one(valid_len[0] - 1),
+                                                kv_len=ids.shape[1]))
+
+    graphs = Graphs()
+    grid = CostGrid(rows=(1,), budgets=(0,), kv_lens=(16,), block_size=demo_engine.trained_block_size,
+                    prefill_tokens=(16, 64), repeats=1)
+    c = measure_cost_curve(runner, grid, prefill_graphs=graphs, device_name="cpu", model="demo")
+    scratch = runner.target_cache.scratch_slot
+    assert set(graphs.asked) == {(1, 16, (0,)), (1, 64, (0,))}
+    assert graphs.ran == [((1, 16), [scratch], [16])] * 2  # the untimed pass and one timed; 64 tokens ran eagerly
+    assert len(c.prefill_seconds) == 2 and all(s > 0 for s in c.prefill_seconds)
 
 
 def test_sample_points_takes_whole_passes_and_the_grid_statistic():

@@ -228,7 +228,8 @@ class CostCurve:
 
 # Bumped when the engine's rounds change what they cost (so curves cached by an older engine are measured again):
 # 2 = the drafter's head in the tree stage over the depths a round's trees reach (git 8f9665a)
-ROUND_COST_VERSION = 2
+# 3 = prefill points through the prefill graphs where the scheduler replays one (cost_measure.measure_cost_curve)
+ROUND_COST_VERSION = 3
 
 
 def cache_key(device: str, model: str, **extra: Any) -> str:

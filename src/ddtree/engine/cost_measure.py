@@ -128,15 +128,16 @@ def sample_points(points: Sequence[tuple[int, int, int]], one_round: Callable[[i
     return [keep(s) for s in samples]
 
 
-def measure_cost_curve(runner: Any, grid: CostGrid, *, graphs: Any = None, device_name: str, model: str,
-                       progress: Callable[[str], None] | None = None) -> CostCurve:
+def measure_cost_curve(runner: Any, grid: CostGrid, *, graphs: Any = None, prefill_graphs: Any = None,
+                       device_name: str, model: str, progress: Callable[[str], None] | None = None) -> CostCurve:
     """Time the engine's real runner on every point of ``grid`` and return the curve (:func:`sample_points`: one
     untimed round per point, on CUDA capturing the point's graphs, then ``grid.repeats`` timed passes, the
     grid's statistic per point). The one measurer of the engine: at engine start and ``ddtree replay curve``
     (slots "free", the median) and budget auto's fallback while serving (slots "scratch", the fastest pass).
 
     runner: the engine's :class:`~ddtree.engine.runner.ModelRunner`; graphs: its
-    :class:`~ddtree.engine.cuda_graphs.RoundGraphs` (CUDA) or None (eager rounds, the CPU path). The synthetic rows
+    :class:`~ddtree.engine.cuda_graphs.RoundGraphs` (CUDA) or None (eager rounds, the CPU path); prefill_graphs:
+    its :class:`~ddtree.engine.cuda_graphs.PrefillGraphs` or None. The synthetic rows
     are :meth:`~ddtree.engine.round.RowInputs.padding` rows, moved to slots ``0 .. rows - 1`` with slots "free"
     (a real batch reads as many different caches; all on the scratch slot, a GPU would serve them from its L2 and
     undercount long contexts: only while no request holds a slot) or all on the scratch slot; each with the
@@ -145,7 +146,10 @@ def measure_cost_curve(runner: Any, grid: CostGrid, *, graphs: Any = None, devic
     as in serving. Their cache contents are garbage and stay unread: a request's prefill writes every position of
     its slot it will read. A round's time is wall time from packing its rows to reading its result on the host
     (the engine's one sync), so it includes the launch and the copy. Prefill points are one row of that many tokens
-    from position 0 on the scratch slot, eager."""
+    from position 0 on the scratch slot, through ``prefill_graphs`` where the scheduler would replay one for that
+    chunk (:meth:`~ddtree.engine.cuda_graphs.PrefillGraphs.can_run`), else eager, as the scheduler runs it: on the
+    H200 stand-in an eager chunk of 16-1024 tokens took 32-34 ms, launch-bound, and a curve of eager points
+    charged every short prompt's arrival that much (docs/benchmarks.md, "Replay on the H200")."""
     import statistics
     import time
 
@@ -198,9 +202,14 @@ def measure_cost_curve(runner: Any, grid: CostGrid, *, graphs: Any = None, devic
     one = lambda v: torch.tensor([v], dtype=torch.long, device=dev)  # noqa: E731
 
     def one_prefill(tokens: int) -> float:
+        scratch = runner.target_cache.scratch_slot
         t0 = time.perf_counter()
+        if prefill_graphs is not None and prefill_graphs.can_run(1, tokens, [0]):
+            logits = prefill_graphs.run(torch.zeros((1, tokens), dtype=torch.long), [scratch], [tokens])
+            to_host(logits.argmax(-1))
+            return time.perf_counter() - t0
         logits = runner.prefill(PrefillInputs(
-            ids=torch.zeros((1, tokens), dtype=torch.long, device=dev), slots=one(runner.target_cache.scratch_slot),
+            ids=torch.zeros((1, tokens), dtype=torch.long, device=dev), slots=one(scratch),
             start=one(0), valid_len=one(tokens), last_index=one(tokens - 1), kv_len=tokens))
         to_host(logits.argmax(-1))
         return time.perf_counter() - t0
@@ -316,8 +325,8 @@ def curve_at_start(parts: Any, *, cache_dir: Path | None = None,
 
     def measure() -> CostCurve:
         log.info("measuring the cost curve: %d points x %d rounds", grid.points, grid.repeats + 1)
-        return measure_cost_curve(parts.runner, grid, graphs=parts.graphs, device_name=device, model=model,
-                                  progress=progress)
+        return measure_cost_curve(parts.runner, grid, graphs=parts.graphs, prefill_graphs=parts.prefill_graphs,
+                                  device_name=device, model=model, progress=progress)
 
     curve, path, source = cached_curve(key, measure, cache_dir=cache_dir)
     return CurveSource(setting, source, curve, str(path), time.perf_counter() - began)

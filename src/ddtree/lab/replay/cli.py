@@ -241,6 +241,7 @@ def curve_cmd(
         typer.echo(f"timing {grid.points} points x {repeats + 1} rounds "
                    f"+ {len(grid.prefill_tokens)} prefill sizes ...")
         curve = measure_cost_curve(engine.runner, grid, graphs=engine.parts.graphs,
+                                   prefill_graphs=engine.parts.prefill_graphs,
                                    device_name=engine_device_name(engine.device),
                                    model=f"{engine.model_name} ({engine.config.dtype})")
     finally:

@@ -1,0 +1,150 @@
+"""Replay's predicted tok/s against measured cells on the GPU (issue 23: "within 10 % of measured").
+
+One process, one engine on the Qwen3-8B stand-in (bf16, CUDA graphs, ``EngineConfig.cost_curve="auto"``: the cost
+curve measured at start, its prefill points through the prefill graphs where the scheduler replays one):
+
+1. **measured**: the cells of ``--contexts`` x ``--concurrency`` for AR, the DFlash chain and DDTree at
+   ``--budgets`` through the lab's in-process matrix (``ddtree.lab.bench.matrix.run_matrix``, as
+   ``benchmarks/gpu.py`` runs them: each cell warmed up, timed, retimed after a first-use cost);
+2. **trace**: ``ddtree.lab.replay.record_trace`` on the same engine over the first ``--trace-prompts`` prompts of
+   each cell (the cell's own prompts, ``prompts_for`` with the matrix's salt);
+3. **predicted**: ``ddtree.lab.replay.predict`` (acceptance per round of every sequence) and
+   ``ddtree.lab.replay.throughput.predict_cells`` (the closed-loop model of the engine's loop) with the engine's
+   curve, and again with the same curve's prefill points measured eagerly (how the curve was measured before), so
+   the effect of the prefill points is shown on its own.
+
+Writes ``OUT/replay_h200.json`` (cells measured, predicted, the errors, both curves) and prints a table.
+
+    python benchmarks/replay_h200.py --out $OUT --contexts 60,1024 --concurrency 64 --budgets 4,7 --waves 4
+    python benchmarks/replay_h200.py --out /tmp/x --device cpu --shape none --contexts 64 --concurrency 2 \
+        --budgets 4 --waves 1 --new-tokens 24 --trace-prompts 2        # a dry run of the script on a CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from ddtree.engine import Engine, EngineConfig
+from ddtree.engine.cost_curve import save_curve
+from ddtree.engine.cost_measure import CostGrid, measure_cost_curve
+from ddtree.engine.options import int_list
+from ddtree.lab.bench.matrix import CompileLog, MatrixPlan, run_matrix
+from ddtree.lab.bench.workload import held_out_token_stream, prompts_for
+from ddtree.lab.replay.predict import predict
+from ddtree.lab.replay.throughput import cell_sequences, predict_cells
+from ddtree.lab.replay.trace import record_trace
+from ddtree.models import load_tokenizer
+from ddtree.models.standin import load_demo_benchmark_pair
+
+
+def measured_name(config: str) -> str:
+    """replay's setting label -> the matrix's method name (``ddtree-b4-knone`` -> ``ddtree-b4``)."""
+    return config.rsplit("-k", 1)[0] if config.startswith("ddtree") else config
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shape", default="qwen3-8b")
+    ap.add_argument("--contexts", default="60,1024")
+    ap.add_argument("--concurrency", default="64")
+    ap.add_argument("--budgets", default="4,7")
+    ap.add_argument("--waves", type=int, default=4)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--prefill-chunk", type=int, default=2048)
+    ap.add_argument("--trace-prompts", type=int, default=64, help="prompts of each cell the trace records")
+    ap.add_argument("--time-budget", type=float, default=400.0, help="seconds after which no measured cell starts")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script (--shape none)")
+    args = ap.parse_args()
+    t_start = time.perf_counter()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    contexts = list(int_list(args.contexts, name="--contexts"))
+    concurrency = list(int_list(args.concurrency, name="--concurrency"))
+    budgets = list(int_list(args.budgets, name="--budgets"))
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    target, drafter, pair_dir = load_demo_benchmark_pair(args.shape, device, torch.bfloat16 if cuda else torch.float32)
+    tokenizer = load_tokenizer(pair_dir)
+    config = EngineConfig(max_batch=max(concurrency), max_len=max(contexts) + args.new_tokens + 64,
+                          max_budget=max(*budgets, 32), prefill_chunk=args.prefill_chunk, max_queue=4096,
+                          cuda_graphs=cuda, warmup="none", cost_curve="auto", device=args.device)
+    engine = Engine(target, drafter, tokenizer, config, model_name=f"standin-{args.shape}")
+    engine.start()
+    curve = engine.cost_curve
+    save_curve(curve, out / "cost_curve.json")
+    print(f"engine ready in {time.perf_counter() - t_start:.1f} s; curve {engine.cost_curve_source.info()}", flush=True)
+    print("prefill points (graphed where the scheduler would):",
+          dict(zip(curve.prefill_tokens, [round(s * 1e3, 2) for s in curve.prefill_seconds], strict=True)), flush=True)
+
+    stream = held_out_token_stream(tokenizer, max(contexts) * 2 + 4096)
+    plan = MatrixPlan(contexts=tuple(contexts), concurrency=tuple(concurrency), budgets=tuple(budgets),
+                      new_tokens=args.new_tokens, waves=args.waves).validated()
+    report: dict = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__, "shape": args.shape,
+                    "args": vars(args), "cells": [], "skipped": []}
+    run_matrix(engine, stream, plan, report, compiles=CompileLog(), deadline=t_start + args.time_budget,
+               on_row=lambda row: print(f"measured {row['context']} C={row['concurrency']} {row['method']}: "
+                                        f"{row['tok_s']} tok/s, accept {row['accept_length']}, round "
+                                        f"{row['round_ms']} ms", flush=True))
+    print(f"matrix done at {time.perf_counter() - t_start:.1f} s", flush=True)
+
+    # the same curve with its prefill points eager: how the engine measured them before
+    eager = measure_cost_curve(engine.runner, CostGrid(rows=(1,), budgets=(0,), kv_lens=(64,), block_size=16,
+                                                       prefill_tokens=curve.prefill_tokens, repeats=3),
+                               device_name=curve.device, model=curve.model)
+    curve_eager = dataclasses.replace(curve, prefill_seconds=eager.prefill_seconds)
+    print("prefill points, eager:",
+          dict(zip(curve.prefill_tokens, [round(s * 1e3, 2) for s in eager.prefill_seconds], strict=True)), flush=True)
+
+    cells = {(ctx, conc): prompts_for(stream, ctx, args.waves * conc, salt=ctx + conc)
+             for ctx in contexts for conc in concurrency}
+    traced = [p for ps in cells.values() for p in ps[: args.trace_prompts]]
+    traced = list({tuple(p): list(p) for p in traced}.values())
+    t_trace = time.perf_counter()
+    trace = record_trace(engine, traced, args.new_tokens, top_m=max(budgets) + 1)
+    trace_s = time.perf_counter() - t_trace
+    print(f"trace: {trace.num_sequences} sequences in {trace_s:.1f} s", flush=True)
+    engine.shutdown(drain_timeout=0)
+    preds = predict(trace, budgets)
+    seqs = cell_sequences([trace.sequence(s)[0] for s in range(trace.num_sequences)], cells)
+    depth = trace.block_size - 1
+    common = dict(depth=depth, contexts=contexts, concurrency=concurrency, num_requests=args.waves * max(concurrency),
+                  max_tokens=args.new_tokens, sequences=seqs, prefill_chunk=args.prefill_chunk)
+    predicted = {"graphed": predict_cells(preds, curve, **common), "eager": predict_cells(preds, curve_eager, **common)}
+    by_cell = {(c["context"], c["concurrency"], c["method"]): c for c in report["cells"]}
+    rows = []
+    for which, cells_out in predicted.items():
+        for p in cells_out:
+            m = by_cell.get((p.context, p.concurrency, measured_name(p.config)))
+            if m is None:
+                continue
+            rows.append({"prefill_points": which, "context": p.context, "concurrency": p.concurrency,
+                         "method": m["method"], "measured_tok_s": m["tok_s"], "predicted_tok_s": round(p.tok_s, 1),
+                         "error": round(p.tok_s / m["tok_s"] - 1, 4), "measured_accept": m["accept_length"],
+                         "replayed_accept": round(p.accept_length, 3), "measured_wall_s": m["wall_s"],
+                         "predicted_round_s": round(p.round_seconds, 3),
+                         "predicted_prefill_s": round(p.prefill_seconds, 3), "predicted_rounds": p.rounds,
+                         "measured_round_ms": m["round_ms"], "stage_ms_per_round": m["stage_ms_per_round"],
+                         "extrapolated": p.extrapolated})
+    doc = {**report, "trace": {**trace.metadata(), "record_s": round(trace_s, 1)}, "comparison": rows,
+           "curve": curve.to_json(), "curve_eager_prefill": curve_eager.to_json(),
+           "total_s": round(time.perf_counter() - t_start, 1)}
+    for cell in doc["cells"]:
+        cell.pop("timeline", None)
+    (out / "replay_h200.json").write_text(json.dumps(doc, indent=1))
+    print("| prefill points | ctx | C | method | measured tok/s | predicted | error | accept measured / replayed |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['prefill_points']} | {r['context']} | {r['concurrency']} | {r['method']} | {r['measured_tok_s']} "
+              f"| {r['predicted_tok_s']} | {r['error']:+.1%} | {r['measured_accept']} / {r['replayed_accept']} |")
+    print(f"total {doc['total_s']} s")
+
+
+if __name__ == "__main__":
+    main()
