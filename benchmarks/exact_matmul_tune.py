@@ -43,8 +43,6 @@ LAUNCHES = {
     "fused64x128w4": bi.MatmulLaunch(64, 128, 4, 3, fused=True),
     "fused64x64w4": bi.MatmulLaunch(64, 64, 4, 4, fused=True),
     "fused128x128w8": bi.MatmulLaunch(128, 128, 8, 3, fused=True),
-    "fused128x128w8loop": bi.MatmulLaunch(128, 128, 8, 3, fused=True, unrolled=False),
-    "fused64x128w4loop": bi.MatmulLaunch(64, 128, 4, 3, fused=True, unrolled=False),
     "fused128x256w8": bi.MatmulLaunch(128, 256, 8, 3, fused=True),
     # narrow column tiles: enough programs to stream a weight at one row tile without split-K (S = 1)
     "split64x32w4": bi.MatmulLaunch(64, 32, 4, 4, fused=False),

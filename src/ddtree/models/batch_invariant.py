@@ -86,9 +86,6 @@ class MatmulLaunch(NamedTuple):
     num_warps: int
     num_stages: int
     fused: bool
-    # fused programs: the segments as S copies of the pipelined K loop (unrolled at compile time), or one loop over
-    # the segments around it (False: the launch of git 38f1ad9 and before, kept to time the two; same bits)
-    unrolled: bool = True
 
 
 def _pow2_at_least(n: int, lo: int) -> int:
@@ -164,7 +161,7 @@ if triton is not None:
     def _matmul_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                        k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SPLITS: tl.constexpr, FUSED: tl.constexpr, HAS_BIAS: tl.constexpr, EMULATE: tl.constexpr,
-                       PRECISION: tl.constexpr, UNROLLED: tl.constexpr):
+                       PRECISION: tl.constexpr):
         """FUSED (grid: row tiles x column tiles): total = ((seg_0 + seg_1) + ...) + seg_{S-1}, then the bias, and
         store. Otherwise (grid x SPLITS): seg_{pid} -> part[split, m, n] in fp32 (:func:`_split_sum_kernel` adds
         them in the same order), or with one split the bias and the store directly."""
@@ -177,18 +174,11 @@ if triton is not None:
         if FUSED or SPLITS == 1:
             total = _segment(x_ptr, w_ptr, rm, rn, m_ok, n_ok, K, stride_xm, stride_wn, 0,
                              tl.minimum(k_per_split, K), BLOCK_M, BLOCK_N, BLOCK_K, EMULATE, PRECISION)
-            if UNROLLED:  # S - 1 more copies of the K loop, each pipelined on its own
-                for s in tl.static_range(1, SPLITS):
-                    k_lo = s * k_per_split
-                    total = total + _segment(x_ptr, w_ptr, rm, rn, m_ok, n_ok, K, stride_xm, stride_wn, k_lo,
-                                             tl.minimum(k_lo + k_per_split, K), BLOCK_M, BLOCK_N, BLOCK_K, EMULATE,
-                                             PRECISION)
-            else:  # one loop over the segments around the K loop (1.3-1.5x slower than one segment, H200)
-                for s in range(1, SPLITS):
-                    k_lo = s * k_per_split
-                    total = total + _segment(x_ptr, w_ptr, rm, rn, m_ok, n_ok, K, stride_xm, stride_wn, k_lo,
-                                             tl.minimum(k_lo + k_per_split, K), BLOCK_M, BLOCK_N, BLOCK_K, EMULATE,
-                                             PRECISION)
+            for s in range(1, SPLITS):  # a loop, not unrolled: the inner K loop stays one pipelined loop
+                k_lo = s * k_per_split
+                total = total + _segment(x_ptr, w_ptr, rm, rn, m_ok, n_ok, K, stride_xm, stride_wn, k_lo,
+                                         tl.minimum(k_lo + k_per_split, K), BLOCK_M, BLOCK_N, BLOCK_K, EMULATE,
+                                         PRECISION)
             if HAS_BIAS:
                 total = total + tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], total.to(out_ptr.dtype.element_ty),
@@ -257,8 +247,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, tiles: Matm
                          weight.stride(0), out.stride(0), k_per_split,
                          BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=tiles.block_k,
                          SPLITS=tiles.split_k, FUSED=fused, HAS_BIAS=bias is not None, EMULATE=INTERPRETED,
-                         PRECISION=precision, UNROLLED=launch.unrolled, num_warps=launch.num_warps,
-                         num_stages=launch.num_stages)
+                         PRECISION=precision, num_warps=launch.num_warps, num_stages=launch.num_stages)
     if not fused:
         block = 1024
         _split_sum_kernel[(-(-(m * n) // block),)](part, weight if bias is None else bias, out, m, n, out.stride(0),
