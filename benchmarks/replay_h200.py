@@ -95,7 +95,8 @@ def main() -> None:
     print(f"matrix done at {time.perf_counter() - t_start:.1f} s", flush=True)
 
     # the same curve with its prefill points eager: how the engine measured them before
-    eager = measure_cost_curve(engine.runner, CostGrid(rows=(1,), budgets=(0,), kv_lens=(64,), block_size=16,
+    eager = measure_cost_curve(engine.runner, CostGrid(rows=(1,), budgets=(0,), kv_lens=(64,),
+                                                       block_size=engine.trained_block_size,
                                                        prefill_tokens=curve.prefill_tokens, repeats=3),
                                device_name=curve.device, model=curve.model)
     curve_eager = dataclasses.replace(curve, prefill_seconds=eager.prefill_seconds)

@@ -148,8 +148,9 @@ def measure_cost_curve(runner: Any, grid: CostGrid, *, graphs: Any = None, prefi
     (the engine's one sync), so it includes the launch and the copy. Prefill points are one row of that many tokens
     from position 0 on the scratch slot, through ``prefill_graphs`` where the scheduler would replay one for that
     chunk (:meth:`~ddtree.engine.cuda_graphs.PrefillGraphs.can_run`), else eager, as the scheduler runs it: on the
-    H200 stand-in an eager chunk of 16-1024 tokens took 32-34 ms, launch-bound, and a curve of eager points
-    charged every short prompt's arrival that much (docs/benchmarks.md, "Replay on the H200")."""
+    H200 stand-in an eager chunk of 16-1024 tokens took 26-34 ms, launch-bound, against 5-7 ms for a graphed one
+    up to 256 tokens, and a curve of eager points charged every short prompt's arrival that much
+    (docs/benchmarks.md, "Replay predicts tok/s on the H200")."""
     import statistics
     import time
 
