@@ -41,8 +41,8 @@ def curve(**kw) -> CostCurve:
     ((4, 8, 576), 0.080),                      # a grid point
     ((1, 0, 320), 0.020),                      # half way along kv: (0.010 + 0.030) / 2
     ((4, 8, 320), 0.060),                      # (0.040 + 0.080) / 2
-    ((2, 4, 64), 2 / 3 * 0.020 + 1 / 3 * 0.040),  # budget 4 drafts: held at b8, not blended with AR (b0)
-    ((2, 4, 320), 2 / 3 * (0.020 + 0.050) / 2 + 1 / 3 * (0.040 + 0.080) / 2),
+    ((2, 4, 64), 2 / 3 * 0.015 + 1 / 3 * 0.028),  # rows 1/3 of the way, budget half: rows 1 (0.010, 0.020), rows 4 (0.016, 0.040)
+    ((2, 4, 320), 2 / 3 * (0.010 + 0.030 + 0.020 + 0.050) / 4 + 1 / 3 * (0.016 + 0.040 + 0.040 + 0.080) / 4),
     ((1, 0, 10), 0.010),                       # below the first kv point: the first point's value
     ((7, 0, 64), 0.022),                       # one more rows span past 4: 0.010 + 2 x (0.016 - 0.010)
     ((100, 0, 64), 0.022),                     # capped at that span, held flat past it

@@ -155,18 +155,10 @@ class CostCurve:
         for name, v, lo in (("rows", rows, 1), ("budget", budget, 0), ("kv_len", kv_len, 0)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < lo:
                 raise CostCurveError(f"round_seconds: {name} must be a number >= {lo}, got {v!r}")
-        segments = (_segment(self.rows, rows), self._budget_segment(budget), _segment(self.kv_lens, kv_len))
+        segments = (_segment(self.rows, rows), _segment(self.budgets, budget), _segment(self.kv_lens, kv_len))
         inside = self._blend(tuple((i, j, min(w, 1.0)) for i, j, w in segments))
         # past the grid's last point, follow the last segment only upwards: a slope that falls is held flat
         return max(inside, self._blend(segments)) if any(w > 1.0 for _, _, w in segments) else inside
-
-    def _budget_segment(self, budget: float) -> tuple[int, int, float]:
-        """The budget axis' segment, with one exception to plain interpolation: a budget above 0 and below the
-        grid's first drafting budget costs that budget's point, not a blend with AR (budget 0): every drafting
-        round runs the drafter's forward over its whole block, an AR round runs none."""
-        if 0 < budget and self.budgets[0] == 0 and len(self.budgets) > 1 and budget < self.budgets[1]:
-            return 1, 1, 0.0
-        return _segment(self.budgets, budget)
 
     def _blend(self, segments: tuple[tuple[int, int, float], ...]) -> float:
         (ri, rj, rw), (bi, bj, bw), (ki, kj, kw) = segments
