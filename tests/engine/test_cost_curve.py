@@ -215,6 +215,29 @@ def test_prefill_points_replay_the_prefill_graphs_where_the_scheduler_would(demo
     assert len(c.prefill_seconds) == 2 and all(s > 0 for s in c.prefill_seconds)
 
 
+@pytest.mark.slow
+def test_a_failing_prefill_graph_falls_back_to_eager_points(demo_engine, caplog):
+    """A prefill graph that fails (a capture out of memory) is logged and the points are timed eagerly, as the
+    scheduler then prefills: the measurement, and the engine start that runs it, do not fail."""
+    class Failing:
+        calls = 0
+
+        def can_run(self, rows, width, starts):
+            return True
+
+        def run(self, ids, slots, valid_len):
+            Failing.calls += 1
+            raise RuntimeError("CUDA out of memory (test double)")
+
+    grid = CostGrid(rows=(1,), budgets=(0,), kv_lens=(16,), block_size=demo_engine.trained_block_size,
+                    prefill_tokens=(16, 32), repeats=2)
+    with caplog.at_level(logging.ERROR, logger="ddtree.engine.cost_curve"):
+        c = measure_cost_curve(demo_engine.runner, grid, prefill_graphs=Failing(), device_name="cpu", model="demo")
+    assert Failing.calls == 1  # tried once, then every point eager
+    assert len(c.prefill_seconds) == 2 and all(s > 0 for s in c.prefill_seconds)
+    assert "prefill graph failed" in caplog.text
+
+
 def test_sample_points_takes_whole_passes_and_the_grid_statistic():
     """One untimed round a point, then whole passes over the grid (not repeats in a row); "min" keeps the fastest,
     "median" the middle; a long point (its untimed round over long_round_s) is timed once, or not again at all
