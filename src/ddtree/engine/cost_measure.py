@@ -202,19 +202,17 @@ def measure_cost_curve(runner: Any, grid: CostGrid, *, graphs: Any = None, prefi
     dev = runner.device
     one = lambda v: torch.tensor([v], dtype=torch.long, device=dev)  # noqa: E731
 
-    graphed = [prefill_graphs]  # dropped at a failed replay or capture, as the scheduler drops its prefill graphs
-
     def one_prefill(tokens: int) -> float:
-        scratch = runner.target_cache.scratch_slot
+        nonlocal prefill_graphs  # dropped at a failed replay or capture, as the scheduler drops its prefill graphs
         t0 = time.perf_counter()
-        if graphed[0] is not None and graphed[0].can_run(1, tokens, [0]):
+        if prefill_graphs is not None and prefill_graphs.can_run(1, tokens, [0]):
             try:
-                logits = graphed[0].run(torch.zeros((1, tokens), dtype=torch.long), [scratch], [tokens])
+                logits = prefill_graphs.run(torch.zeros((1, tokens), dtype=torch.long), [scratch], [tokens])
                 to_host(logits.argmax(-1))
                 return time.perf_counter() - t0
             except Exception:  # a capture that fails (memory, an op graphs refuse) must not fail the measurement
                 log.exception("cost curve: a prefill graph failed; timing the prefill points eagerly")
-                graphed[0] = None
+                prefill_graphs = None
                 t0 = time.perf_counter()
         logits = runner.prefill(PrefillInputs(
             ids=torch.zeros((1, tokens), dtype=torch.long, device=dev), slots=one(scratch),
