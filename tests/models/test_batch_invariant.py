@@ -65,7 +65,8 @@ def test_linear_launches_give_the_same_bits(dtype):
     b = torch.randn(n, generator=gen).to(dtype).to(DEVICE)
     x = torch.randn(64, k, generator=gen).to(dtype).to(DEVICE)
     launches = [bi.MatmulLaunch(16, 32, 4, 2, fused=False), bi.MatmulLaunch(16, 32, 4, 2, fused=True),
-                bi.MatmulLaunch(32, 64, 4, 2, fused=True), bi.MatmulLaunch(64, 16, 4, 2, fused=False)]
+                bi.MatmulLaunch(32, 64, 4, 2, fused=True), bi.MatmulLaunch(64, 16, 4, 2, fused=False),
+                bi.MatmulLaunch(32, 32, 4, 2, fused=True, flat=True)]
     for bias in (None, b):
         alone = torch.cat([bi.linear(x[i:i + 1], w, bias, tiles=tiles, launch=launches[0]) for i in range(x.shape[0])])
         for launch in launches:
@@ -214,6 +215,39 @@ def test_attention_row_independent_of_other_rows():
     assert torch.equal(together[:1], alone)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_launch_gives_the_split_launch_bits(dtype):
+    """Three rows at different starts (one split, a tree across a split edge, three splits; rows of a program with
+    different split counts) and a chain: the fused launch (each program merges its splits) against the split launch
+    (stored partials and the combine kernel)."""
+    gen = torch.Generator().manual_seed(11)
+    t = len(WIDE)
+    kc = torch.randn(4, KV, 256, D, generator=gen).to(dtype)
+    vc = torch.randn(4, KV, 256, D, generator=gen).to(dtype)
+    q = torch.randn(3, KV * G, t, D, generator=gen).to(dtype)
+    vis, depth = _tree(WIDE)
+    start = torch.tensor([20, 60, 150])
+    pos = start[:, None] + depth[None]
+    anc, chain = bi.ancestor_map(start, pos, vis.expand(3, t, t).contiguous())
+    args = (q, kc, vc, torch.tensor([2, 0, 3]), start, pos, anc, chain, 256)
+    split = bi.attention(*args, split_keys=64, fused=False)
+    fused = bi.attention(*args, split_keys=64, fused=True)
+    assert torch.equal(fused, split)
+    causal = torch.tril(torch.ones(1, 9, 9, dtype=torch.bool))
+    cstart = torch.tensor([60])
+    cpos = cstart[:, None] + torch.arange(9)[None]
+    canc, cchain = bi.ancestor_map(cstart, cpos, causal)
+    cargs = (q[:1, :, :9], kc, vc, torch.tensor([1]), cstart, cpos, canc, cchain, 192)
+    assert torch.equal(bi.attention(*cargs, split_keys=64, fused=True), bi.attention(*cargs, split_keys=64,
+                                                                                      fused=False))
+
+
+def test_attention_fused_by_grid_size():
+    assert not bi.attention_fused(bi.ATTN_FUSED_MIN_PROGRAMS - 1)
+    assert bi.attention_fused(bi.ATTN_FUSED_MIN_PROGRAMS)
+    assert bi.attention_fused(64 * 8)  # AR at C = 64 with 8 KV heads
+
+
 def test_ancestor_map_of_a_tree_and_a_chunk():
     vis, depth = _tree((-1, 0, 0, 1))
     anc, chain = bi.ancestor_map(torch.tensor([5]), 5 + depth[None], vis)
@@ -324,8 +358,35 @@ def test_gpu_split_and_fused_launches_agree_at_every_row_count(shape):
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     x = torch.randn(2048, k, device="cuda", dtype=torch.bfloat16)
     ref = bi.linear(x, w, launch=bi.MATMUL_WIDE_LAUNCH)
-    launches = [launch for _, launch in bi.MATMUL_LAUNCHES] + [bi.MATMUL_WIDE_LAUNCH]
+    launches = [launch for _, launch in bi.MATMUL_LAUNCHES] + [bi.MATMUL_WIDE_LAUNCH,
+                                                                bi.MATMUL_WIDE_LAUNCH._replace(flat=False)]
     assert {launch.fused for launch in launches} == {True, False}
     for m in range(1, 2049):
         for launch in launches:
             assert torch.equal(bi.linear(x[:m], w, launch=launch), ref[:m]), f"{launch} at {m} rows"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("parents", [None, PARENTS, WIDE[:9]], ids=["chain of 16", "7 nodes", "9 nodes"])
+def test_gpu_fused_launch_gives_the_split_launch_bits(parents):
+    # 64 rows at starts across split edges (a program's rows past different split counts), launched at the engine's
+    # key-length bucket: the fused launch against stored partials and the combine kernel
+    kv, g, d, rows = 8, 4, 128, 64
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    if parents is None:
+        t = 16
+        vis = torch.tril(torch.ones(1, t, t, dtype=torch.bool))
+        depth = torch.arange(t)
+    else:
+        t = len(parents)
+        vis, depth = _tree(parents)
+    kc = torch.randn(rows + 1, kv, 4096, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    vc = torch.randn(kc.shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+    q = torch.randn(rows, kv * g, t, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    start = torch.randint(0, 3000, (rows,), device="cuda", generator=gen)
+    start[:4] = torch.tensor([250, 255, 1020, 0], device="cuda")
+    pos = start[:, None] + depth[None].cuda()
+    anc, chain = bi.ancestor_map(start, pos, vis.cuda().expand(rows, t, t).contiguous())
+    args = (q, kc, vc, torch.arange(rows, device="cuda"), start, pos, anc, chain, 4096)
+    assert torch.equal(bi.attention(*args, fused=True), bi.attention(*args, fused=False))

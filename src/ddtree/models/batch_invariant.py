@@ -24,7 +24,10 @@ Attention (:func:`attention`, new tokens over a KV-cache slot)
     of one KV head. Where its queries share their keys (prefix tiles; every tile of a chain or a prompt chunk) one K/V
     tile serves them all; in a tree's tiles the program gathers each query's own tile and keeps, of each dot, the rows
     of that query (a tensor-core dot's row depends only on that row and the tile). Masked keys are exact no-ops
-    (p = exp2(-inf) = 0; the running max is guarded against -inf - -inf).
+    (p = exp2(-inf) = 0; the running max is guarded against -inf - -inf). The splits' states are merged in
+    ascending order into a running max and rescaled sums with explicit fma (:func:`_merge_weights`), either by a
+    combine kernel over stored fp32 partials or, where the grid fills the device without splits, by each program
+    itself (the fused launch, :func:`attention_fused`): the same arithmetic, so the same bits.
 
 Example: a tree root(0) -> a(1), root -> b(2), a -> c(3) at start 5, written at cache indices 5..8 with positions
 5, 6, 6, 7. Query c (position 7) walks positions 0..7 and reads cache indices 0 1 2 3 4 5 6 8: exactly the keys AR
@@ -59,8 +62,9 @@ ATTN_BLOCK_M = 32  # folded rows (queries x query heads of one KV head) per atte
 ATTN_SUM_COLS = 16  # columns of the ones matrix the tile's row sums are a dot with (a tensor-core dot's least N)
 ATTN_BLOCK_N = 64  # key positions per tile
 ATTN_SPLIT_KEYS = 256  # key positions per split (a multiple of ATTN_BLOCK_N); 512 served slower (benchmarks.md)
-# The split kernel's launch (warps, software-pipeline stages): the same for every call, so never a source of a row's
-# difference between calls; benchmarks/exact_attention_tune.py --sweep times the alternatives on the H200.
+ATTN_FUSED_MIN_PROGRAMS = 256  # grids this large launch fused (attention_fused): about two per SM of an H200
+# The attention kernel's launch (warps, software-pipeline stages): the same for every call, so never a source of a
+# row's difference between calls; benchmarks/exact_attention_tune.py --sweep times the alternatives on the H200.
 ATTN_NUM_WARPS = 4
 ATTN_NUM_STAGES = 2
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -79,13 +83,16 @@ class MatmulLaunch(NamedTuple):
 
     ``fused``: one program per output tile walks all K segments itself (no partials in memory); else one program
     per (tile, segment) writes an fp32 partial and a second kernel sums them in ascending order (more programs for
-    the few row tiles of a decode step)."""
+    the few row tiles of a decode step). ``flat`` (fused only): the segments run as one pipelined K loop that adds
+    its accumulator into the total at each segment's end (the same sums: a loop per segment drains and refills the
+    software pipeline S times per tile)."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
     fused: bool
+    flat: bool = False
 
 
 def _pow2_at_least(n: int, lo: int) -> int:
@@ -114,7 +121,9 @@ MATMUL_LAUNCHES: tuple[tuple[int, MatmulLaunch], ...] = (  # (up to this many ro
     (128, MatmulLaunch(64, 64, 4, 4, fused=False)),
     (767, MatmulLaunch(64, 128, 4, 3, fused=False)),
 )
-MATMUL_WIDE_LAUNCH = MatmulLaunch(128, 128, 8, 3, fused=True)
+# one K loop over the segments, 4 stages: 76 against 89 us (o_proj) and 214 against 242 us (down) at 1024 rows for
+# a loop per segment, H200 (docs/benchmarks.md, "Exact mode")
+MATMUL_WIDE_LAUNCH = MatmulLaunch(128, 128, 8, 4, fused=True, flat=True)
 
 
 def matmul_launch(n: int, k: int, m: int) -> MatmulLaunch:
@@ -160,8 +169,8 @@ if triton is not None:
     @triton.jit(do_not_specialize=["M"])
     def _matmul_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                        k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLITS: tl.constexpr, FUSED: tl.constexpr, HAS_BIAS: tl.constexpr, EMULATE: tl.constexpr,
-                       PRECISION: tl.constexpr):
+                       SPLITS: tl.constexpr, FUSED: tl.constexpr, FLAT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       EMULATE: tl.constexpr, PRECISION: tl.constexpr):
         """FUSED (grid: row tiles x column tiles): total = ((seg_0 + seg_1) + ...) + seg_{S-1}, then the bias, and
         store. Otherwise (grid x SPLITS): seg_{pid} -> part[split, m, n] in fp32 (:func:`_split_sum_kernel` adds
         them in the same order), or with one split the bias and the store directly."""
@@ -171,7 +180,29 @@ if triton is not None:
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_ok = rm < M
         n_ok = rn < N
-        if FUSED or SPLITS == 1:
+        if FUSED and FLAT and SPLITS > 1:
+            # seg_s summed from zero in ascending K order, then total = seg_0 (not 0 + seg_0: -0 stays -0) and
+            # total + seg_s at the end of each later segment: the bits of the loop per segment below
+            rk = tl.arange(0, BLOCK_K)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            per_split = k_per_split // BLOCK_K
+            for kb in range(0, SPLITS * per_split):
+                kk = kb * BLOCK_K + rk
+                k_ok = kk < K
+                x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                            other=0.0)
+                w = tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                            other=0.0)
+                acc = _dot(x, tl.trans(w), acc, EMULATE, PRECISION)
+                if (kb + 1) % per_split == 0:
+                    total = tl.where(kb + 1 == per_split, acc, total + acc)
+                    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            if HAS_BIAS:
+                total = total + tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], total.to(out_ptr.dtype.element_ty),
+                     mask=m_ok[:, None] & n_ok[None, :])
+        elif FUSED or SPLITS == 1:
             total = _segment(x_ptr, w_ptr, rm, rn, m_ok, n_ok, K, stride_xm, stride_wn, 0,
                              tl.minimum(k_per_split, K), BLOCK_M, BLOCK_N, BLOCK_K, EMULATE, PRECISION)
             for s in range(1, SPLITS):  # a loop, not unrolled: the inner K loop stays one pipelined loop
@@ -246,7 +277,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, tiles: Matm
     _matmul_kernel[grid](x2, weight, weight if bias is None else bias, out, part, m, n, k, x2.stride(0),
                          weight.stride(0), out.stride(0), k_per_split,
                          BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=tiles.block_k,
-                         SPLITS=tiles.split_k, FUSED=fused, HAS_BIAS=bias is not None, EMULATE=INTERPRETED,
+                         SPLITS=tiles.split_k, FUSED=fused, FLAT=launch.flat, HAS_BIAS=bias is not None,
+                         EMULATE=INTERPRETED,
                          PRECISION=precision, num_warps=launch.num_warps, num_stages=launch.num_stages)
     if not fused:
         block = 1024
@@ -323,54 +355,28 @@ if triton is not None:
         p = tl.exp2(qk - m_use[:, None]).to(ones.dtype)
         return p, alpha, _dot(p, ones, l_i * alpha[:, None], EMULATE, PRECISION), m_new
 
-    @triton.jit(do_not_specialize=["T"])
-    def _attention_split_kernel(
-        q_ptr, k_ptr, v_ptr, slots_ptr, start_ptr, pos_ptr, anc_ptr, chain_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-        stride_qr, stride_qh, stride_qt, stride_ks, stride_kh, stride_kp, stride_vs, stride_vh, stride_vp,
-        T, G, num_kv, num_splits, scale_log2,
-        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, QT: tl.constexpr, BLOCK_N: tl.constexpr,
-        TILES_PER_SPLIT: tl.constexpr, SUM_COLS: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
-    ):
-        """Program (query tile, split, row x KV head): the online softmax of its rows over the key tiles of its
-        split in ascending position order -> fp32 partials (max m, sum l, unnormalised acc) per (row, head, split)."""
-        pid_q = tl.program_id(0)
-        pid_s = tl.program_id(1)
-        pid_rk = tl.program_id(2)
-        r = (pid_rk // num_kv).to(tl.int64)
-        kv = pid_rk % num_kv
-        rows = tl.arange(0, BLOCK_M)
-        qi = rows // G  # query within the tile (query-major folding)
-        t = pid_q * QT + qi
-        row_ok = (qi < QT) & (t < T)
-        head = kv * G + rows % G
-        offs_d = tl.arange(0, HEAD_DIM)
-        offs_n = tl.arange(0, BLOCK_N)
-        q = tl.load(q_ptr + r * stride_qr + head[:, None] * stride_qh + t[:, None] * stride_qt + offs_d[None, :],
-                    mask=row_ok[:, None], other=0.0)
-        slot = tl.load(slots_ptr + r)
-        start = tl.load(start_ptr + r)
-        pos_row = tl.load(pos_ptr + r * T + t, mask=row_ok, other=-1)
-        max_pos = tl.max(pos_row, 0)
-        all_chain = tl.min(tl.load(chain_ptr + r * T + t, mask=row_ok, other=1), 0)
-        k_base = k_ptr + slot * stride_ks + kv * stride_kh
-        v_base = v_ptr + slot * stride_vs + kv * stride_vh
-        anc_base = anc_ptr + r * T * T
+    @triton.jit
+    def _split_state(q, k_base, v_base, anc_base, pos_ptr, r, t, qi, row_ok, pos_row, max_pos, all_chain, start,
+                     pid_q, split, stride_kp, stride_vp, T, scale_log2, offs_d, offs_n, ones, HEAD_DIM: tl.constexpr,
+                     BLOCK_M: tl.constexpr, QT: tl.constexpr, BLOCK_N: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
+                     SUM_COLS: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
+        """The online softmax of a program's rows over the key tiles of one split, from zero, in ascending position
+        order -> (m [BLOCK_M] running max, l [BLOCK_M] sum, acc [BLOCK_M, HEAD_DIM] unnormalised), fp32. The split
+        launch stores it per split; the fused launch merges it at once (:func:`_merge_weights`): both compute it here.
 
+        Tiles every query of the program reads alike (all of them for chains and prompt chunks, else those wholly
+        below start) run in a plain loop; the tiles above start, where each query has its own ancestors, after it.
+        Both loops do the same arithmetic on a tile (a query's tile is gathered, or loaded, to the same lanes), so a
+        tree node and the AR step at its position get the same bits; the split only keeps the per-query loop out of
+        the prefix tiles, where its dynamic trip count kept the loads from being pipelined. P @ V takes the rescaled
+        accumulator as the dot's own accumulator in both: Triton folds ``dot(a, b, 0) + c`` into ``dot(a, b, c)``
+        (another rounding than an add after the dot) where it sees the pattern, which it did in one loop and not in
+        the other (the H200 check of 2026-12-01 found nodes 1 ulp off their AR step)."""
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M, SUM_COLS], dtype=tl.float32)
-        # made in fp32 and cast: Triton 3.6's interpreter has no bf16 constant (``tl.full`` in bf16 fails there)
-        ones = tl.full([BLOCK_N, SUM_COLS], 1.0, dtype=tl.float32).to(q_ptr.dtype.element_ty)
-        tile_lo = pid_s * TILES_PER_SPLIT
+        tile_lo = split * TILES_PER_SPLIT
         tile_hi = tl.minimum(tile_lo + TILES_PER_SPLIT, max_pos // BLOCK_N + 1)
-        # Tiles every query of the program reads alike (all of them for chains and prompt chunks, else those wholly
-        # below start) in a plain loop; the tiles above start, where each query has its own ancestors, after it.
-        # Both loops do the same arithmetic on a tile (a query's tile is gathered, or loaded, to the same lanes),
-        # so a tree node and the AR step at its position get the same bits; the split only keeps the per-query
-        # loop out of the prefix tiles, where its dynamic trip count kept the loads from being pipelined. P @ V
-        # takes the rescaled accumulator as the dot's own accumulator in both: Triton folds ``dot(a, b, 0) + c``
-        # into ``dot(a, b, c)`` (another rounding than an add after the dot) where it sees the pattern, which it
-        # did in one loop and not in the other (the H200 check of 2026-12-01 found nodes 1 ulp off their AR step).
         shared_hi = tl.where(all_chain != 0, tile_hi, tl.minimum(tile_hi, tl.maximum(start // BLOCK_N, tile_lo)))
         for tile in range(tile_lo, shared_hi):
             j = tile * BLOCK_N + offs_n
@@ -410,20 +416,105 @@ if triton is not None:
                 o = _dot(p, v.to(q.dtype), scaled, EMULATE, PRECISION)
                 acc = tl.where((qi == grp)[:, None], o, acc)
             m_i = m_new
+        return m_i, tl.max(l_i, 1), acc  # l's columns are equal
 
-        # partials [R, T, H, splits] (+ D): written for every valid row, read only for splits up to its position
-        part = ((r * T + t) * (num_kv * G) + head) * num_splits + pid_s
-        tl.store(part_m_ptr + part, m_i, mask=row_ok)
-        tl.store(part_l_ptr + part, tl.max(l_i, 1), mask=row_ok)  # its columns are equal
-        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None])
+    @triton.jit
+    def _merge_weights(m_run, m_s):
+        """The weights of one merge step of the splits, in ascending split order: -> (m, w_run, w_s) with
+        m = max(m_run, m_s) and w = 2^(m_x - m); the caller forms ``fma(x_run, w_run, x_s * w_s)`` for l and acc
+        (explicit fma: the fused and the combine kernel must round alike, and a compiler's own contraction need not
+        be the same in both). An empty split (m_s = -inf: no visible key) merges as an exact no-op; -inf - -inf is
+        guarded."""
+        m = tl.maximum(m_run, m_s)
+        m_use = tl.where(m == float("-inf"), 0.0, m)
+        return m, tl.exp2(m_run - m_use), tl.exp2(m_s - m_use)
+
+    @triton.jit
+    def _attention_program(
+        q_ptr, k_ptr, v_ptr, slots_ptr, start_ptr, pos_ptr, anc_ptr, chain_ptr, out_ptr, part_m_ptr, part_l_ptr,
+        part_acc_ptr, stride_qr, stride_qh, stride_qt, stride_ks, stride_kh, stride_kp, stride_vs, stride_vh,
+        stride_vp, stride_or, stride_oh, stride_ot, pid_q, pid_s, pid_rk, T, G, num_kv, num_splits, scale_log2,
+        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, QT: tl.constexpr, BLOCK_N: tl.constexpr,
+        TILES_PER_SPLIT: tl.constexpr, SUM_COLS: tl.constexpr, FUSED: tl.constexpr, EMULATE: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        """One program's rows (query tile pid_q, row x KV head pid_rk): split pid_s's state stored as partials, or
+        (FUSED) every split up to the program's last position merged in ascending order and the output stored."""
+        r = (pid_rk // num_kv).to(tl.int64)
+        kv = pid_rk % num_kv
+        rows = tl.arange(0, BLOCK_M)
+        qi = rows // G  # query within the tile (query-major folding)
+        t = pid_q * QT + qi
+        row_ok = (qi < QT) & (t < T)
+        head = kv * G + rows % G
+        offs_d = tl.arange(0, HEAD_DIM)
+        offs_n = tl.arange(0, BLOCK_N)
+        q = tl.load(q_ptr + r * stride_qr + head[:, None] * stride_qh + t[:, None] * stride_qt + offs_d[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        slot = tl.load(slots_ptr + r)
+        start = tl.load(start_ptr + r)
+        pos_row = tl.load(pos_ptr + r * T + t, mask=row_ok, other=-1)
+        max_pos = tl.max(pos_row, 0)
+        all_chain = tl.min(tl.load(chain_ptr + r * T + t, mask=row_ok, other=1), 0)
+        k_base = k_ptr + slot * stride_ks + kv * stride_kh
+        v_base = v_ptr + slot * stride_vs + kv * stride_vh
+        anc_base = anc_ptr + r * T * T
+        # made in fp32 and cast: Triton 3.6's interpreter has no bf16 constant (``tl.full`` in bf16 fails there)
+        ones = tl.full([BLOCK_N, SUM_COLS], 1.0, dtype=tl.float32).to(q_ptr.dtype.element_ty)
+        if FUSED:
+            m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            l_run = tl.zeros([BLOCK_M], dtype=tl.float32)
+            acc_run = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+            for split in range(0, max_pos // (TILES_PER_SPLIT * BLOCK_N) + 1):
+                m_s, l_s, acc_s = _split_state(
+                    q, k_base, v_base, anc_base, pos_ptr, r, t, qi, row_ok, pos_row, max_pos, all_chain, start,
+                    pid_q, split, stride_kp, stride_vp, T, scale_log2, offs_d, offs_n, ones, HEAD_DIM, BLOCK_M, QT,
+                    BLOCK_N, TILES_PER_SPLIT, SUM_COLS, EMULATE, PRECISION)
+                # a row merges the splits up to its own position, as the combine kernel does
+                take = row_ok & (split * (TILES_PER_SPLIT * BLOCK_N) <= pos_row)
+                m_new, w_run, w_s = _merge_weights(m_run, m_s)
+                l_run = tl.where(take, tl.fma(l_run, w_run, l_s * w_s), l_run)
+                acc_run = tl.where(take[:, None], tl.fma(acc_run, w_run[:, None], acc_s * w_s[:, None]), acc_run)
+                m_run = tl.where(take, m_new, m_run)
+            out = acc_run / tl.where(l_run > 0.0, l_run, 1.0)[:, None]
+            tl.store(out_ptr + r * stride_or + head[:, None] * stride_oh + t[:, None] * stride_ot + offs_d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        else:
+            m_i, l_i, acc = _split_state(
+                q, k_base, v_base, anc_base, pos_ptr, r, t, qi, row_ok, pos_row, max_pos, all_chain, start, pid_q,
+                pid_s, stride_kp, stride_vp, T, scale_log2, offs_d, offs_n, ones, HEAD_DIM, BLOCK_M, QT, BLOCK_N,
+                TILES_PER_SPLIT, SUM_COLS, EMULATE, PRECISION)
+            # partials [R, T, H, splits] (+ D): written for every valid row, read only for splits up to its position
+            part = ((r * T + t) * (num_kv * G) + head) * num_splits + pid_s
+            tl.store(part_m_ptr + part, m_i, mask=row_ok)
+            tl.store(part_l_ptr + part, l_i, mask=row_ok)
+            tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None])
+
+    @triton.jit(do_not_specialize=["T"])
+    def _attention_kernel(
+        q_ptr, k_ptr, v_ptr, slots_ptr, start_ptr, pos_ptr, anc_ptr, chain_ptr, out_ptr, part_m_ptr, part_l_ptr,
+        part_acc_ptr, stride_qr, stride_qh, stride_qt, stride_ks, stride_kh, stride_kp, stride_vs, stride_vh,
+        stride_vp, stride_or, stride_oh, stride_ot, T, G, num_kv, num_splits, scale_log2,
+        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, QT: tl.constexpr, BLOCK_N: tl.constexpr,
+        TILES_PER_SPLIT: tl.constexpr, SUM_COLS: tl.constexpr, FUSED: tl.constexpr, EMULATE: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        """Grid (query tiles, splits or 1 if FUSED, rows x KV heads): :func:`_attention_program`."""
+        _attention_program(
+            q_ptr, k_ptr, v_ptr, slots_ptr, start_ptr, pos_ptr, anc_ptr, chain_ptr, out_ptr, part_m_ptr, part_l_ptr,
+            part_acc_ptr, stride_qr, stride_qh, stride_qt, stride_ks, stride_kh, stride_kp, stride_vs, stride_vh,
+            stride_vp, stride_or, stride_oh, stride_ot, tl.program_id(0), tl.program_id(1), tl.program_id(2), T, G,
+            num_kv, num_splits, scale_log2, HEAD_DIM, BLOCK_M, QT, BLOCK_N, TILES_PER_SPLIT, SUM_COLS, FUSED,
+            EMULATE, PRECISION)
 
     @triton.jit(do_not_specialize=["T"])
     def _attention_combine_kernel(
         out_ptr, pos_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, stride_or, stride_oh, stride_ot, T, H, num_splits,
         HEAD_DIM: tl.constexpr, SPLIT_KEYS: tl.constexpr,
     ):
-        """Program (row x token, head): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the splits
-        0 .. pos // SPLIT_KEYS in ascending order (the same splits whatever the call's kv_len)."""
+        """Program (row x token, head): the stored split states 0 .. pos // SPLIT_KEYS merged in ascending order into a
+        running max and rescaled sums (:func:`_merge_weights`, the fused launch's arithmetic), then out = acc / l
+        (the same splits whatever the call's kv_len)."""
         rt = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
         r = rt // T
@@ -432,18 +523,15 @@ if triton is not None:
         pos = tl.load(pos_ptr + rt)
         n = tl.minimum(pos // SPLIT_KEYS + 1, num_splits)
         base = (rt * H + h) * num_splits
-        m_max = tl.load(part_m_ptr + base)
-        for s in range(1, n):
-            m_max = tl.maximum(m_max, tl.load(part_m_ptr + base + s))
-        m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
-        w = tl.exp2(tl.load(part_m_ptr + base) - m_use)
-        l_sum = w * tl.load(part_l_ptr + base)
-        acc = w * tl.load(part_acc_ptr + base * HEAD_DIM + offs_d)
-        for s in range(1, n):
-            w = tl.exp2(tl.load(part_m_ptr + base + s) - m_use)
-            l_sum = l_sum + w * tl.load(part_l_ptr + base + s)
-            acc = acc + w * tl.load(part_acc_ptr + (base + s) * HEAD_DIM + offs_d)
-        out = acc / tl.where(l_sum > 0.0, l_sum, 1.0)
+        m_run = float("-inf")
+        l_run = 0.0
+        acc_run = tl.zeros([HEAD_DIM], dtype=tl.float32)
+        for s in range(0, n):
+            m_new, w_run, w_s = _merge_weights(m_run, tl.load(part_m_ptr + base + s))
+            l_run = tl.fma(l_run, w_run, tl.load(part_l_ptr + base + s) * w_s)
+            acc_run = tl.fma(acc_run, w_run, tl.load(part_acc_ptr + (base + s) * HEAD_DIM + offs_d) * w_s)
+            m_run = m_new
+        out = acc_run / tl.where(l_run > 0.0, l_run, 1.0)
         tl.store(out_ptr + r * stride_or + h * stride_oh + t * stride_ot + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
@@ -472,19 +560,32 @@ def attention_block_m(tokens: int, group: int) -> int:
     return 64 if ATTN_BLOCK_M < tokens * group <= 64 else ATTN_BLOCK_M
 
 
+def attention_fused(programs: int) -> bool:
+    """Whether the fused launch serves a call whose grid without splits has ``programs`` programs (query tiles x
+    rows x KV heads): where they alone fill the device (:data:`ATTN_FUSED_MIN_PROGRAMS`), splits only add partials
+    to write and read back (a chain at C = 64 over 1k keys wrote 134 MB and read 84 MB of them for 34 MB of K/V);
+    below it the splits are what spread a long context over the SMs. A launch choice, never a bit-fixing one."""
+    return programs >= ATTN_FUSED_MIN_PROGRAMS
+
+
 def supports_head_dim(head_dim: int) -> bool:
     """Head dims the Triton attention takes (one power-of-two block, at least a tensor-core tile)."""
     return head_dim in SUPPORTED_HEAD_DIMS
 
 
 def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start: Tensor, positions: Tensor,
-              anc: Tensor, chain: Tensor, kv_len: int, *, split_keys: int = ATTN_SPLIT_KEYS) -> Tensor:
+              anc: Tensor, chain: Tensor, kv_len: int, *, split_keys: int = ATTN_SPLIT_KEYS,
+              fused: bool | None = None) -> Tensor:
     """Attention of the new tokens over their slots' keys in position order (module docstring).
 
     q [R, H, T, D]; k_cache, v_cache [slots, KV, max_len, D] (new tokens already written at ``start + t``);
     slots, start [R] long; positions [R, T] long (``start + depth``); anc, chain: :func:`ancestor_map`; kv_len: host
     bound > every position (sizes the split grid only: a query's result does not depend on it). Softmax in fp32
-    with scale 1/sqrt(D). Returns [R, H, T, D] in q's dtype (a view of [R, T, H, D] memory)."""
+    with scale 1/sqrt(D). Returns [R, H, T, D] in q's dtype (a view of [R, T, H, D] memory).
+
+    ``fused``: one program per query tile walks all of its splits and stores the output (no fp32 partials written
+    and read back), or one program per split and a combine kernel; None: :func:`attention_fused`. The same bits
+    either way (both merge the split states with :func:`_merge_weights`)."""
     if triton is None:
         raise ConfigError("batch_invariant.attention needs Triton; use attention_rows")
     _check_attention(q, k_cache, v_cache, slots, start, positions, anc)
@@ -509,24 +610,31 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start:
     if r == 0 or t == 0:
         return out
     splits = max(1, math.ceil(kv_len / split_keys))
-    part_m = torch.empty((r, t, h, splits), dtype=torch.float32, device=q.device)
-    part_l = torch.empty_like(part_m)
-    part_acc = torch.empty((r, t, h, splits, d), dtype=torch.float32, device=q.device)
+    q_tiles = -(-t // qt)
+    if fused is None:
+        fused = attention_fused(q_tiles * r * kv)
+    if fused:  # no partials: each program merges its splits itself (a stand-in pointer for the unused ones)
+        part_m = part_l = part_acc = out
+    else:
+        part_m = torch.empty((r, t, h, splits), dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty((r, t, h, splits, d), dtype=torch.float32, device=q.device)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     scale_log2 = d**-0.5 * math.log2(math.e)
-    _attention_split_kernel[(-(-t // qt), splits, r * kv)](
-        q, k_cache, v_cache, slots, start, positions, anc, chain, part_m, part_l, part_acc,
+    _attention_kernel[(q_tiles, 1 if fused else splits, r * kv)](
+        q, k_cache, v_cache, slots, start, positions, anc, chain, out, part_m, part_l, part_acc,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), out.stride(2),
         t, g, kv, splits, scale_log2,
         HEAD_DIM=d, BLOCK_M=block_m, QT=qt, BLOCK_N=ATTN_BLOCK_N, TILES_PER_SPLIT=split_keys // ATTN_BLOCK_N,
-        SUM_COLS=ATTN_SUM_COLS, EMULATE=INTERPRETED, PRECISION=precision, num_warps=ATTN_NUM_WARPS,
+        SUM_COLS=ATTN_SUM_COLS, FUSED=fused, EMULATE=INTERPRETED, PRECISION=precision, num_warps=ATTN_NUM_WARPS,
         num_stages=ATTN_NUM_STAGES,
     )
-    _attention_combine_kernel[(r * t, h)](
-        out, positions, part_m, part_l, part_acc, out.stride(0), out.stride(1), out.stride(2), t, h, splits,
-        HEAD_DIM=d, SPLIT_KEYS=split_keys, num_warps=1,
-    )
+    if not fused:
+        _attention_combine_kernel[(r * t, h)](
+            out, positions, part_m, part_l, part_acc, out.stride(0), out.stride(1), out.stride(2), t, h, splits,
+            HEAD_DIM=d, SPLIT_KEYS=split_keys, num_warps=1,
+        )
     return out
 
 
