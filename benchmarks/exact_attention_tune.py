@@ -6,7 +6,9 @@ trees of depth <= 15, each node's parent drawn among the shallower ones). For ea
 CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median) of
 
 - ``default``: ``ddtree.models.tree_attention.tree_attention`` (the default engine's kernel);
-- ``exact``: ``batch_invariant.attention`` as it is in this tree;
+- ``exact``: ``batch_invariant.attention`` as it is in this tree (its launch by ``attention_fused``);
+- ``exact_split`` / ``exact_fused``: the same with each launch forced (``fused=False`` / ``True``), and
+  ``fused_same_bits``: whether the two give the same output;
 - ``exact_ref`` (with ``--ref FILE``): the same function from another copy of ``batch_invariant.py``, for a
   before/after of a kernel change; then also whether its output has the same bits as ``exact``.
 
@@ -125,11 +127,11 @@ def default_call(x: dict):
     return lambda: tree_attention(x["q"], x["k"], x["v"], x["slots"], x["start"], x["vis"], x["kv_len"])
 
 
-def exact_call(x: dict, module=bi):
+def exact_call(x: dict, module=bi, **launch):
     """``module.attention`` (this tree's exact attention, or a ``--ref`` copy) on one shape's inputs, at the split
-    size the module's constant says (the sweep changes it)."""
+    size the module's constant says (the sweep changes it); ``launch``: ``fused=`` for this tree's."""
     return lambda: module.attention(x["q"], x["k"], x["v"], x["slots"], x["start"], x["positions"], x["anc"],
-                                    x["chain"], x["kv_len"], split_keys=module.ATTN_SPLIT_KEYS)
+                                    x["chain"], x["kv_len"], split_keys=module.ATTN_SPLIT_KEYS, **launch)
 
 
 def one_shape(name: str, rows: int, t: int, tree: bool, ctx: int, ref, gen: torch.Generator,
@@ -138,7 +140,8 @@ def one_shape(name: str, rows: int, t: int, tree: bool, ctx: int, ref, gen: torc
     from triton.testing import do_bench_cudagraph
 
     x = inputs(rows, t, tree, ctx, gen, bucket)
-    calls = {"default": default_call(x), "exact": exact_call(x)}
+    calls = {"default": default_call(x), "exact": exact_call(x), "exact_split": exact_call(x, fused=False),
+             "exact_fused": exact_call(x, fused=True)}
     if ref is not None:
         calls["exact_ref"] = exact_call(x, ref)
     row = {"shape": name, "rows": rows, "tokens": t, "context": ctx, "kv_len": x["kv_len"]}
@@ -146,6 +149,7 @@ def one_shape(name: str, rows: int, t: int, tree: bool, ctx: int, ref, gen: torc
     for label, fn in calls.items():
         outs[label] = fn().clone()
         row[f"{label}_us"] = round(do_bench_cudagraph(fn, rep=100) * 1e3, 1)
+    row["fused_same_bits"] = bool(torch.equal(outs["exact_split"], outs["exact_fused"]))
     if ref is not None:
         row["ref_same_bits"] = bool(torch.equal(outs["exact"], outs["exact_ref"]))
     if tree and t == 64:  # each node against the AR step at its position over the same keys

@@ -44,6 +44,10 @@ LAUNCHES = {
     "fused64x64w4": bi.MatmulLaunch(64, 64, 4, 4, fused=True),
     "fused128x128w8": bi.MatmulLaunch(128, 128, 8, 3, fused=True),
     "fused128x256w8": bi.MatmulLaunch(128, 256, 8, 3, fused=True),
+    # one K loop over the segments (MatmulLaunch.flat)
+    "flat128x128w8": bi.MatmulLaunch(128, 128, 8, 3, fused=True, flat=True),
+    "flat128x128w8s4": bi.MatmulLaunch(128, 128, 8, 4, fused=True, flat=True),
+    "flat64x128w4": bi.MatmulLaunch(64, 128, 4, 3, fused=True, flat=True),
     # narrow column tiles: enough programs to stream a weight at one row tile without split-K (S = 1)
     "split64x32w4": bi.MatmulLaunch(64, 32, 4, 4, fused=False),
     "split16x32w2": bi.MatmulLaunch(16, 32, 2, 4, fused=False),
