@@ -55,10 +55,11 @@ def test_linear_rows_bit_identical_to_one_row(dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_linear_launches_give_the_same_bits(dtype):
+@pytest.mark.parametrize("k", [512, 500])  # 500: the last K block is masked
+def test_linear_launches_give_the_same_bits(dtype, k):
     # split programs + the ordered sum kernel against fused programs that walk the segments themselves, and
     # different row tiles: every row equal to its row alone under the default launch, with and without a bias
-    n, k = 40, 512
+    n = 40
     tiles = bi.MatmulTiles(block_k=64, split_k=4)
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(n, k, generator=gen).to(dtype).to(DEVICE)
@@ -216,15 +217,17 @@ def test_attention_row_independent_of_other_rows():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_launch_gives_the_split_launch_bits(dtype):
+@pytest.mark.parametrize("group", [G, 4], ids=["one 64-row tile", "three 32-row tiles"])
+def test_fused_launch_gives_the_split_launch_bits(dtype, group):
     """Three rows at different starts (one split, a tree across a split edge, three splits; rows of a program with
     different split counts) and a chain: the fused launch (each program merges its splits) against the split launch
-    (stored partials and the combine kernel)."""
+    (stored partials and the combine kernel). At 4 query heads per KV head the 20-node tree folds into three query
+    tiles, the last one partial."""
     gen = torch.Generator().manual_seed(11)
     t = len(WIDE)
     kc = torch.randn(4, KV, 256, D, generator=gen).to(dtype)
     vc = torch.randn(4, KV, 256, D, generator=gen).to(dtype)
-    q = torch.randn(3, KV * G, t, D, generator=gen).to(dtype)
+    q = torch.randn(3, KV * group, t, D, generator=gen).to(dtype)
     vis, depth = _tree(WIDE)
     start = torch.tensor([20, 60, 150])
     pos = start[:, None] + depth[None]
@@ -368,7 +371,8 @@ def test_gpu_split_and_fused_launches_agree_at_every_row_count(shape):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("parents", [None, PARENTS, WIDE[:9]], ids=["chain of 16", "7 nodes", "9 nodes"])
+@pytest.mark.parametrize("parents", [None, PARENTS, WIDE[:9], WIDE],
+                         ids=["chain of 16", "7 nodes", "9 nodes", "20 nodes (three query tiles)"])
 def test_gpu_fused_launch_gives_the_split_launch_bits(parents):
     # 64 rows at starts across split edges (a program's rows past different split counts), launched at the engine's
     # key-length bucket: the fused launch against stored partials and the combine kernel

@@ -613,7 +613,10 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start:
     q_tiles = -(-t // qt)
     if fused is None:
         fused = attention_fused(q_tiles * r * kv)
-    if fused:  # no partials: each program merges its splits itself (a stand-in pointer for the unused ones)
+    # The two launches agree only while kv_len exceeds every position (the contract above): the split launch has
+    # ceil(kv_len / split_keys) splits, the fused one walks a program's splits up to its last position.
+    if fused:  # no partials: each program merges its splits itself; ``out`` stands in for the partials' pointers,
+        # which the FUSED kernel never reads or writes (its partial stores are compiled out)
         part_m = part_l = part_acc = out
     else:
         part_m = torch.empty((r, t, h, splits), dtype=torch.float32, device=q.device)
