@@ -153,17 +153,23 @@ if triton is not None:
         return out
 
     @triton.jit
+    def _k_step(acc, x_ptr, w_ptr, rm, rn, m_ok, n_ok, K, stride_xm, stride_wn, k0, BLOCK_K: tl.constexpr,
+                EMULATE: tl.constexpr, PRECISION: tl.constexpr):
+        """acc + x[rm, k0 : k0 + BLOCK_K] @ w[rn, k0 : k0 + BLOCK_K]^T (K past the end loads 0)."""
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < K
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        return _dot(x, tl.trans(w), acc, EMULATE, PRECISION)
+
+    @triton.jit
     def _segment(x_ptr, w_ptr, rm, rn, m_ok, n_ok, K, stride_xm, stride_wn, k_lo, k_hi, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
         """One K segment's fp32 sum from zero, its K blocks in ascending order: [BLOCK_M, BLOCK_N]."""
-        rk = tl.arange(0, BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
-            kk = k0 + rk
-            k_ok = kk < K
-            x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc = _dot(x, tl.trans(w), acc, EMULATE, PRECISION)
+            acc = _k_step(acc, x_ptr, w_ptr, rm, rn, m_ok, n_ok, K, stride_xm, stride_wn, k0, BLOCK_K, EMULATE,
+                          PRECISION)
         return acc
 
     @triton.jit(do_not_specialize=["M"])
@@ -180,36 +186,27 @@ if triton is not None:
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_ok = rm < M
         n_ok = rn < N
-        if FUSED and FLAT and SPLITS > 1:
-            # seg_s summed from zero in ascending K order, then total = seg_0 (not 0 + seg_0: -0 stays -0) and
-            # total + seg_s at the end of each later segment: the bits of the loop per segment below
-            rk = tl.arange(0, BLOCK_K)
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            per_split = k_per_split // BLOCK_K
-            for kb in range(0, SPLITS * per_split):
-                kk = kb * BLOCK_K + rk
-                k_ok = kk < K
-                x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                            other=0.0)
-                w = tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                            other=0.0)
-                acc = _dot(x, tl.trans(w), acc, EMULATE, PRECISION)
-                if (kb + 1) % per_split == 0:
-                    total = tl.where(kb + 1 == per_split, acc, total + acc)
-                    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            if HAS_BIAS:
-                total = total + tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], total.to(out_ptr.dtype.element_ty),
-                     mask=m_ok[:, None] & n_ok[None, :])
-        elif FUSED or SPLITS == 1:
-            total = _segment(x_ptr, w_ptr, rm, rn, m_ok, n_ok, K, stride_xm, stride_wn, 0,
-                             tl.minimum(k_per_split, K), BLOCK_M, BLOCK_N, BLOCK_K, EMULATE, PRECISION)
-            for s in range(1, SPLITS):  # a loop, not unrolled: the inner K loop stays one pipelined loop
-                k_lo = s * k_per_split
-                total = total + _segment(x_ptr, w_ptr, rm, rn, m_ok, n_ok, K, stride_xm, stride_wn, k_lo,
-                                         tl.minimum(k_lo + k_per_split, K), BLOCK_M, BLOCK_N, BLOCK_K, EMULATE,
-                                         PRECISION)
+        if FUSED or SPLITS == 1:
+            if FLAT and SPLITS > 1:
+                # seg_s summed from zero in ascending K order, then total = seg_0 (not 0 + seg_0: -0 stays -0) and
+                # total + seg_s at the end of each later segment: the bits of the loop per segment below
+                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                per_split = k_per_split // BLOCK_K
+                for kb in range(0, SPLITS * per_split):
+                    acc = _k_step(acc, x_ptr, w_ptr, rm, rn, m_ok, n_ok, K, stride_xm, stride_wn, kb * BLOCK_K,
+                                  BLOCK_K, EMULATE, PRECISION)
+                    if (kb + 1) % per_split == 0:
+                        total = tl.where(kb + 1 == per_split, acc, total + acc)
+                        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            else:
+                total = _segment(x_ptr, w_ptr, rm, rn, m_ok, n_ok, K, stride_xm, stride_wn, 0,
+                                 tl.minimum(k_per_split, K), BLOCK_M, BLOCK_N, BLOCK_K, EMULATE, PRECISION)
+                for s in range(1, SPLITS):  # a loop, not unrolled: the inner K loop stays one pipelined loop
+                    k_lo = s * k_per_split
+                    total = total + _segment(x_ptr, w_ptr, rm, rn, m_ok, n_ok, K, stride_xm, stride_wn, k_lo,
+                                             tl.minimum(k_lo + k_per_split, K), BLOCK_M, BLOCK_N, BLOCK_K, EMULATE,
+                                             PRECISION)
             if HAS_BIAS:
                 total = total + tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], total.to(out_ptr.dtype.element_ty),
