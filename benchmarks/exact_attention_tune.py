@@ -1,19 +1,20 @@
 """Exact mode's attention against the default tree-attention kernel on the shapes of speculative rounds.
 
 Qwen3-8B's heads (32 query heads, 8 KV heads, head dim 128), bf16, random K/V, over a 1k or 4k context: AR at 1 and
-64 rows, the DFlash chain (16 tokens), DDTree trees of 17 and 64 nodes at one row and of 9 nodes at 64 rows (random
-trees of depth <= 15, each node's parent drawn among the shallower ones). For each shape: microseconds per call of
-CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median) of
+64 rows, the DFlash chain (16 tokens), DDTree trees of 17 and 64 nodes at one row, of 9 nodes at 8 rows and of 9 and
+16 nodes at 64 rows (random trees of depth <= 15, each node's parent drawn among the shallower ones). For each shape:
+microseconds per call of CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median) of
 
 - ``default``: ``ddtree.models.tree_attention.tree_attention`` (the default engine's kernel);
 - ``exact``: ``batch_invariant.attention`` as it is in this tree (its launch by ``attention_fused``);
 - ``exact_split`` / ``exact_fused``: the same with each launch forced (``fused=False`` / ``True``), and
-  ``fused_same_bits``: whether the two give the same output;
+  ``exact_fused_s3`` the fused launch in three pipeline stages; ``fused_same_bits``: whether all three give the same
+  output;
 - ``exact_ref`` (with ``--ref FILE``): the same function from another copy of ``batch_invariant.py``, for a
   before/after of a kernel change; then also whether its output has the same bits as ``exact``.
 
 And the property exact mode rests on, on the GPU: every tree node's output equal to the AR step at its position (one
-query over the same keys in position order), checked for the 64-node tree.
+query over the same keys in position order), checked for each tree shape's first row.
 
     python benchmarks/exact_attention_tune.py --out $OUT [--ref build/batch_invariant_before.py]     # H200
     python benchmarks/exact_attention_tune.py --out $OUT --bucket    # at the engine's key-length buckets
@@ -43,6 +44,7 @@ SHAPES = (  # (name, rows, tokens, tree?, context)
     ("AR C=1", 1, 1, False, 1024), ("chain C=1", 1, 16, False, 1024), ("tree 17 C=1", 1, 17, True, 1024),
     ("tree 64 C=1", 1, 64, True, 1024), ("AR C=64", 64, 1, False, 1024), ("tree 9 C=64", 64, 9, True, 1024),
     ("chain C=64", 64, 16, False, 1024), ("AR C=1 4k", 1, 1, False, 4096), ("tree 64 C=1 4k", 1, 64, True, 4096),
+    ("tree 16 C=64", 64, 16, True, 1024), ("tree 9 C=8", 8, 9, True, 1024),
 )
 
 
@@ -141,7 +143,7 @@ def one_shape(name: str, rows: int, t: int, tree: bool, ctx: int, ref, gen: torc
 
     x = inputs(rows, t, tree, ctx, gen, bucket)
     calls = {"default": default_call(x), "exact": exact_call(x), "exact_split": exact_call(x, fused=False),
-             "exact_fused": exact_call(x, fused=True)}
+             "exact_fused": exact_call(x, fused=True), "exact_fused_s3": exact_call(x, fused=True, num_stages=3)}
     if ref is not None:
         calls["exact_ref"] = exact_call(x, ref)
     row = {"shape": name, "rows": rows, "tokens": t, "context": ctx, "kv_len": x["kv_len"]}
@@ -149,10 +151,11 @@ def one_shape(name: str, rows: int, t: int, tree: bool, ctx: int, ref, gen: torc
     for label, fn in calls.items():
         outs[label] = fn().clone()
         row[f"{label}_us"] = round(do_bench_cudagraph(fn, rep=100) * 1e3, 1)
-    row["fused_same_bits"] = bool(torch.equal(outs["exact_split"], outs["exact_fused"]))
+    row["fused_same_bits"] = bool(torch.equal(outs["exact_split"], outs["exact_fused"])
+                                  and torch.equal(outs["exact_fused"], outs["exact_fused_s3"]))
     if ref is not None:
         row["ref_same_bits"] = bool(torch.equal(outs["exact"], outs["exact_ref"]))
-    if tree and t == 64:  # each node against the AR step at its position over the same keys
+    if tree:  # each node of row 0 against the AR step at its position over the same keys
         row["nodes_equal_to_ar"] = nodes_equal_to_ar(x, outs["exact"])
     return row
 

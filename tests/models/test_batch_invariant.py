@@ -218,11 +218,14 @@ def test_attention_row_independent_of_other_rows():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group", [G, 4], ids=["one 64-row tile", "three 32-row tiles"])
-def test_fused_launch_gives_the_split_launch_bits(dtype, group):
+@pytest.mark.parametrize("split_keys", [64, 128], ids=["a split per tile", "two tiles per split"])
+def test_fused_launch_gives_the_split_launch_bits(dtype, group, split_keys):
     """Three rows at different starts (one split, a tree across a split edge, three splits; rows of a program with
-    different split counts) and a chain: the fused launch (each program merges its splits) against the split launch
-    (stored partials and the combine kernel). At 4 query heads per KV head the 20-node tree folds into three query
-    tiles, the last one partial."""
+    different split counts) and a chain: the fused launch (each program merges its splits in one loop over the
+    tiles, a tree's tail tiles one query at a time) against the split launch (stored partials and the combine
+    kernel), in two and in three pipeline stages. At 4 query heads per KV head the 20-node tree folds into three query tiles, the last one partial. At a
+    split per tile the tree at start 60 has its tail across a split edge; at two tiles per split the tree at 150
+    starts its tail with a split (tiles 0-1 shared, split 1 from the tail's tile 2)."""
     gen = torch.Generator().manual_seed(11)
     t = len(WIDE)
     kc = torch.randn(4, KV, 256, D, generator=gen).to(dtype)
@@ -233,16 +236,17 @@ def test_fused_launch_gives_the_split_launch_bits(dtype, group):
     pos = start[:, None] + depth[None]
     anc, chain = bi.ancestor_map(start, pos, vis.expand(3, t, t).contiguous())
     args = (q, kc, vc, torch.tensor([2, 0, 3]), start, pos, anc, chain, 256)
-    split = bi.attention(*args, split_keys=64, fused=False)
-    fused = bi.attention(*args, split_keys=64, fused=True)
+    split = bi.attention(*args, split_keys=split_keys, fused=False)
+    fused = bi.attention(*args, split_keys=split_keys, fused=True)
     assert torch.equal(fused, split)
+    assert torch.equal(bi.attention(*args, split_keys=split_keys, fused=True, num_stages=3), split)
     causal = torch.tril(torch.ones(1, 9, 9, dtype=torch.bool))
     cstart = torch.tensor([60])
     cpos = cstart[:, None] + torch.arange(9)[None]
     canc, cchain = bi.ancestor_map(cstart, cpos, causal)
     cargs = (q[:1, :, :9], kc, vc, torch.tensor([1]), cstart, cpos, canc, cchain, 192)
-    assert torch.equal(bi.attention(*cargs, split_keys=64, fused=True), bi.attention(*cargs, split_keys=64,
-                                                                                      fused=False))
+    assert torch.equal(bi.attention(*cargs, split_keys=split_keys, fused=True),
+                       bi.attention(*cargs, split_keys=split_keys, fused=False))
 
 
 def test_attention_fused_by_grid_size():
@@ -393,4 +397,6 @@ def test_gpu_fused_launch_gives_the_split_launch_bits(parents):
     pos = start[:, None] + depth[None].cuda()
     anc, chain = bi.ancestor_map(start, pos, vis.cuda().expand(rows, t, t).contiguous())
     args = (q, kc, vc, torch.arange(rows, device="cuda"), start, pos, anc, chain, 4096)
-    assert torch.equal(bi.attention(*args, fused=True), bi.attention(*args, fused=False))
+    split = bi.attention(*args, fused=False)
+    assert torch.equal(bi.attention(*args, fused=True), split)
+    assert torch.equal(bi.attention(*args, fused=True, num_stages=3), split)

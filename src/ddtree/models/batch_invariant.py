@@ -67,6 +67,7 @@ ATTN_FUSED_MIN_PROGRAMS = 256  # grids this large launch fused (attention_fused)
 # row's difference between calls; benchmarks/exact_attention_tune.py --sweep times the alternatives on the H200.
 ATTN_NUM_WARPS = 4
 ATTN_NUM_STAGES = 2
+ATTN_FUSED_ONE_TOKEN_STAGES = 3  # attention_stages
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
@@ -319,10 +320,10 @@ def ancestor_map(start: Tensor, positions: Tensor, new_vis: Tensor) -> tuple[Ten
 if triton is not None:
 
     @triton.jit
-    def _gather_tile(base, stride_p, offs_d, j, start, pos_q, anc_row_ptr, shared):
-        """The K or V tile [BLOCK_N, D] one query reads at positions j [BLOCK_N]: cache index j below start, the
-        ancestor's slot above it; masked keys (past pos_q, or no ancestor at that depth) load 0. ``shared``: the
-        keys are contiguous (cache index j up to pos_q)."""
+    def _key_index(j, start, pos_q, anc_row_ptr, shared):
+        """(cache index [BLOCK_N] int64, visible [BLOCK_N]) of the keys one query reads at positions j: cache index j
+        below start, the ancestor's slot above it; not visible past pos_q or where it has no ancestor at that depth.
+        ``shared``: the keys are contiguous (cache index j up to pos_q)."""
         above = j >= start
         if shared:
             idx = j.to(tl.int64)
@@ -331,7 +332,24 @@ if triton is not None:
             anc = tl.load(anc_row_ptr + (j - start), mask=above & (j <= pos_q), other=-1)
             idx = tl.where(above, start + anc, j).to(tl.int64)
             ok = (j <= pos_q) & ((~above) | (anc >= 0))
+        return idx, ok
+
+    @triton.jit
+    def _gather_tile(base, stride_p, offs_d, j, start, pos_q, anc_row_ptr, shared):
+        """The K or V tile [BLOCK_N, D] one query reads at positions j [BLOCK_N] (:func:`_key_index`); keys it does not
+        see load 0."""
+        idx, ok = _key_index(j, start, pos_q, anc_row_ptr, shared)
         return tl.load(base + idx[:, None] * stride_p + offs_d[None, :], mask=ok[:, None], other=0.0)
+
+    @triton.jit
+    def _tile_update(q, k, v, vis, m_i, l_i, acc, ones, scale_log2, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
+        """One key tile of the online softmax for rows q [M, D] over k, v [BLOCK_N, D] (visible [M, BLOCK_N]) ->
+        (m, l, acc): the arithmetic every tile of every launch does, so that a row's bits follow from its own keys
+        (a tensor-core dot's row depends on that row and the tile only, whatever M)."""
+        scores = _dot(q, tl.trans(k.to(q.dtype)), tl.zeros([q.shape[0], k.shape[0]], dtype=tl.float32), EMULATE,
+                      PRECISION)
+        p, alpha, l_i, m_new = _softmax_step(scores, vis, m_i, l_i, ones, scale_log2, EMULATE, PRECISION)
+        return m_new, l_i, _dot(p, v.to(q.dtype), acc * alpha[:, None], EMULATE, PRECISION)
 
     @triton.jit
     def _softmax_step(scores, vis, m_i, l_i, ones, scale_log2, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
@@ -377,15 +395,10 @@ if triton is not None:
         shared_hi = tl.where(all_chain != 0, tile_hi, tl.minimum(tile_hi, tl.maximum(start // BLOCK_N, tile_lo)))
         for tile in range(tile_lo, shared_hi):
             j = tile * BLOCK_N + offs_n
-            vis = j[None, :] <= pos_row[:, None]
             k = _gather_tile(k_base, stride_kp, offs_d, j, start, max_pos, anc_base, True)
-            scores = _dot(q, tl.trans(k.to(q.dtype)), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), EMULATE,
-                          PRECISION)
-            p, alpha, l_i, m_new = _softmax_step(scores, vis & row_ok[:, None], m_i, l_i, ones, scale_log2, EMULATE,
-                                                 PRECISION)
             v = _gather_tile(v_base, stride_vp, offs_d, j, start, max_pos, anc_base, True)
-            acc = _dot(p, v.to(q.dtype), acc * alpha[:, None], EMULATE, PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = _tile_update(q, k, v, (j[None, :] <= pos_row[:, None]) & row_ok[:, None], m_i, l_i, acc,
+                                         ones, scale_log2, EMULATE, PRECISION)
         for tile in range(shared_hi, tile_hi):
             j = tile * BLOCK_N + offs_n
             # visibility of each row: positions up to its own, and above start only where it has an ancestor
@@ -427,13 +440,133 @@ if triton is not None:
         return m, tl.exp2(m_run - m_use), tl.exp2(m_s - m_use)
 
     @triton.jit
+    def _merge_split(m_run, l_run, acc_run, m_s, l_s, acc_s, take):
+        """The running state after merging one split's (m_s, l_s [rows], acc_s [rows, D]) into it, in rows ``take``
+        (:func:`_merge_weights`; the combine kernel's arithmetic)."""
+        m_new, w_run, w_s = _merge_weights(m_run, m_s)
+        l_run = tl.where(take, tl.fma(l_run, w_run, l_s * w_s), l_run)
+        acc_run = tl.where(take[:, None], tl.fma(acc_run, w_run[:, None], acc_s * w_s[:, None]), acc_run)
+        return tl.where(take, m_new, m_run), l_run, acc_run
+
+    @triton.jit
+    def _tail_query(q_ptr, k_base, v_base, anc_base, pos_ptr, out_ptr, state_ptr, r, kv, t_g, grp, prog, start,
+                    shared_hi, stride_kp, stride_vp, stride_qr, stride_qh, stride_qt, stride_or, stride_oh, stride_ot,
+                    T, G, scale_log2, offs_d, offs_n, ones, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, SUM_COLS: tl.constexpr,
+                    TAIL_ROWS: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
+        """A tree query's tail tiles (from ``shared_hi``, each reading the query's own ancestors) on TAIL_ROWS rows
+        (its G heads, padded), resumed from its rows' state in program ``prog``'s part of ``state_ptr``
+        (:func:`_fused_program`), then its last split merged and its output stored."""
+        TPS: tl.constexpr = TILES_PER_SPLIT
+        width = 2 * HEAD_DIM + 4
+        lane = tl.arange(0, TAIL_ROWS)
+        lane_ok = lane < G
+        pos_g = tl.load(pos_ptr + r * T + t_g)
+        head_g = kv * G + lane
+        q_g = tl.load(q_ptr + r * stride_qr + head_g[:, None] * stride_qh + t_g * stride_qt + offs_d[None, :],
+                      mask=lane_ok[:, None], other=0.0)
+        sg = state_ptr + (prog * BLOCK_M + grp * G + lane) * width
+        acc_g = tl.load(sg[:, None] + offs_d[None, :], mask=lane_ok[:, None], other=0.0)
+        acc_run_g = tl.load(sg[:, None] + HEAD_DIM + offs_d[None, :], mask=lane_ok[:, None], other=0.0)
+        m_g = tl.load(sg + 2 * HEAD_DIM, mask=lane_ok, other=float("-inf"))
+        l_g = tl.load(sg + 2 * HEAD_DIM + 1, mask=lane_ok, other=0.0)[:, None] + tl.zeros([TAIL_ROWS, SUM_COLS],
+                                                                                          dtype=tl.float32)
+        m_run_g = tl.load(sg + 2 * HEAD_DIM + 2, mask=lane_ok, other=float("-inf"))
+        l_run_g = tl.load(sg + 2 * HEAD_DIM + 3, mask=lane_ok, other=0.0)
+        anc_g = anc_base + t_g * T
+        for tile in range(shared_hi, pos_g // BLOCK_N + 1):
+            if (tile % TPS == 0) & (tile > 0):
+                take = lane_ok & ((tile // TPS - 1) * (TPS * BLOCK_N) <= pos_g)
+                m_run_g, l_run_g, acc_run_g = _merge_split(m_run_g, l_run_g, acc_run_g, m_g, tl.max(l_g, 1), acc_g,
+                                                           take)
+                m_g = tl.full([TAIL_ROWS], float("-inf"), dtype=tl.float32)
+                l_g = tl.zeros([TAIL_ROWS, SUM_COLS], dtype=tl.float32)
+                acc_g = tl.zeros([TAIL_ROWS, HEAD_DIM], dtype=tl.float32)
+            j = tile * BLOCK_N + offs_n
+            idx, vis = _key_index(j, start, pos_g, anc_g, False)
+            k = tl.load(k_base + idx[:, None] * stride_kp + offs_d[None, :], mask=vis[:, None], other=0.0)
+            v = tl.load(v_base + idx[:, None] * stride_vp + offs_d[None, :], mask=vis[:, None], other=0.0)
+            m_g, l_g, acc_g = _tile_update(q_g, k, v, vis[None, :] & lane_ok[:, None], m_g, l_g, acc_g, ones,
+                                           scale_log2, EMULATE, PRECISION)
+        take = lane_ok & (((pos_g // BLOCK_N) // TPS) * (TPS * BLOCK_N) <= pos_g)
+        m_run_g, l_run_g, acc_run_g = _merge_split(m_run_g, l_run_g, acc_run_g, m_g, tl.max(l_g, 1), acc_g, take)
+        out = acc_run_g / tl.where(l_run_g > 0.0, l_run_g, 1.0)[:, None]
+        tl.store(out_ptr + r * stride_or + head_g[:, None] * stride_oh + t_g * stride_ot + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=lane_ok[:, None])
+
+    @triton.jit
+    def _fused_program(q, k_base, v_base, anc_base, pos_ptr, out_ptr, state_ptr, r, t, qi, row_ok, head, pos_row,
+                       max_pos, all_chain, start, kv, pid_q, pid_rk, stride_kp, stride_vp, stride_qr, stride_qh,
+                       stride_qt, q_ptr, stride_or, stride_oh, stride_ot, T, G, scale_log2, offs_d, offs_n, ones,
+                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, QT: tl.constexpr, BLOCK_N: tl.constexpr,
+                       TILES_PER_SPLIT: tl.constexpr, SUM_COLS: tl.constexpr, TAIL_ROWS: tl.constexpr,
+                       EMULATE: tl.constexpr, PRECISION: tl.constexpr):
+        """The fused launch's program: every split of its rows in one loop over the key tiles, merged in ascending
+        order, and the output stored. The bits of the split launch (:func:`_split_state` per split, then the
+        combine kernel): the same tile arithmetic (:func:`_tile_update`) from the same zero state at each split's
+        first tile, the same merge (:func:`_merge_split`) in the rows whose position reaches the split.
+
+        One loop, not a loop per split: the loads stay software-pipelined across split edges (a loop per split
+        drains the pipeline every ATTN_SPLIT_KEYS / ATTN_BLOCK_N tiles). Tiles the program's queries read alike (all
+        of a chain's or a prompt chunk's; below ``start // BLOCK_N`` in a tree) run on all BLOCK_M rows at once. A
+        tree's tiles above that, where each query reads its own ancestors, run one query at a time on TAIL_ROWS rows
+        (its G heads, padded): the program stores its rows' state to ``state_ptr`` (fp32, exact) and each query
+        resumes its own rows from there, so a tail tile costs a dot of TAIL_ROWS rows per query, not one of BLOCK_M
+        rows per query."""
+        TPS: tl.constexpr = TILES_PER_SPLIT
+        n_tiles = max_pos // BLOCK_N + 1
+        shared_hi = tl.where(all_chain != 0, n_tiles, tl.minimum(n_tiles, start // BLOCK_N))
+        m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_run = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc_run = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M, SUM_COLS], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        for tile in range(0, shared_hi):
+            if (tile % TPS == 0) & (tile > 0):  # split tile // TPS - 1 ends here: merge it, start the next from zero
+                take = row_ok & ((tile // TPS - 1) * (TPS * BLOCK_N) <= pos_row)
+                m_run, l_run, acc_run = _merge_split(m_run, l_run, acc_run, m_i, tl.max(l_i, 1), acc, take)
+                m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+                l_i = tl.zeros([BLOCK_M, SUM_COLS], dtype=tl.float32)
+                acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+            j = tile * BLOCK_N + offs_n
+            k = _gather_tile(k_base, stride_kp, offs_d, j, start, max_pos, anc_base, True)
+            v = _gather_tile(v_base, stride_vp, offs_d, j, start, max_pos, anc_base, True)
+            m_i, l_i, acc = _tile_update(q, k, v, (j[None, :] <= pos_row[:, None]) & row_ok[:, None], m_i, l_i, acc,
+                                         ones, scale_log2, EMULATE, PRECISION)
+        if shared_hi == n_tiles:  # no tail: the last split, then the output
+            take = row_ok & (((n_tiles - 1) // TPS) * (TPS * BLOCK_N) <= pos_row)
+            m_run, l_run, acc_run = _merge_split(m_run, l_run, acc_run, m_i, tl.max(l_i, 1), acc, take)
+            out = acc_run / tl.where(l_run > 0.0, l_run, 1.0)[:, None]
+            tl.store(out_ptr + r * stride_or + head[:, None] * stride_oh + t[:, None] * stride_ot + offs_d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        else:
+            # state rows [BLOCK_M, 2 * HEAD_DIM + 4] of this program: acc, acc_run, m, l, m_run, l_run
+            width = 2 * HEAD_DIM + 4
+            prog = (pid_rk * tl.num_programs(0) + pid_q).to(tl.int64)
+            rows = tl.arange(0, BLOCK_M)
+            st = state_ptr + (prog * BLOCK_M + rows) * width
+            tl.store(st[:, None] + offs_d[None, :], acc)
+            tl.store(st[:, None] + HEAD_DIM + offs_d[None, :], acc_run)
+            tl.store(st + 2 * HEAD_DIM, m_i)
+            tl.store(st + 2 * HEAD_DIM + 1, tl.max(l_i, 1))
+            tl.store(st + 2 * HEAD_DIM + 2, m_run)
+            tl.store(st + 2 * HEAD_DIM + 3, l_run)
+            tl.debug_barrier()  # the rows' state is read back by other threads of this program
+            for grp in range(0, tl.minimum(QT, T - pid_q * QT)):
+                _tail_query(q_ptr, k_base, v_base, anc_base, pos_ptr, out_ptr, state_ptr, r, kv, pid_q * QT + grp, grp,
+                            prog, start, shared_hi, stride_kp, stride_vp, stride_qr, stride_qh, stride_qt, stride_or,
+                            stride_oh, stride_ot, T, G, scale_log2, offs_d, offs_n, ones, HEAD_DIM, BLOCK_M, BLOCK_N,
+                            TILES_PER_SPLIT, SUM_COLS, TAIL_ROWS, EMULATE, PRECISION)
+
+    @triton.jit
     def _attention_program(
         q_ptr, k_ptr, v_ptr, slots_ptr, start_ptr, pos_ptr, anc_ptr, chain_ptr, out_ptr, part_m_ptr, part_l_ptr,
-        part_acc_ptr, stride_qr, stride_qh, stride_qt, stride_ks, stride_kh, stride_kp, stride_vs, stride_vh,
+        part_acc_ptr, state_ptr, stride_qr, stride_qh, stride_qt, stride_ks, stride_kh, stride_kp, stride_vs, stride_vh,
         stride_vp, stride_or, stride_oh, stride_ot, pid_q, pid_s, pid_rk, T, G, num_kv, num_splits, scale_log2,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, QT: tl.constexpr, BLOCK_N: tl.constexpr,
-        TILES_PER_SPLIT: tl.constexpr, SUM_COLS: tl.constexpr, FUSED: tl.constexpr, EMULATE: tl.constexpr,
-        PRECISION: tl.constexpr,
+        TILES_PER_SPLIT: tl.constexpr, SUM_COLS: tl.constexpr, TAIL_ROWS: tl.constexpr, FUSED: tl.constexpr,
+        EMULATE: tl.constexpr, PRECISION: tl.constexpr,
     ):
         """One program's rows (query tile pid_q, row x KV head pid_rk): split pid_s's state stored as partials, or
         (FUSED) every split up to the program's last position merged in ascending order and the output stored."""
@@ -459,23 +592,10 @@ if triton is not None:
         # made in fp32 and cast: Triton 3.6's interpreter has no bf16 constant (``tl.full`` in bf16 fails there)
         ones = tl.full([BLOCK_N, SUM_COLS], 1.0, dtype=tl.float32).to(q_ptr.dtype.element_ty)
         if FUSED:
-            m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-            l_run = tl.zeros([BLOCK_M], dtype=tl.float32)
-            acc_run = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-            for split in range(0, max_pos // (TILES_PER_SPLIT * BLOCK_N) + 1):
-                m_s, l_s, acc_s = _split_state(
-                    q, k_base, v_base, anc_base, pos_ptr, r, t, qi, row_ok, pos_row, max_pos, all_chain, start,
-                    pid_q, split, stride_kp, stride_vp, T, scale_log2, offs_d, offs_n, ones, HEAD_DIM, BLOCK_M, QT,
-                    BLOCK_N, TILES_PER_SPLIT, SUM_COLS, EMULATE, PRECISION)
-                # a row merges the splits up to its own position, as the combine kernel does
-                take = row_ok & (split * (TILES_PER_SPLIT * BLOCK_N) <= pos_row)
-                m_new, w_run, w_s = _merge_weights(m_run, m_s)
-                l_run = tl.where(take, tl.fma(l_run, w_run, l_s * w_s), l_run)
-                acc_run = tl.where(take[:, None], tl.fma(acc_run, w_run[:, None], acc_s * w_s[:, None]), acc_run)
-                m_run = tl.where(take, m_new, m_run)
-            out = acc_run / tl.where(l_run > 0.0, l_run, 1.0)[:, None]
-            tl.store(out_ptr + r * stride_or + head[:, None] * stride_oh + t[:, None] * stride_ot + offs_d[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+            _fused_program(q, k_base, v_base, anc_base, pos_ptr, out_ptr, state_ptr, r, t, qi, row_ok, head, pos_row,
+                           max_pos, all_chain, start, kv, pid_q, pid_rk, stride_kp, stride_vp, stride_qr, stride_qh,
+                           stride_qt, q_ptr, stride_or, stride_oh, stride_ot, T, G, scale_log2, offs_d, offs_n, ones,
+                           HEAD_DIM, BLOCK_M, QT, BLOCK_N, TILES_PER_SPLIT, SUM_COLS, TAIL_ROWS, EMULATE, PRECISION)
         else:
             m_i, l_i, acc = _split_state(
                 q, k_base, v_base, anc_base, pos_ptr, r, t, qi, row_ok, pos_row, max_pos, all_chain, start, pid_q,
@@ -490,19 +610,19 @@ if triton is not None:
     @triton.jit(do_not_specialize=["T"])
     def _attention_kernel(
         q_ptr, k_ptr, v_ptr, slots_ptr, start_ptr, pos_ptr, anc_ptr, chain_ptr, out_ptr, part_m_ptr, part_l_ptr,
-        part_acc_ptr, stride_qr, stride_qh, stride_qt, stride_ks, stride_kh, stride_kp, stride_vs, stride_vh,
+        part_acc_ptr, state_ptr, stride_qr, stride_qh, stride_qt, stride_ks, stride_kh, stride_kp, stride_vs, stride_vh,
         stride_vp, stride_or, stride_oh, stride_ot, T, G, num_kv, num_splits, scale_log2,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, QT: tl.constexpr, BLOCK_N: tl.constexpr,
-        TILES_PER_SPLIT: tl.constexpr, SUM_COLS: tl.constexpr, FUSED: tl.constexpr, EMULATE: tl.constexpr,
-        PRECISION: tl.constexpr,
+        TILES_PER_SPLIT: tl.constexpr, SUM_COLS: tl.constexpr, TAIL_ROWS: tl.constexpr, FUSED: tl.constexpr,
+        EMULATE: tl.constexpr, PRECISION: tl.constexpr,
     ):
         """Grid (query tiles, splits or 1 if FUSED, rows x KV heads): :func:`_attention_program`."""
         _attention_program(
             q_ptr, k_ptr, v_ptr, slots_ptr, start_ptr, pos_ptr, anc_ptr, chain_ptr, out_ptr, part_m_ptr, part_l_ptr,
-            part_acc_ptr, stride_qr, stride_qh, stride_qt, stride_ks, stride_kh, stride_kp, stride_vs, stride_vh,
+            part_acc_ptr, state_ptr, stride_qr, stride_qh, stride_qt, stride_ks, stride_kh, stride_kp, stride_vs, stride_vh,
             stride_vp, stride_or, stride_oh, stride_ot, tl.program_id(0), tl.program_id(1), tl.program_id(2), T, G,
-            num_kv, num_splits, scale_log2, HEAD_DIM, BLOCK_M, QT, BLOCK_N, TILES_PER_SPLIT, SUM_COLS, FUSED,
-            EMULATE, PRECISION)
+            num_kv, num_splits, scale_log2, HEAD_DIM, BLOCK_M, QT, BLOCK_N, TILES_PER_SPLIT, SUM_COLS, TAIL_ROWS,
+            FUSED, EMULATE, PRECISION)
 
     @triton.jit(do_not_specialize=["T"])
     def _attention_combine_kernel(
@@ -565,6 +685,13 @@ def attention_fused(programs: int) -> bool:
     return programs >= ATTN_FUSED_MIN_PROGRAMS
 
 
+def attention_stages(fused: bool, tokens: int) -> int:
+    """Software-pipeline stages of a launch: :data:`ATTN_FUSED_ONE_TOKEN_STAGES` for the fused launch of one token
+    per row (AR at C = 64: 75 against 85 us, H200, docs/benchmarks.md "Exact mode"), else :data:`ATTN_NUM_STAGES`
+    (3 stages cost chains and trees 18-160 us there). A launch choice: the H200 run compared the bits."""
+    return ATTN_FUSED_ONE_TOKEN_STAGES if fused and tokens == 1 else ATTN_NUM_STAGES
+
+
 def supports_head_dim(head_dim: int) -> bool:
     """Head dims the Triton attention takes (one power-of-two block, at least a tensor-core tile)."""
     return head_dim in SUPPORTED_HEAD_DIMS
@@ -572,7 +699,7 @@ def supports_head_dim(head_dim: int) -> bool:
 
 def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start: Tensor, positions: Tensor,
               anc: Tensor, chain: Tensor, kv_len: int, *, split_keys: int = ATTN_SPLIT_KEYS,
-              fused: bool | None = None) -> Tensor:
+              fused: bool | None = None, num_stages: int | None = None) -> Tensor:
     """Attention of the new tokens over their slots' keys in position order (module docstring).
 
     q [R, H, T, D]; k_cache, v_cache [slots, KV, max_len, D] (new tokens already written at ``start + t``);
@@ -582,7 +709,8 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start:
 
     ``fused``: one program per query tile walks all of its splits and stores the output (no fp32 partials written
     and read back), or one program per split and a combine kernel; None: :func:`attention_fused`. The same bits
-    either way (both merge the split states with :func:`_merge_weights`)."""
+    either way (both merge the split states with :func:`_merge_weights`). ``num_stages`` (default
+    :func:`attention_stages`): the software pipeline's depth, for the tuning script; a launch choice too."""
     if triton is None:
         raise ConfigError("batch_invariant.attention needs Triton; use attention_rows")
     _check_attention(q, k_cache, v_cache, slots, start, positions, anc)
@@ -613,22 +741,26 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start:
     # The two launches agree only while kv_len exceeds every position (the contract above): the split launch has
     # ceil(kv_len / split_keys) splits, the fused one walks a program's splits up to its last position.
     if fused:  # no partials: each program merges its splits itself; ``out`` stands in for the partials' pointers,
-        # which the FUSED kernel never reads or writes (its partial stores are compiled out)
+        # which the FUSED kernel never reads or writes (its partial stores are compiled out). A tree's programs park
+        # their rows' state in ``state`` for the tail by query (_fused_program); one token is always a chain.
         part_m = part_l = part_acc = out
+        state = torch.empty((1 if t == 1 else q_tiles * r * kv * block_m, 2 * d + 4), dtype=torch.float32,
+                            device=q.device)
     else:
         part_m = torch.empty((r, t, h, splits), dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
         part_acc = torch.empty((r, t, h, splits, d), dtype=torch.float32, device=q.device)
+        state = out  # the split launch keeps its tail tiles in registers
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     scale_log2 = d**-0.5 * math.log2(math.e)
     _attention_kernel[(q_tiles, 1 if fused else splits, r * kv)](
-        q, k_cache, v_cache, slots, start, positions, anc, chain, out, part_m, part_l, part_acc,
+        q, k_cache, v_cache, slots, start, positions, anc, chain, out, part_m, part_l, part_acc, state,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), out.stride(2),
         t, g, kv, splits, scale_log2,
         HEAD_DIM=d, BLOCK_M=block_m, QT=qt, BLOCK_N=ATTN_BLOCK_N, TILES_PER_SPLIT=split_keys // ATTN_BLOCK_N,
-        SUM_COLS=ATTN_SUM_COLS, FUSED=fused, EMULATE=INTERPRETED, PRECISION=precision, num_warps=ATTN_NUM_WARPS,
-        num_stages=ATTN_NUM_STAGES,
+        SUM_COLS=ATTN_SUM_COLS, TAIL_ROWS=_pow2_at_least(g, 16), FUSED=fused, EMULATE=INTERPRETED,
+        PRECISION=precision, num_warps=ATTN_NUM_WARPS, num_stages=num_stages or attention_stages(fused, t),
     )
     if not fused:
         _attention_combine_kernel[(r * t, h)](
