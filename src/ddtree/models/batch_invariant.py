@@ -20,14 +20,17 @@ Attention (:func:`attention`, new tokens over a KV-cache slot)
     fixed multiples of ``ATTN_SPLIT_KEYS`` positions; a query at position p combines splits 0 .. p // ATTN_SPLIT_KEYS
     in ascending order. Key position j of query t is cache index j below ``start`` (the committed prefix) and
     ``start + anc[t, j - start]`` above it (the node's ancestor at depth ``j - start``: in a tree the ancestors are not
-    contiguous in the cache, :func:`ancestor_map`). A program's rows (32 or 64, :func:`attention_block_m`) = queries x the G query heads
-    of one KV head. Where its queries share their keys (prefix tiles; every tile of a chain or a prompt chunk) one K/V
-    tile serves them all; in a tree's tiles the program gathers each query's own tile and keeps, of each dot, the rows
-    of that query (a tensor-core dot's row depends only on that row and the tile). Masked keys are exact no-ops
-    (p = exp2(-inf) = 0; the running max is guarded against -inf - -inf). The splits' states are merged in
+    contiguous in the cache, :func:`ancestor_map`). A program's rows (32 or 64, :func:`attention_block_m`) = queries
+    x the G query heads of one KV head. Where its queries share their keys (prefix tiles; every tile of a chain or a
+    prompt chunk) one K/V tile serves them all; in a tree's tiles above that each query reads its own tile (a
+    tensor-core dot's row depends only on that row and the tile, whatever the dot's row count). Masked keys are exact
+    no-ops (p = exp2(-inf) = 0; the running max is guarded against -inf - -inf). The splits' states are merged in
     ascending order into a running max and rescaled sums with explicit fma (:func:`_merge_weights`), either by a
-    combine kernel over stored fp32 partials or, where the grid fills the device without splits, by each program
-    itself (the fused launch, :func:`attention_fused`): the same arithmetic, so the same bits.
+    combine kernel over stored fp32 partials (the split launch: a program per split, :func:`_split_state`; its tree
+    tiles gather each query's tile and keep, of each full-tile dot, that query's rows) or, where the grid fills the
+    device without splits (:func:`attention_fused`), by each program itself in one loop over its tiles, a tree's
+    tail tiles one query at a time on 16-row dots (the fused launch, :func:`_fused_program`): the same arithmetic,
+    so the same bits.
 
 Example: a tree root(0) -> a(1), root -> b(2), a -> c(3) at start 5, written at cache indices 5..8 with positions
 5, 6, 6, 7. Query c (position 7) walks positions 0..7 and reads cache indices 0 1 2 3 4 5 6 8: exactly the keys AR
@@ -377,7 +380,7 @@ if triton is not None:
                      SUM_COLS: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
         """The online softmax of a program's rows over the key tiles of one split, from zero, in ascending position
         order -> (m [BLOCK_M] running max, l [BLOCK_M] sum, acc [BLOCK_M, HEAD_DIM] unnormalised), fp32. The split
-        launch stores it per split; the fused launch merges it at once (:func:`_merge_weights`): both compute it here.
+        launch stores it per split (the fused launch, :func:`_fused_program`, does the same arithmetic in one loop).
 
         Tiles every query of the program reads alike (all of them for chains and prompt chunks, else those wholly
         below start) run in a plain loop; the tiles above start, where each query has its own ancestors, after it.
