@@ -8,9 +8,10 @@ the round (launch gaps, host waits). Why: exact mode's price at 64 in flight was
 kernels measured alone explained 1 (docs/benchmarks.md, "Exact mode", fourth run).
 
 Each (method, mode) runs once untimed (captures and compilations), then again with the profiler on from the moment
-every request has its first token to the end (the decode rounds only): ``--concurrency`` requests at once,
-``--context`` tokens each, ``--new-tokens`` each, greedy; writes ``OUT/profile_rounds.md`` and ``.json``. Times
-under the profiler are slower than without it (its tracing adds host time per launch).
+every request has its first token to the end (the decode rounds only; a window without a round, where the first
+requests finished before the last one's first token, is reported as the cell's error): ``--concurrency`` requests
+at once, ``--context`` tokens each, ``--new-tokens`` each, greedy; writes ``OUT/profile_rounds.md`` and ``.json``.
+Times under the profiler are slower than without it (its tracing adds host time per launch).
 
     python benchmarks/profile_rounds.py --out $OUT/prof --methods ar,ddtree-4 --concurrency 64 --context 1024
     python benchmarks/profile_rounds.py --out /tmp/p --device cpu --shape none --concurrency 2 --context 64  # dry run
@@ -40,6 +41,10 @@ def tree_of(method: str) -> TreeSettings:
     if method.startswith("ddtree-"):
         return TreeSettings(budget=int(method.split("-", 1)[1]))
     return TreeSettings(method=method)
+
+
+class EmptyWindow(RuntimeError):
+    """The profiling window held no decode round (:func:`decode_window`)."""
 
 
 def decode_window(engine: Engine, prompts, tree: TreeSettings, new_tokens: int, cuda: bool) -> dict:
@@ -90,7 +95,11 @@ def decode_window(engine: Engine, prompts, tree: TreeSettings, new_tokens: int, 
             synchronize(engine.device)
     finally:
         del engine._collect  # the class's method again
-    rounds = max(1, state["rounds"])
+    if state["rounds"] == 0:  # the first requests finished before the last one's first token: nothing to profile
+        raise EmptyWindow(f"no decode round ran while all {len(prompts)} requests were decoding (the first ones "
+                          f"finished before the last one's first token); raise --new-tokens (now {new_tokens}) or "
+                          "--prefill-chunk")
+    rounds = state["rounds"]
     kernels = kernel_times(prof, cuda, width=80)
     return {"rounds": rounds, "mean_rows": state["rows"] / rounds, "tokens": state["tokens"], "wall_s": wall,
             "round_ms": 1e3 * wall / rounds,
@@ -108,7 +117,8 @@ def table(report: dict, top: int) -> str:
     lines = []
     for method, modes in report["cells"].items():
         d, e = modes.get("default"), modes.get("exact")
-        if not d or not e:
+        if not d or not e or "error" in d or "error" in e:
+            lines += [f"### {method}: {(d or {}).get('error') or (e or {}).get('error') or 'a mode is missing'}", ""]
             continue
         lines += [f"### {method}, C = {report['concurrency']}, context {report['context']}", "",
                   f"decode under the profiler, default: {d['tok_s']:.0f} tok/s, round {d['round_ms']:.2f} ms wall, "
@@ -141,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--methods", default="ar,ddtree-4")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--top", type=int, default=24)
     ap.add_argument("--prefill-chunk", type=int, default=None,
                     help="EngineConfig.prefill_chunk (default: every prompt in one step, at most 4096 tokens: the KV "
@@ -172,7 +182,12 @@ def main(argv: list[str] | None = None) -> None:
         engine.start()
         try:
             for method in args.methods.split(","):
-                cell = profiled_cell(engine, prompts, tree_of(method), args.new_tokens, cuda)
+                try:
+                    cell = profiled_cell(engine, prompts, tree_of(method), args.new_tokens, cuda)
+                except EmptyWindow as exc:  # recorded; the other cells still run
+                    report["cells"].setdefault(method, {})[mode] = {"error": str(exc)}
+                    print(f"{method} {mode}: {exc}", flush=True)
+                    continue
                 report["cells"].setdefault(method, {})[mode] = cell
                 print(f"{method} {mode}: decode {cell['tok_s']:.0f} tok/s, round {cell['round_ms']:.2f} ms, kernels "
                       f"{cell['kernel_ms_per_round']:.2f} ms a round", flush=True)
