@@ -16,6 +16,10 @@ second pair of one-slot engines. Writes ``OUT/exact_mode.json`` after every cell
 
     python benchmarks/exact_mode.py --out $OUT --time-budget 330                    # H200, the stand-in
     python benchmarks/exact_mode.py --out /tmp/x --shape none --device cpu --quick   # a dry run on a CPU
+    python benchmarks/exact_mode.py --out $OUT --cells ddtree:8:64:1024,dflash:0:64:1024   # those cells only
+
+``--cells`` keeps the plan's cells named ``method:budget:concurrency:context``, in the plan's order, after the
+AR reference at C=1 (always run: the identity needs it); the 4k engines start only when a 4k cell is kept.
 """
 
 from __future__ import annotations
@@ -57,6 +61,23 @@ def plan(quick: bool) -> list[tuple[str, int, int, int, dict[str, int]]]:
         ("dflash", 0, 8, 1024, c1), ("ddtree", 4, 8, 1024, c1), ("ddtree", 16, 8, 1024, c1), ("ddtree", 63, 8, 1024, c1),
         ("ddtree", 16, 64, 1024, c64), ("ddtree", 4, 1, 1024, c1), ("ddtree", 32, 1, 1024, c1),
     ]
+
+
+def cell_label(cell: tuple) -> str:
+    method, budget, conc, ctx, _ = cell
+    return f"{method}:{budget}:{conc}:{ctx}"
+
+
+def select(cells: list, wanted: str | None) -> list:
+    """The reference cell, then the cells ``wanted`` names (``--cells``), in plan order; unknown names fail."""
+    if not wanted:
+        return cells
+    names = [w.strip() for w in wanted.split(",") if w.strip()]
+    known = {cell_label(c) for c in cells}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"--cells: {', '.join(unknown)} not in the plan ({', '.join(sorted(known))})")
+    return [cells[0]] + [c for c in cells[1:] if cell_label(c) in names]
 
 
 def run_cells(engines: dict, stream, cells, new_tokens: int, deadline: float, report: dict, out: Path) -> None:
@@ -125,6 +146,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--time-budget", type=float, default=330.0, help="seconds from start after which no cell starts")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--cells", default=None, help="only these cells (method:budget:concurrency:context,...), "
+                    "after the AR reference")
     args = ap.parse_args(argv)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -140,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     target, drafter, tokenizer_dir = load_demo_benchmark_pair(args.shape, device, dtype)
     tokenizer = load_tokenizer(tokenizer_dir)
     synchronize(device)
-    cells = plan(args.quick)
+    cells = select(plan(args.quick), args.cells)
     stream = held_out_token_stream(tokenizer, 4096 * 2 + 4096)
     report = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
               "shape": args.shape, "new_tokens": args.new_tokens, "dtype": str(dtype), "cells": [], "skipped": [],
@@ -150,6 +173,8 @@ def main(argv: list[str] | None = None) -> None:
     for mode in MODES:
         for long in (False, True):
             group = [c for c in cells if (c[3] > 1024) == long] or short
+            if long and not any(c[3] > 1024 for c in cells):
+                continue
             config = EngineConfig(max_batch=max(c[2] for c in group), max_len=max(c[3] for c in group) + args.new_tokens
                                   + 16, max_budget=64, max_queue=4096, exact=mode == "exact", warmup="none")
             t = time.perf_counter()

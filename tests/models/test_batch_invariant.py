@@ -265,6 +265,45 @@ def test_ancestor_map_of_a_tree_and_a_chunk():
     assert chain[0].tolist() == [1, 1, 1]
 
 
+def _random_parents(t: int, gen: torch.Generator) -> tuple[int, ...]:
+    return (-1,) + tuple(int(torch.randint(i, (1,), generator=gen)) for i in range(1, t))
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("tokens", [1, 7, 16, 20, 64])
+def test_tail_chunks_cover_every_query_once_on_one_path(group, tokens):
+    """Against a brute-force reading of the table: every query of each program in exactly one chunk of that program,
+    at most C members, each member's path a prefix of the lead's (so the lead's gathered keys are the member's at
+    every position it sees), the lead the deepest member; and runs are as long as C allows on a chain."""
+    gen = torch.Generator().manual_seed(tokens * 10 + group)
+    trees = [_random_parents(tokens, gen), _random_parents(tokens, gen), (-1,) + tuple(range(tokens - 1))]
+    vis = torch.cat([_tree(p)[0] for p in trees])
+    depth = torch.stack([_tree(p)[1] for p in trees])
+    start = torch.tensor([0, 70, 300])
+    pos = start[:, None] + depth
+    anc, _ = bi.ancestor_map(start, pos, vis)
+    table = bi.tail_chunks(anc, pos, start, group)
+    qt, per = bi.tail_layout(tokens, group)
+    assert table.shape == (3, -(-tokens // qt), 1 + qt * (1 + per))
+    for r, parents in enumerate(trees):
+        paths = [_path(parents, node) for node in range(tokens)]
+        for p in range(table.shape[1]):
+            row = table[r, p].tolist()
+            chunks = [row[1 + c * (1 + per):1 + (c + 1) * (1 + per)] for c in range(row[0])]
+            seen = []
+            for lead, *members in chunks:
+                members = [m for m in members if m >= 0]
+                assert members and len(members) <= per and lead in members
+                for m in members:
+                    assert paths[lead][:len(paths[m])] == paths[m], (r, p, lead, m)
+                assert len(paths[lead]) == max(len(paths[m]) for m in members)
+                seen += members
+            assert sorted(seen) == list(range(p * qt, min(tokens, (p + 1) * qt)))
+        if r == 2:  # the chain: full runs of C in each program
+            assert sum(table[r, :, 0].tolist()) == sum(-(-min(qt, tokens - p * qt) // per)
+                                                       for p in range(table.shape[1]))
+
+
 # ---- GPU: the compiled kernels in bf16 ----------------------------------------------------------------------------
 
 @pytest.mark.gpu

@@ -320,6 +320,75 @@ def ancestor_map(start: Tensor, positions: Tensor, new_vis: Tensor) -> tuple[Ten
     return anc.contiguous(), chain.contiguous()
 
 
+def tail_rows(group: int) -> int:
+    """Rows of a tail tile's dot in the fused launch: at least a tensor-core tile (16), at least G."""
+    return _pow2_at_least(group, 16)
+
+
+def tail_layout(tokens: int, group: int) -> tuple[int, int]:
+    """(queries per attention program QT, queries per tail chunk) for ``tokens`` new tokens of ``group`` query
+    heads per KV head: the shape :func:`tail_chunks` lays its table out in."""
+    return attention_block_m(tokens, group) // group, tail_rows(group) // _pow2_at_least(group, 1)
+
+
+def tail_chunks(anc: Tensor, positions: Tensor, start: Tensor, group: int) -> Tensor:
+    """Which queries of each attention program share the gathered K/V tiles above ``start`` (``tail [R, P, 1 + QT x
+    (1 + C)]`` int32, P query tiles of QT queries, C = :func:`tail_layout`'s chunk size): per program the number
+    of chunks, then per chunk its lead (the query whose ancestors are gathered) and up to C members (-1 pads).
+
+    Why: above ``start`` each tree query reads its own ancestors, so the kernel gathers a tile per query. But a query
+    whose path is a prefix of another's (an ancestor in the tree) reads exactly the other's keys at every position
+    it sees; the keys past its own position are masked (p = 0) whatever they hold. So one gathered tile of the lead,
+    the deepest member, serves every member: a chain of 16 nodes gathers one tile for its 16 queries instead of 16,
+    and the fused launch's tail dots carry C queries' heads instead of one query's (a tensor-core dot's row depends
+    on that row and the tile only). Chunks: each query belongs to one leaf below it (the lowest-numbered leaf of its
+    program whose path holds it), a leaf's queries sorted by depth and cut into runs of C; all within one program.
+    The test of "u's path is a prefix of t's" compares the two paths at every depth up to u's, so any visibility
+    :func:`ancestor_map` takes is grouped correctly (a node alone when nothing shares its path).
+
+    anc [R, T, T], positions [R, T], start [R] as :func:`ancestor_map` takes and makes; device ops only, no host
+    sync (graph-capturable). Once per forward: every layer's attention reads the same table."""
+    r, t = positions.shape
+    qt, per = tail_layout(t, group)
+    p = -(-t // qt)
+    tp = p * qt
+    dev = positions.device
+    depth = (positions - start[:, None]).clamp(0, max(t - 1, 0))
+    real = torch.arange(tp, device=dev) < t  # [TP]: padding queries of the last tile
+    a = torch.nn.functional.pad(anc, (0, 0, 0, tp - t), value=-2).view(r, p, qt, t)  # [R, P, QT, D]
+    d = torch.nn.functional.pad(depth, (0, tp - t)).view(r, p, qt)
+    on_path = torch.arange(t, device=dev) <= d[..., None]  # [R, P, QT, D]: the depths of each query's path
+    # prefix[u, v]: u's path, to u's depth, is v's path there (u is v or an ancestor of v)
+    prefix = ((a[:, :, :, None, :] == a[:, :, None, :, :]) | ~on_path[:, :, :, None, :]).all(-1)
+    ok = real.view(p, qt)
+    prefix &= ok[None, :, :, None] & ok[None, :, None, :]
+    local = torch.arange(qt, device=dev)
+    below = prefix & (local[:, None] != local[None, :])
+    leaf = ~below.any(-1) & ok  # [R, P, QT]
+    owner = torch.where(prefix & leaf[:, :, None, :], local, qt).amin(-1)  # [R, P, QT]; qt for padding
+    key = torch.where(ok, (owner * t + d) * qt + local, qt * t * qt + local)
+    order = key.argsort(-1)  # [R, P, QT]: by leaf, then depth
+    s_owner = owner.gather(-1, order)
+    s_ok = ok.expand(r, p, qt).gather(-1, order)
+    first = torch.ones_like(s_owner, dtype=torch.bool)
+    first[..., 1:] = s_owner[..., 1:] != s_owner[..., :-1]
+    lead_at = torch.where(first, local, 0).cummax(-1).values
+    rank = local - lead_at
+    begins = s_ok & (rank % per == 0)
+    chunk = torch.where(s_ok, begins.cumsum(-1) - 1, qt)  # [R, P, QT]; padding -> a dropped chunk
+    members = torch.full((r, p, qt + 1, per), -1, dtype=torch.int64, device=dev)
+    query = order + (torch.arange(p, device=dev) * qt)[:, None]  # index into T
+    members.view(r, p, -1).scatter_(-1, chunk * per + rank % per, torch.where(s_ok, query, -1))
+    members = members[:, :, :qt]
+    s_depth = d.gather(-1, order)
+    lead = torch.full((r, p, qt + 1), -1, dtype=torch.int64, device=dev)
+    lead.scatter_reduce_(-1, chunk, torch.where(s_ok, s_depth * tp + query, -1), reduce="amax")
+    lead = torch.where(lead[:, :, :qt] >= 0, lead[:, :, :qt] % tp, -1)
+    count = begins.sum(-1, keepdim=True)
+    table = torch.cat([lead[..., None], members], -1).flatten(-2)  # [R, P, QT x (1 + C)]
+    return torch.cat([count, table], -1).to(torch.int32).contiguous()
+
+
 if triton is not None:
 
     @triton.jit
@@ -374,10 +443,11 @@ if triton is not None:
         return p, alpha, _dot(p, ones, l_i * alpha[:, None], EMULATE, PRECISION), m_new
 
     @triton.jit
-    def _split_state(q, k_base, v_base, anc_base, pos_ptr, r, t, qi, row_ok, pos_row, max_pos, all_chain, start,
-                     pid_q, split, stride_kp, stride_vp, T, scale_log2, offs_d, offs_n, ones, HEAD_DIM: tl.constexpr,
-                     BLOCK_M: tl.constexpr, QT: tl.constexpr, BLOCK_N: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
-                     SUM_COLS: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
+    def _split_state(q, k_base, v_base, anc_base, tail_base, pos_ptr, r, t, qi, row_ok, pos_row, max_pos, all_chain,
+                     start, pid_q, split, stride_kp, stride_vp, T, scale_log2, offs_d, offs_n, ones,
+                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, QT: tl.constexpr, BLOCK_N: tl.constexpr,
+                     TILES_PER_SPLIT: tl.constexpr, SUM_COLS: tl.constexpr, CHUNK: tl.constexpr,
+                     EMULATE: tl.constexpr, PRECISION: tl.constexpr):
         """The online softmax of a program's rows over the key tiles of one split, from zero, in ascending position
         order -> (m [BLOCK_M] running max, l [BLOCK_M] sum, acc [BLOCK_M, HEAD_DIM] unnormalised), fp32. The split
         launch stores it per split (the fused launch, :func:`_fused_program`, does the same arithmetic in one loop).
@@ -402,6 +472,14 @@ if triton is not None:
             v = _gather_tile(v_base, stride_vp, offs_d, j, start, max_pos, anc_base, True)
             m_i, l_i, acc = _tile_update(q, k, v, (j[None, :] <= pos_row[:, None]) & row_ok[:, None], m_i, l_i, acc,
                                          ones, scale_log2, EMULATE, PRECISION)
+        n_chunks = 0
+        chunk_of = tl.full([BLOCK_M], -1, dtype=tl.int32)
+        if shared_hi < tile_hi:  # the chunk each row's query is in
+            n_chunks = tl.load(tail_base)
+            for c in range(0, n_chunks):
+                cm = tl.load(tail_base + 2 + c * (1 + CHUNK) + tl.arange(0, CHUNK))  # [CHUNK] queries, -1 pads
+                hit = tl.sum(((t[:, None] == cm[None, :]) & row_ok[:, None]).to(tl.int32), 1) > 0
+                chunk_of = tl.where(hit, c, chunk_of)
         for tile in range(shared_hi, tile_hi):
             j = tile * BLOCK_N + offs_n
             # visibility of each row: positions up to its own, and above start only where it has an ancestor
@@ -410,24 +488,24 @@ if triton is not None:
                              mask=row_ok[:, None] & (j[None, :] >= start) & vis, other=-1)
             vis = vis & ((j[None, :] < start) | (anc_rc >= 0))
             scores = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            groups = tl.minimum(QT, T - pid_q * QT)  # the tile's real queries (the rest select nothing)
-            for grp in range(0, groups):
-                t_g = pid_q * QT + grp
-                pos_g = tl.load(pos_ptr + r * T + t_g, mask=t_g < T, other=-1)
-                k = _gather_tile(k_base, stride_kp, offs_d, j, start, pos_g, anc_base + t_g * T, False)
+            # a gathered tile per chunk of queries on one path (tail_chunks), kept in its members' rows
+            for c in range(0, n_chunks):
+                lead = tl.load(tail_base + 1 + c * (1 + CHUNK))
+                pos_g = tl.load(pos_ptr + r * T + lead)
+                k = _gather_tile(k_base, stride_kp, offs_d, j, start, pos_g, anc_base + lead * T, False)
                 s = _dot(q, tl.trans(k.to(q.dtype)), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), EMULATE,
                          PRECISION)
-                scores = tl.where((qi == grp)[:, None], s, scores)
+                scores = tl.where((chunk_of == c)[:, None], s, scores)
             p, alpha, l_i, m_new = _softmax_step(scores, vis & row_ok[:, None], m_i, l_i, ones, scale_log2, EMULATE,
                                                  PRECISION)
             scaled = acc * alpha[:, None]
             acc = scaled  # rows of no query (past T) keep it
-            for grp in range(0, groups):
-                t_g = pid_q * QT + grp
-                pos_g = tl.load(pos_ptr + r * T + t_g, mask=t_g < T, other=-1)
-                v = _gather_tile(v_base, stride_vp, offs_d, j, start, pos_g, anc_base + t_g * T, False)
+            for c in range(0, n_chunks):
+                lead = tl.load(tail_base + 1 + c * (1 + CHUNK))
+                pos_g = tl.load(pos_ptr + r * T + lead)
+                v = _gather_tile(v_base, stride_vp, offs_d, j, start, pos_g, anc_base + lead * T, False)
                 o = _dot(p, v.to(q.dtype), scaled, EMULATE, PRECISION)
-                acc = tl.where((qi == grp)[:, None], o, acc)
+                acc = tl.where((chunk_of == c)[:, None], o, acc)
             m_i = m_new
         return m_i, tl.max(l_i, 1), acc  # l's columns are equal
 
@@ -452,23 +530,33 @@ if triton is not None:
         return tl.where(take, m_new, m_run), l_run, acc_run
 
     @triton.jit
-    def _tail_query(q_ptr, k_base, v_base, anc_base, pos_ptr, out_ptr, state_ptr, r, kv, t_g, grp, prog, start,
+    def _tail_chunk(q_ptr, k_base, v_base, anc_base, pos_ptr, out_ptr, state_ptr, chunk_ptr, r, kv, pid_q, prog, start,
                     shared_hi, stride_kp, stride_vp, stride_qr, stride_qh, stride_qt, stride_or, stride_oh, stride_ot,
                     T, G, scale_log2, offs_d, offs_n, ones, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, SUM_COLS: tl.constexpr,
-                    TAIL_ROWS: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
-        """A tree query's tail tiles (from ``shared_hi``, each reading the query's own ancestors) on TAIL_ROWS rows
-        (its G heads, padded), resumed from its rows' state in program ``prog``'s part of ``state_ptr``
-        (:func:`_fused_program`), then its last split merged and its output stored."""
+                    QT: tl.constexpr, BLOCK_N: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, SUM_COLS: tl.constexpr,
+                    TAIL_ROWS: tl.constexpr, CHUNK: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
+        """One tail chunk (:func:`tail_chunks`: up to CHUNK queries on one path, ``chunk_ptr`` at its lead) on
+        TAIL_ROWS rows (each member's G heads, padded): the lead's tail tiles (from ``shared_hi``) gathered once,
+        each member's rows resumed from its state in program ``prog``'s part of ``state_ptr``
+        (:func:`_fused_program`) and masked past its own position, its last split merged, its output stored.
+
+        A member's rows take the bits they would alone: its visible keys are the lead's at those positions, keys past
+        its position are exact no-ops (p = 0), and it merges each split at the split edge after it (or at the end),
+        as a query alone does at its end; nothing is merged for it after that."""
         TPS: tl.constexpr = TILES_PER_SPLIT
         width = 2 * HEAD_DIM + 4
         lane = tl.arange(0, TAIL_ROWS)
-        lane_ok = lane < G
-        pos_g = tl.load(pos_ptr + r * T + t_g)
-        head_g = kv * G + lane
-        q_g = tl.load(q_ptr + r * stride_qr + head_g[:, None] * stride_qh + t_g * stride_qt + offs_d[None, :],
+        slot = lane // G
+        member = tl.load(chunk_ptr + 1 + slot, mask=slot < CHUNK, other=-1)
+        lane_ok = (slot < CHUNK) & (member >= 0)
+        t_l = tl.where(lane_ok, member, 0)
+        head_l = kv * G + lane % G
+        lead = tl.load(chunk_ptr)
+        pos_lead = tl.load(pos_ptr + r * T + lead)
+        pos_l = tl.load(pos_ptr + r * T + t_l, mask=lane_ok, other=-1)
+        q_g = tl.load(q_ptr + r * stride_qr + head_l[:, None] * stride_qh + t_l[:, None] * stride_qt + offs_d[None, :],
                       mask=lane_ok[:, None], other=0.0)
-        sg = state_ptr + (prog * BLOCK_M + grp * G + lane) * width
+        sg = state_ptr + (prog * BLOCK_M + (t_l - pid_q * QT) * G + lane % G) * width
         acc_g = tl.load(sg[:, None] + offs_d[None, :], mask=lane_ok[:, None], other=0.0)
         acc_run_g = tl.load(sg[:, None] + HEAD_DIM + offs_d[None, :], mask=lane_ok[:, None], other=0.0)
         m_g = tl.load(sg + 2 * HEAD_DIM, mask=lane_ok, other=float("-inf"))
@@ -476,34 +564,34 @@ if triton is not None:
                                                                                           dtype=tl.float32)
         m_run_g = tl.load(sg + 2 * HEAD_DIM + 2, mask=lane_ok, other=float("-inf"))
         l_run_g = tl.load(sg + 2 * HEAD_DIM + 3, mask=lane_ok, other=0.0)
-        anc_g = anc_base + t_g * T
-        for tile in range(shared_hi, pos_g // BLOCK_N + 1):
+        anc_lead = anc_base + lead * T
+        for tile in range(shared_hi, pos_lead // BLOCK_N + 1):
             if (tile % TPS == 0) & (tile > 0):
-                take = lane_ok & ((tile // TPS - 1) * (TPS * BLOCK_N) <= pos_g)
+                take = lane_ok & ((tile // TPS - 1) * (TPS * BLOCK_N) <= pos_l)
                 m_run_g, l_run_g, acc_run_g = _merge_split(m_run_g, l_run_g, acc_run_g, m_g, tl.max(l_g, 1), acc_g,
                                                            take)
                 m_g = tl.full([TAIL_ROWS], float("-inf"), dtype=tl.float32)
                 l_g = tl.zeros([TAIL_ROWS, SUM_COLS], dtype=tl.float32)
                 acc_g = tl.zeros([TAIL_ROWS, HEAD_DIM], dtype=tl.float32)
             j = tile * BLOCK_N + offs_n
-            idx, vis = _key_index(j, start, pos_g, anc_g, False)
-            k = tl.load(k_base + idx[:, None] * stride_kp + offs_d[None, :], mask=vis[:, None], other=0.0)
-            v = tl.load(v_base + idx[:, None] * stride_vp + offs_d[None, :], mask=vis[:, None], other=0.0)
-            m_g, l_g, acc_g = _tile_update(q_g, k, v, vis[None, :] & lane_ok[:, None], m_g, l_g, acc_g, ones,
-                                           scale_log2, EMULATE, PRECISION)
-        take = lane_ok & (((pos_g // BLOCK_N) // TPS) * (TPS * BLOCK_N) <= pos_g)
+            idx, seen = _key_index(j, start, pos_lead, anc_lead, False)
+            k = tl.load(k_base + idx[:, None] * stride_kp + offs_d[None, :], mask=seen[:, None], other=0.0)
+            v = tl.load(v_base + idx[:, None] * stride_vp + offs_d[None, :], mask=seen[:, None], other=0.0)
+            vis = seen[None, :] & (j[None, :] <= pos_l[:, None]) & lane_ok[:, None]
+            m_g, l_g, acc_g = _tile_update(q_g, k, v, vis, m_g, l_g, acc_g, ones, scale_log2, EMULATE, PRECISION)
+        take = lane_ok & ((pos_l // BLOCK_N) // TPS == (pos_lead // BLOCK_N) // TPS)  # else merged at its edge
         m_run_g, l_run_g, acc_run_g = _merge_split(m_run_g, l_run_g, acc_run_g, m_g, tl.max(l_g, 1), acc_g, take)
         out = acc_run_g / tl.where(l_run_g > 0.0, l_run_g, 1.0)[:, None]
-        tl.store(out_ptr + r * stride_or + head_g[:, None] * stride_oh + t_g * stride_ot + offs_d[None, :],
+        tl.store(out_ptr + r * stride_or + head_l[:, None] * stride_oh + t_l[:, None] * stride_ot + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=lane_ok[:, None])
 
     @triton.jit
-    def _fused_program(q, k_base, v_base, anc_base, pos_ptr, out_ptr, state_ptr, r, t, qi, row_ok, head, pos_row,
-                       max_pos, all_chain, start, kv, pid_q, pid_rk, stride_kp, stride_vp, stride_qr, stride_qh,
-                       stride_qt, q_ptr, stride_or, stride_oh, stride_ot, T, G, scale_log2, offs_d, offs_n, ones,
-                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, QT: tl.constexpr, BLOCK_N: tl.constexpr,
+    def _fused_program(q, k_base, v_base, anc_base, tail_base, pos_ptr, out_ptr, state_ptr, r, t, qi, row_ok, head,
+                       pos_row, max_pos, all_chain, start, kv, pid_q, pid_rk, stride_kp, stride_vp, stride_qr,
+                       stride_qh, stride_qt, q_ptr, stride_or, stride_oh, stride_ot, T, G, scale_log2, offs_d, offs_n,
+                       ones, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, QT: tl.constexpr, BLOCK_N: tl.constexpr,
                        TILES_PER_SPLIT: tl.constexpr, SUM_COLS: tl.constexpr, TAIL_ROWS: tl.constexpr,
-                       EMULATE: tl.constexpr, PRECISION: tl.constexpr):
+                       CHUNK: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
         """The fused launch's program: every split of its rows in one loop over the key tiles, merged in ascending
         order, and the output stored. The bits of the split launch (:func:`_split_state` per split, then the
         combine kernel): the same tile arithmetic (:func:`_tile_update`) from the same zero state at each split's
@@ -556,20 +644,20 @@ if triton is not None:
             tl.store(st + 2 * HEAD_DIM + 2, m_run)
             tl.store(st + 2 * HEAD_DIM + 3, l_run)
             tl.debug_barrier()  # the rows' state is read back by other threads of this program
-            for grp in range(0, tl.minimum(QT, T - pid_q * QT)):
-                _tail_query(q_ptr, k_base, v_base, anc_base, pos_ptr, out_ptr, state_ptr, r, kv, pid_q * QT + grp, grp,
-                            prog, start, shared_hi, stride_kp, stride_vp, stride_qr, stride_qh, stride_qt, stride_or,
-                            stride_oh, stride_ot, T, G, scale_log2, offs_d, offs_n, ones, HEAD_DIM, BLOCK_M, BLOCK_N,
-                            TILES_PER_SPLIT, SUM_COLS, TAIL_ROWS, EMULATE, PRECISION)
+            for c in range(0, tl.load(tail_base)):
+                _tail_chunk(q_ptr, k_base, v_base, anc_base, pos_ptr, out_ptr, state_ptr, tail_base + 1 + c * (1 + CHUNK),
+                            r, kv, pid_q, prog, start, shared_hi, stride_kp, stride_vp, stride_qr, stride_qh, stride_qt,
+                            stride_or, stride_oh, stride_ot, T, G, scale_log2, offs_d, offs_n, ones, HEAD_DIM, BLOCK_M,
+                            QT, BLOCK_N, TILES_PER_SPLIT, SUM_COLS, TAIL_ROWS, CHUNK, EMULATE, PRECISION)
 
     @triton.jit
     def _attention_program(
-        q_ptr, k_ptr, v_ptr, slots_ptr, start_ptr, pos_ptr, anc_ptr, chain_ptr, out_ptr, part_m_ptr, part_l_ptr,
-        part_acc_ptr, state_ptr, stride_qr, stride_qh, stride_qt, stride_ks, stride_kh, stride_kp, stride_vs, stride_vh,
-        stride_vp, stride_or, stride_oh, stride_ot, pid_q, pid_s, pid_rk, T, G, num_kv, num_splits, scale_log2,
-        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, QT: tl.constexpr, BLOCK_N: tl.constexpr,
-        TILES_PER_SPLIT: tl.constexpr, SUM_COLS: tl.constexpr, TAIL_ROWS: tl.constexpr, FUSED: tl.constexpr,
-        EMULATE: tl.constexpr, PRECISION: tl.constexpr,
+        q_ptr, k_ptr, v_ptr, slots_ptr, start_ptr, pos_ptr, anc_ptr, chain_ptr, tail_ptr, out_ptr, part_m_ptr,
+        part_l_ptr, part_acc_ptr, state_ptr, stride_qr, stride_qh, stride_qt, stride_ks, stride_kh, stride_kp,
+        stride_vs, stride_vh, stride_vp, stride_or, stride_oh, stride_ot, pid_q, pid_s, pid_rk, T, G, num_kv,
+        num_splits, scale_log2, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, QT: tl.constexpr,
+        BLOCK_N: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, SUM_COLS: tl.constexpr, TAIL_ROWS: tl.constexpr,
+        CHUNK: tl.constexpr, FUSED: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
     ):
         """One program's rows (query tile pid_q, row x KV head pid_rk): split pid_s's state stored as partials, or
         (FUSED) every split up to the program's last position merged in ascending order and the output stored."""
@@ -592,18 +680,20 @@ if triton is not None:
         k_base = k_ptr + slot * stride_ks + kv * stride_kh
         v_base = v_ptr + slot * stride_vs + kv * stride_vh
         anc_base = anc_ptr + r * T * T
+        tail_base = tail_ptr + (r * tl.num_programs(0) + pid_q) * (1 + QT * (1 + CHUNK))  # tail_chunks' table
         # made in fp32 and cast: Triton 3.6's interpreter has no bf16 constant (``tl.full`` in bf16 fails there)
         ones = tl.full([BLOCK_N, SUM_COLS], 1.0, dtype=tl.float32).to(q_ptr.dtype.element_ty)
         if FUSED:
-            _fused_program(q, k_base, v_base, anc_base, pos_ptr, out_ptr, state_ptr, r, t, qi, row_ok, head, pos_row,
-                           max_pos, all_chain, start, kv, pid_q, pid_rk, stride_kp, stride_vp, stride_qr, stride_qh,
-                           stride_qt, q_ptr, stride_or, stride_oh, stride_ot, T, G, scale_log2, offs_d, offs_n, ones,
-                           HEAD_DIM, BLOCK_M, QT, BLOCK_N, TILES_PER_SPLIT, SUM_COLS, TAIL_ROWS, EMULATE, PRECISION)
+            _fused_program(q, k_base, v_base, anc_base, tail_base, pos_ptr, out_ptr, state_ptr, r, t, qi, row_ok,
+                           head, pos_row, max_pos, all_chain, start, kv, pid_q, pid_rk, stride_kp, stride_vp, stride_qr,
+                           stride_qh, stride_qt, q_ptr, stride_or, stride_oh, stride_ot, T, G, scale_log2, offs_d,
+                           offs_n, ones, HEAD_DIM, BLOCK_M, QT, BLOCK_N, TILES_PER_SPLIT, SUM_COLS, TAIL_ROWS, CHUNK,
+                           EMULATE, PRECISION)
         else:
             m_i, l_i, acc = _split_state(
-                q, k_base, v_base, anc_base, pos_ptr, r, t, qi, row_ok, pos_row, max_pos, all_chain, start, pid_q,
-                pid_s, stride_kp, stride_vp, T, scale_log2, offs_d, offs_n, ones, HEAD_DIM, BLOCK_M, QT, BLOCK_N,
-                TILES_PER_SPLIT, SUM_COLS, EMULATE, PRECISION)
+                q, k_base, v_base, anc_base, tail_base, pos_ptr, r, t, qi, row_ok, pos_row, max_pos, all_chain, start,
+                pid_q, pid_s, stride_kp, stride_vp, T, scale_log2, offs_d, offs_n, ones, HEAD_DIM, BLOCK_M, QT,
+                BLOCK_N, TILES_PER_SPLIT, SUM_COLS, CHUNK, EMULATE, PRECISION)
             # partials [R, T, H, splits] (+ D): written for every valid row, read only for splits up to its position
             part = ((r * T + t) * (num_kv * G) + head) * num_splits + pid_s
             tl.store(part_m_ptr + part, m_i, mask=row_ok)
@@ -612,20 +702,20 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["T"])
     def _attention_kernel(
-        q_ptr, k_ptr, v_ptr, slots_ptr, start_ptr, pos_ptr, anc_ptr, chain_ptr, out_ptr, part_m_ptr, part_l_ptr,
-        part_acc_ptr, state_ptr, stride_qr, stride_qh, stride_qt, stride_ks, stride_kh, stride_kp, stride_vs, stride_vh,
-        stride_vp, stride_or, stride_oh, stride_ot, T, G, num_kv, num_splits, scale_log2,
+        q_ptr, k_ptr, v_ptr, slots_ptr, start_ptr, pos_ptr, anc_ptr, chain_ptr, tail_ptr, out_ptr, part_m_ptr,
+        part_l_ptr, part_acc_ptr, state_ptr, stride_qr, stride_qh, stride_qt, stride_ks, stride_kh, stride_kp,
+        stride_vs, stride_vh, stride_vp, stride_or, stride_oh, stride_ot, T, G, num_kv, num_splits, scale_log2,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, QT: tl.constexpr, BLOCK_N: tl.constexpr,
-        TILES_PER_SPLIT: tl.constexpr, SUM_COLS: tl.constexpr, TAIL_ROWS: tl.constexpr, FUSED: tl.constexpr,
-        EMULATE: tl.constexpr, PRECISION: tl.constexpr,
+        TILES_PER_SPLIT: tl.constexpr, SUM_COLS: tl.constexpr, TAIL_ROWS: tl.constexpr, CHUNK: tl.constexpr,
+        FUSED: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
     ):
         """Grid (query tiles, splits or 1 if FUSED, rows x KV heads): :func:`_attention_program`."""
         _attention_program(
-            q_ptr, k_ptr, v_ptr, slots_ptr, start_ptr, pos_ptr, anc_ptr, chain_ptr, out_ptr, part_m_ptr, part_l_ptr,
-            part_acc_ptr, state_ptr, stride_qr, stride_qh, stride_qt, stride_ks, stride_kh, stride_kp, stride_vs, stride_vh,
-            stride_vp, stride_or, stride_oh, stride_ot, tl.program_id(0), tl.program_id(1), tl.program_id(2), T, G,
-            num_kv, num_splits, scale_log2, HEAD_DIM, BLOCK_M, QT, BLOCK_N, TILES_PER_SPLIT, SUM_COLS, TAIL_ROWS,
-            FUSED, EMULATE, PRECISION)
+            q_ptr, k_ptr, v_ptr, slots_ptr, start_ptr, pos_ptr, anc_ptr, chain_ptr, tail_ptr, out_ptr, part_m_ptr,
+            part_l_ptr, part_acc_ptr, state_ptr, stride_qr, stride_qh, stride_qt, stride_ks, stride_kh, stride_kp,
+            stride_vs, stride_vh, stride_vp, stride_or, stride_oh, stride_ot, tl.program_id(0), tl.program_id(1),
+            tl.program_id(2), T, G, num_kv, num_splits, scale_log2, HEAD_DIM, BLOCK_M, QT, BLOCK_N, TILES_PER_SPLIT,
+            SUM_COLS, TAIL_ROWS, CHUNK, FUSED, EMULATE, PRECISION)
 
     @triton.jit(do_not_specialize=["T"])
     def _attention_combine_kernel(
@@ -701,13 +791,14 @@ def supports_head_dim(head_dim: int) -> bool:
 
 
 def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start: Tensor, positions: Tensor,
-              anc: Tensor, chain: Tensor, kv_len: int, *, split_keys: int = ATTN_SPLIT_KEYS,
-              fused: bool | None = None, num_stages: int | None = None) -> Tensor:
+              anc: Tensor, chain: Tensor, kv_len: int, *, tail: Tensor | None = None,
+              split_keys: int = ATTN_SPLIT_KEYS, fused: bool | None = None, num_stages: int | None = None) -> Tensor:
     """Attention of the new tokens over their slots' keys in position order (module docstring).
 
     q [R, H, T, D]; k_cache, v_cache [slots, KV, max_len, D] (new tokens already written at ``start + t``);
     slots, start [R] long; positions [R, T] long (``start + depth``); anc, chain: :func:`ancestor_map`; kv_len: host
-    bound > every position (sizes the split grid only: a query's result does not depend on it). Softmax in fp32
+    bound > every position (sizes the split grid only: a query's result does not depend on it); tail:
+    :func:`tail_chunks` of these (made here when None; a forward makes it once for all its layers). Softmax in fp32
     with scale 1/sqrt(D). Returns [R, H, T, D] in q's dtype (a view of [R, T, H, D] memory).
 
     ``fused``: one program per query tile walks all of its splits and stores the output (no fp32 partials written
@@ -729,7 +820,12 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start:
     if g > ATTN_BLOCK_M:
         raise ConfigError(f"batch_invariant.attention: {g} query heads per KV head exceed {ATTN_BLOCK_M}")
     block_m = attention_block_m(t, g)
-    qt = block_m // g
+    qt, chunk = tail_layout(t, g)
+    if tail is None:
+        tail = tail_chunks(anc, positions, start, g)
+    if tail.shape != (r, -(-t // qt), 1 + qt * (1 + chunk)) or tail.dtype != torch.int32:
+        raise ShapeError(f"batch_invariant.attention: tail {tuple(tail.shape)} {tail.dtype} is not tail_chunks' "
+                         f"table for {t} tokens of {g} query heads per KV head")
     if q.stride(-1) != 1:
         q = q.contiguous()
     slots, start, positions = slots.contiguous(), start.contiguous(), positions.contiguous()
@@ -757,12 +853,12 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start:
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     scale_log2 = d**-0.5 * math.log2(math.e)
     _attention_kernel[(q_tiles, 1 if fused else splits, r * kv)](
-        q, k_cache, v_cache, slots, start, positions, anc, chain, out, part_m, part_l, part_acc, state,
+        q, k_cache, v_cache, slots, start, positions, anc, chain, tail.contiguous(), out, part_m, part_l, part_acc, state,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), out.stride(2),
         t, g, kv, splits, scale_log2,
         HEAD_DIM=d, BLOCK_M=block_m, QT=qt, BLOCK_N=ATTN_BLOCK_N, TILES_PER_SPLIT=split_keys // ATTN_BLOCK_N,
-        SUM_COLS=ATTN_SUM_COLS, TAIL_ROWS=_pow2_at_least(g, 16), FUSED=fused, EMULATE=INTERPRETED,
+        SUM_COLS=ATTN_SUM_COLS, TAIL_ROWS=tail_rows(g), CHUNK=chunk, FUSED=fused, EMULATE=INTERPRETED,
         PRECISION=precision, num_warps=ATTN_NUM_WARPS, num_stages=num_stages or attention_stages(fused, t),
     )
     if not fused:

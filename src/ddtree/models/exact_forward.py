@@ -106,9 +106,9 @@ class _Ops:
         flat = x.reshape(r * t, *x.shape[2:])
         return torch.stack([norm(flat[i]) for i in range(r * t)], 0).reshape(x.shape)
 
-    def attention(self, q, k_cache, v_cache, slots, start, positions, anc, chain, kv_len) -> Tensor:
+    def attention(self, q, k_cache, v_cache, slots, start, positions, anc, chain, tail, kv_len) -> Tensor:
         if self.triton:
-            return bi.attention(q, k_cache, v_cache, slots, start, positions, anc, chain, kv_len)
+            return bi.attention(q, k_cache, v_cache, slots, start, positions, anc, chain, kv_len, tail=tail)
         return bi.attention_rows(q, k_cache, v_cache, slots, start, positions, anc)
 
     def write_kv(self, cache: KVCache, layer: int, slots: Tensor, write_pos: Tensor, k: Tensor, v: Tensor) -> None:
@@ -159,10 +159,13 @@ def forward(target, input_ids: Tensor, positions: Tensor, cache: KVCache, slots:
     ops = _Ops(triton, frozenset(blas))
     start, kv_len = visibility.start, visibility.kv_len
     anc, chain = bi.ancestor_map(start, positions, visibility.new_vis)
+    # which queries share a gathered tile above start: once here for every layer's attention (Triton only)
+    c = target.config
+    tail = bi.tail_chunks(anc, positions, start, c.num_heads // c.num_kv_heads) if triton else None
 
     def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         ops.write_kv(cache, layer, slots, write_pos, k, v)
-        return ops.attention(q, cache.k[layer], cache.v[layer], slots, start, positions, anc, chain, kv_len)
+        return ops.attention(q, cache.k[layer], cache.v[layer], slots, start, positions, anc, chain, tail, kv_len)
 
     weight = _head_weight(target)
     with exact_blas.pinned_blas(input_ids.device) if blas else contextlib.nullcontext():  # the library it checked

@@ -1,0 +1,799 @@
+"""Batch-invariant kernels for exact mode: a matmul and an attention whose result for one token row does not depend
+on how many rows ride along, where the row sits in the batch, the tree around it or the key-length bucket.
+
+Why: cuBLAS picks its kernel (and split-K) by row count and the tree-attention kernel picks its tiles and context
+splits by rows and ``kv_len``, so the same token gets logits 1-2 ulps apart in AR decoding, a chain, a tree or a
+batch of 64, and bf16 near-ties flip (docs/benchmarks.md, "Divergence"; ``../shared/docs/gpu-facts.md``). Here every
+reduction has one fixed order per output element (docs/architecture.md, "Exact mode"):
+
+Matmul (:func:`linear`, x [M, K] @ w [N, K]^T)
+    BLOCK_K and a split count S per weight shape (:func:`matmul_tiles`, from (N, K) only, never from M) fix each
+    output element's order: S equal K segments, each summed from zero in ascending K order, the segments added in
+    ascending order, the bias last. How the programs are laid out may follow M (:func:`matmul_launch`): split
+    programs writing fp32 partials that a second kernel adds in order, or fused programs that walk the segments
+    themselves (same bits, as 0 + s == s), in row and column tiles of any size (a tensor-core dot's row depends on
+    that row and the K step only; the H200 run compared every launch). M is not specialised on
+    (``do_not_specialize``): a row's result depends on its own inputs and the weight only.
+
+Attention (:func:`attention`, new tokens over a KV-cache slot)
+    Keys are walked in *position* order, in tiles of ``ATTN_BLOCK_N`` positions at fixed multiples of it, and split at
+    fixed multiples of ``ATTN_SPLIT_KEYS`` positions; a query at position p combines splits 0 .. p // ATTN_SPLIT_KEYS
+    in ascending order. Key position j of query t is cache index j below ``start`` (the committed prefix) and
+    ``start + anc[t, j - start]`` above it (the node's ancestor at depth ``j - start``: in a tree the ancestors are not
+    contiguous in the cache, :func:`ancestor_map`). A program's rows (32 or 64, :func:`attention_block_m`) = queries
+    x the G query heads of one KV head. Where its queries share their keys (prefix tiles; every tile of a chain or a
+    prompt chunk) one K/V tile serves them all; in a tree's tiles above that each query reads its own tile (a
+    tensor-core dot's row depends only on that row and the tile, whatever the dot's row count). Masked keys are exact
+    no-ops (p = exp2(-inf) = 0; the running max is guarded against -inf - -inf). The splits' states are merged in
+    ascending order into a running max and rescaled sums with explicit fma (:func:`_merge_weights`), either by a
+    combine kernel over stored fp32 partials (the split launch: a program per split, :func:`_split_state`; its tree
+    tiles gather each query's tile and keep, of each full-tile dot, that query's rows) or, where the grid fills the
+    device without splits (:func:`attention_fused`), by each program itself in one loop over its tiles, a tree's
+    tail tiles one query at a time on 16-row dots (the fused launch, :func:`_fused_program`): the same arithmetic,
+    so the same bits.
+
+Example: a tree root(0) -> a(1), root -> b(2), a -> c(3) at start 5, written at cache indices 5..8 with positions
+5, 6, 6, 7. Query c (position 7) walks positions 0..7 and reads cache indices 0 1 2 3 4 5 6 8: exactly the keys AR
+decoding of the same tokens reads at positions 0..7 (cache 0..7), in the same tiles and splits.
+
+Each kernel has a torch path for devices Triton cannot run on (:func:`linear_rows`, :func:`attention_rows`): one
+token row at a time, so every call has the shapes of a single row and is invariant by construction (slow; the CPU
+tests and CPU exact mode use it). On CUDA exact mode needs Triton.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ddtree.errors import ConfigError, ShapeError
+from ddtree.triton_runtime import INTERPRETED, tl, triton
+
+# ---- constants (changing one changes exact mode's bits, never its invariance) --------------------------------------
+MATMUL_MAX_BLOCK_N = 128
+MATMUL_MAX_BLOCK_K = 64
+# Split-K is chosen from the weight's shape so that about this many programs stream a weight at one tile of rows
+# (decoding is bandwidth-bound: o_proj's 32 column tiles alone would leave most of an H200's 132 SMs idle).
+MATMUL_TARGET_PROGRAMS = 160
+MATMUL_MAX_SPLIT_K = 4  # 8 measured no faster at decode and slower on wide calls (H200)
+MATMUL_MIN_K_BLOCKS_PER_SPLIT = 4
+ATTN_BLOCK_M = 32  # folded rows (queries x query heads of one KV head) per attention program (64: attention_block_m)
+ATTN_SUM_COLS = 16  # columns of the ones matrix the tile's row sums are a dot with (a tensor-core dot's least N)
+ATTN_BLOCK_N = 64  # key positions per tile
+ATTN_SPLIT_KEYS = 256  # key positions per split (a multiple of ATTN_BLOCK_N); 512 served slower (benchmarks.md)
+ATTN_FUSED_MIN_PROGRAMS = 256  # grids this large launch fused (attention_fused): about two per SM of an H200
+# The attention kernel's launch (warps, software-pipeline stages): the same for every call, so never a source of a
+# row's difference between calls; benchmarks/exact_attention_tune.py --sweep times the alternatives on the H200.
+ATTN_NUM_WARPS = 4
+ATTN_NUM_STAGES = 2
+ATTN_FUSED_ONE_TOKEN_STAGES = 3  # attention_stages
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+class MatmulTiles(NamedTuple):
+    """What fixes a weight's bits: BLOCK_K and the split count (the K segments, each summed from zero in
+    ascending K order, the segments added in ascending order, the bias last). A function of (N, K) only."""
+
+    block_k: int
+    split_k: int  # K blocks divided into this many equal segments per output element
+
+
+class MatmulLaunch(NamedTuple):
+    """How one call runs (free to depend on the row count M: it does not change a bit, see :func:`linear`).
+
+    ``fused``: one program per output tile walks all K segments itself (no partials in memory); else one program
+    per (tile, segment) writes an fp32 partial and a second kernel sums them in ascending order (more programs for
+    the few row tiles of a decode step). ``flat`` (fused only): the segments run as one pipelined K loop that adds
+    its accumulator into the total at each segment's end (the same sums: a loop per segment drains and refills the
+    software pipeline S times per tile)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    fused: bool
+    flat: bool = False
+
+
+def _pow2_at_least(n: int, lo: int) -> int:
+    return max(lo, 1 << max(0, n - 1).bit_length())
+
+
+def matmul_tiles(n: int, k: int) -> MatmulTiles:
+    """The bit-fixing part of a weight [n, k]'s configuration (of the weight's shape only, never of the rows)."""
+    block_n = min(MATMUL_MAX_BLOCK_N, _pow2_at_least(n, 16))
+    block_k = min(MATMUL_MAX_BLOCK_K, _pow2_at_least(k, 16))
+    n_tiles = -(-n // block_n)
+    k_blocks = -(-k // block_k)
+    split = 1
+    while (n_tiles * split < MATMUL_TARGET_PROGRAMS and split * 2 <= MATMUL_MAX_SPLIT_K
+           and k_blocks % (split * 2) == 0 and k_blocks // (split * 2) >= MATMUL_MIN_K_BLOCKS_PER_SPLIT):
+        split *= 2
+    return MatmulTiles(block_k, split)
+
+
+# The launch table by row count, from benchmarks/exact_matmul_tune.py on the H200 (CUDA-graph replays, 2026-12-01):
+# split programs with small row tiles where few row tiles would leave SMs idle (decode, small verifies), 128 x 128
+# fused tiles with 8 warps where the call is compute-bound. Every launch gives the same bits (the run's check and
+# tests/models/test_batch_invariant.py); only BLOCK_K and the split count (matmul_tiles) fix them.
+MATMUL_LAUNCHES: tuple[tuple[int, MatmulLaunch], ...] = (  # (up to this many rows, launch)
+    (16, MatmulLaunch(16, 64, 4, 4, fused=False)),
+    (128, MatmulLaunch(64, 64, 4, 4, fused=False)),
+    (767, MatmulLaunch(64, 128, 4, 3, fused=False)),
+)
+# one K loop over the segments, 4 stages: 76 against 89 us (o_proj) and 214 against 242 us (down) at 1024 rows for
+# a loop per segment, H200 (docs/benchmarks.md, "Exact mode")
+MATMUL_WIDE_LAUNCH = MatmulLaunch(128, 128, 8, 4, fused=True, flat=True)
+
+
+def matmul_launch(n: int, k: int, m: int) -> MatmulLaunch:
+    """The launch of x [m, k] @ w [n, k]^T for m rows (:data:`MATMUL_LAUNCHES`); a weight of one K segment runs
+    the same kernel either way. Any choice here gives the same bits."""
+    for rows, launch in MATMUL_LAUNCHES:
+        if m <= rows:
+            if matmul_tiles(n, k).split_k == 1 and launch.block_m < 64:  # no SMs to fill with splits: full tiles
+                return MATMUL_LAUNCHES[1][1]
+            return launch
+    return MATMUL_WIDE_LAUNCH
+
+
+if triton is not None:
+
+    @triton.jit
+    def _dot(a, b, acc, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
+        """acc + a @ b in fp32. EMULATE (Triton's interpreter only): an fp32 broadcast product summed over K with
+        ``tl.sum``, because the interpreter's ``tl.dot`` is numpy's BLAS matmul, whose result for a row changes with
+        the row's place in the tile (and whose bf16 dot multiplies raw bit patterns). On a GPU the tensor-core dot
+        runs; its rows are independent of each other for one instruction K-step (tile shapes do not enter: the
+        GPU test compares them)."""
+        if EMULATE:
+            out = acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
+        else:
+            out = tl.dot(a, b, acc, input_precision=PRECISION)
+        return out
+
+    @triton.jit
+    def _k_step(acc, x_ptr, w_ptr, rm, rn, m_ok, n_ok, K, stride_xm, stride_wn, k0, BLOCK_K: tl.constexpr,
+                EMULATE: tl.constexpr, PRECISION: tl.constexpr):
+        """acc + x[rm, k0 : k0 + BLOCK_K] @ w[rn, k0 : k0 + BLOCK_K]^T (K past the end loads 0)."""
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < K
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        return _dot(x, tl.trans(w), acc, EMULATE, PRECISION)
+
+    @triton.jit
+    def _segment(x_ptr, w_ptr, rm, rn, m_ok, n_ok, K, stride_xm, stride_wn, k_lo, k_hi, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
+        """One K segment's fp32 sum from zero, its K blocks in ascending order: [BLOCK_M, BLOCK_N]."""
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            acc = _k_step(acc, x_ptr, w_ptr, rm, rn, m_ok, n_ok, K, stride_xm, stride_wn, k0, BLOCK_K, EMULATE,
+                          PRECISION)
+        return acc
+
+    @triton.jit(do_not_specialize=["M"])
+    def _matmul_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                       k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SPLITS: tl.constexpr, FUSED: tl.constexpr, FLAT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       EMULATE: tl.constexpr, PRECISION: tl.constexpr):
+        """FUSED (grid: row tiles x column tiles): total = ((seg_0 + seg_1) + ...) + seg_{S-1}, then the bias, and
+        store. Otherwise (grid x SPLITS): seg_{pid} -> part[split, m, n] in fp32 (:func:`_split_sum_kernel` adds
+        them in the same order), or with one split the bias and the store directly."""
+        pid_m = tl.program_id(0).to(tl.int64)
+        pid_n = tl.program_id(1).to(tl.int64)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_ok = rm < M
+        n_ok = rn < N
+        if FUSED or SPLITS == 1:
+            if FLAT and SPLITS > 1:
+                # seg_s summed from zero in ascending K order, then total = seg_0 (not 0 + seg_0: -0 stays -0) and
+                # total + seg_s at the end of each later segment: the bits of the loop per segment below
+                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                per_split = k_per_split // BLOCK_K
+                for kb in range(0, SPLITS * per_split):
+                    acc = _k_step(acc, x_ptr, w_ptr, rm, rn, m_ok, n_ok, K, stride_xm, stride_wn, kb * BLOCK_K,
+                                  BLOCK_K, EMULATE, PRECISION)
+                    if (kb + 1) % per_split == 0:
+                        total = tl.where(kb + 1 == per_split, acc, total + acc)
+                        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            else:
+                total = _segment(x_ptr, w_ptr, rm, rn, m_ok, n_ok, K, stride_xm, stride_wn, 0,
+                                 tl.minimum(k_per_split, K), BLOCK_M, BLOCK_N, BLOCK_K, EMULATE, PRECISION)
+                for s in range(1, SPLITS):  # a loop, not unrolled: the inner K loop stays one pipelined loop
+                    k_lo = s * k_per_split
+                    total = total + _segment(x_ptr, w_ptr, rm, rn, m_ok, n_ok, K, stride_xm, stride_wn, k_lo,
+                                             tl.minimum(k_lo + k_per_split, K), BLOCK_M, BLOCK_N, BLOCK_K, EMULATE,
+                                             PRECISION)
+            if HAS_BIAS:
+                total = total + tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], total.to(out_ptr.dtype.element_ty),
+                     mask=m_ok[:, None] & n_ok[None, :])
+        else:
+            pid_s = tl.program_id(2).to(tl.int64)
+            k_lo = pid_s * k_per_split
+            acc = _segment(x_ptr, w_ptr, rm, rn, m_ok, n_ok, K, stride_xm, stride_wn, k_lo,
+                           tl.minimum(k_lo + k_per_split, K), BLOCK_M, BLOCK_N, BLOCK_K, EMULATE, PRECISION)
+            part = part_ptr + (pid_s * M + rm[:, None]) * N + rn[None, :]
+            tl.store(part, acc, mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit(do_not_specialize=["M"])
+    def _split_sum_kernel(part_ptr, b_ptr, out_ptr, M, N, stride_om, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          BLOCK: tl.constexpr):
+        """out[m, n] = ((part[0] + part[1]) + ...) + bias, splits in ascending order, one element per lane."""
+        idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mn = M.to(tl.int64) * N  # one split's elements (int64: SPLITS x M x N passes 2^31 for an LM head)
+        ok = idx < mn
+        m = idx // N
+        n = idx % N
+        total = tl.load(part_ptr + idx, mask=ok, other=0.0)
+        for s in tl.static_range(1, SPLITS):
+            total = total + tl.load(part_ptr + s * mn + idx, mask=ok, other=0.0)
+        if HAS_BIAS:
+            total = total + tl.load(b_ptr + n, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + m * stride_om + n, total.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, tiles: MatmulTiles | None = None,
+           launch: MatmulLaunch | None = None) -> Tensor:
+    """``F.linear(x, weight, bias)`` with a fixed reduction order per output element: x [..., K], weight [N, K],
+    bias [N] -> [..., N] in x's dtype (fp32 accumulation). Triton; CUDA tensors or the interpreter.
+
+    ``tiles`` (default :func:`matmul_tiles`) fixes the bits; ``launch`` (default :func:`matmul_launch` of the row
+    count) only how the programs are laid out: a segment's sum is the same in a split program or a fused one, and
+    0 + s == s, so a row's bits do not depend on M. Both overrides exist for the tuning script and the tests."""
+    if triton is None:
+        raise ConfigError("batch_invariant.linear needs Triton; use linear_rows")
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ShapeError(f"batch_invariant.linear: x {tuple(x.shape)} does not fit weight {tuple(weight.shape)}")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ShapeError(f"batch_invariant.linear: bias {tuple(bias.shape)} for weight {tuple(weight.shape)}")
+    n, k = weight.shape
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    m = x2.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.reshape(*lead, n)
+    tiles = tiles or matmul_tiles(n, k)
+    launch = launch or matmul_launch(n, k, m)
+    k_blocks = -(-k // tiles.block_k)
+    if k_blocks % tiles.split_k:
+        raise ConfigError(f"batch_invariant.linear: {k_blocks} K blocks do not divide into {tiles.split_k} splits")
+    k_per_split = (k_blocks // tiles.split_k) * tiles.block_k
+    fused = launch.fused or tiles.split_k == 1
+    part = out if fused else torch.empty((tiles.split_k, m, n), dtype=torch.float32, device=x.device)
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    grid = (-(-m // launch.block_m), -(-n // launch.block_n), 1 if fused else tiles.split_k)
+    _matmul_kernel[grid](x2, weight, weight if bias is None else bias, out, part, m, n, k, x2.stride(0),
+                         weight.stride(0), out.stride(0), k_per_split,
+                         BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=tiles.block_k,
+                         SPLITS=tiles.split_k, FUSED=fused, FLAT=launch.flat, HAS_BIAS=bias is not None,
+                         EMULATE=INTERPRETED,
+                         PRECISION=precision, num_warps=launch.num_warps, num_stages=launch.num_stages)
+    if not fused:
+        block = 1024
+        _split_sum_kernel[(-(-(m * n) // block),)](part, weight if bias is None else bias, out, m, n, out.stride(0),
+                                                    SPLITS=tiles.split_k, HAS_BIAS=bias is not None, BLOCK=block,
+                                                    num_warps=4)
+    return out.reshape(*lead, n)
+
+
+def linear_rows(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """The torch path: ``F.linear`` one row at a time (every call has one row, so a row's result cannot depend on
+    the others). x [..., K] -> [..., N]."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.shape[0] == 0:
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+    rows = [F.linear(x2[i:i + 1], weight, bias) for i in range(x2.shape[0])]
+    return torch.cat(rows, 0).reshape(*x.shape[:-1], weight.shape[0])
+
+
+# ---- attention --------------------------------------------------------------------------------------------------
+
+def ancestor_map(start: Tensor, positions: Tensor, new_vis: Tensor) -> tuple[Tensor, Tensor]:
+    """Where each new token's keys above the prefix live: ``anc [R, T, T]`` int32, ``anc[r, t, d]`` = the new token
+    (index into T) that query t sees at depth ``d`` (position ``start + d``), -1 if none; and ``chain [R, T]`` int32,
+    1 where ``anc[r, t, d] == d`` for every depth up to t's own (its keys are contiguous in the cache, as in a chain
+    or a prompt chunk). start [R]; positions [R, T] (a node's is ``start + depth``); new_vis [R, T, T] bool (the
+    diagonal is added). A tree gives one visible node per depth; device ops only (graph-capturable)."""
+    r, t = positions.shape
+    idx = torch.arange(t, device=positions.device)
+    vis = new_vis | (idx[:, None] == idx[None, :])
+    depth = (positions - start[:, None]).clamp(0, max(t - 1, 0))  # [R, T]
+    src = torch.where(vis, idx.to(torch.int32), -1)  # [R, Tq, Tk]: key node j where visible
+    anc = torch.full((r, t, t), -1, dtype=torch.int32, device=positions.device)
+    anc = anc.scatter_reduce(2, depth[:, None, :].expand(r, t, t), src, reduce="amax")
+    up_to = idx[None, None, :] <= depth[:, :, None]  # [R, Tq, D]
+    chain = ((anc == idx.to(torch.int32)) | ~up_to).all(-1).to(torch.int32)
+    return anc.contiguous(), chain.contiguous()
+
+
+if triton is not None:
+
+    @triton.jit
+    def _key_index(j, start, pos_q, anc_row_ptr, shared):
+        """(cache index [BLOCK_N] int64, visible [BLOCK_N]) of the keys one query reads at positions j: cache index j
+        below start, the ancestor's slot above it; not visible past pos_q or where it has no ancestor at that depth.
+        ``shared``: the keys are contiguous (cache index j up to pos_q)."""
+        above = j >= start
+        if shared:
+            idx = j.to(tl.int64)
+            ok = j <= pos_q
+        else:
+            anc = tl.load(anc_row_ptr + (j - start), mask=above & (j <= pos_q), other=-1)
+            idx = tl.where(above, start + anc, j).to(tl.int64)
+            ok = (j <= pos_q) & ((~above) | (anc >= 0))
+        return idx, ok
+
+    @triton.jit
+    def _gather_tile(base, stride_p, offs_d, j, start, pos_q, anc_row_ptr, shared):
+        """The K or V tile [BLOCK_N, D] one query reads at positions j [BLOCK_N] (:func:`_key_index`); keys it does not
+        see load 0."""
+        idx, ok = _key_index(j, start, pos_q, anc_row_ptr, shared)
+        return tl.load(base + idx[:, None] * stride_p + offs_d[None, :], mask=ok[:, None], other=0.0)
+
+    @triton.jit
+    def _tile_update(q, k, v, vis, m_i, l_i, acc, ones, scale_log2, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
+        """One key tile of the online softmax for rows q [M, D] over k, v [BLOCK_N, D] (visible [M, BLOCK_N]) ->
+        (m, l, acc): the arithmetic every tile of every launch does, so that a row's bits follow from its own keys
+        (a tensor-core dot's row depends on that row and the tile only, whatever M)."""
+        scores = _dot(q, tl.trans(k.to(q.dtype)), tl.zeros([q.shape[0], k.shape[0]], dtype=tl.float32), EMULATE,
+                      PRECISION)
+        p, alpha, l_i, m_new = _softmax_step(scores, vis, m_i, l_i, ones, scale_log2, EMULATE, PRECISION)
+        return m_new, l_i, _dot(p, v.to(q.dtype), acc * alpha[:, None], EMULATE, PRECISION)
+
+    @triton.jit
+    def _softmax_step(scores, vis, m_i, l_i, ones, scale_log2, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
+        """One key tile of the online softmax, the same code for the shared and the per-query tiles (their bits must
+        agree): -> (p, alpha, l, m) with p the tile's unnormalised probabilities in the dot's dtype, alpha the
+        rescale of what came before, l [BLOCK_M, ATTN_SUM_COLS] the running sum (every column alike) and m the
+        running max (masked keys: exp2(-inf) = 0, -inf - -inf guarded).
+
+        The row sum is a dot with a ones matrix, not ``tl.sum(p, 1)``: a reduction over the tile follows the
+        register layout the dot left it in, and that layout follows the program's row count (64-row programs gave
+        chain rows 1 ulp off a 32-row program's, H200, 2026-12-01), while a tensor-core dot's row depends on that
+        row and the tile only (measured on the H200 for 32- and 64-row programs: G = 4, D = 128, bf16, Triton 3.6).
+        It sums the same bf16 weights P @ V uses; max is exact in any order."""
+        qk = tl.where(vis, scores * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(qk - m_use[:, None]).to(ones.dtype)
+        return p, alpha, _dot(p, ones, l_i * alpha[:, None], EMULATE, PRECISION), m_new
+
+    @triton.jit
+    def _split_state(q, k_base, v_base, anc_base, pos_ptr, r, t, qi, row_ok, pos_row, max_pos, all_chain, start,
+                     pid_q, split, stride_kp, stride_vp, T, scale_log2, offs_d, offs_n, ones, HEAD_DIM: tl.constexpr,
+                     BLOCK_M: tl.constexpr, QT: tl.constexpr, BLOCK_N: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
+                     SUM_COLS: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
+        """The online softmax of a program's rows over the key tiles of one split, from zero, in ascending position
+        order -> (m [BLOCK_M] running max, l [BLOCK_M] sum, acc [BLOCK_M, HEAD_DIM] unnormalised), fp32. The split
+        launch stores it per split (the fused launch, :func:`_fused_program`, does the same arithmetic in one loop).
+
+        Tiles every query of the program reads alike (all of them for chains and prompt chunks, else those wholly
+        below start) run in a plain loop; the tiles above start, where each query has its own ancestors, after it.
+        Both loops do the same arithmetic on a tile (a query's tile is gathered, or loaded, to the same lanes), so a
+        tree node and the AR step at its position get the same bits; the split only keeps the per-query loop out of
+        the prefix tiles, where its dynamic trip count kept the loads from being pipelined. P @ V takes the rescaled
+        accumulator as the dot's own accumulator in both: Triton folds ``dot(a, b, 0) + c`` into ``dot(a, b, c)``
+        (another rounding than an add after the dot) where it sees the pattern, which it did in one loop and not in
+        the other (the H200 check of 2026-12-01 found nodes 1 ulp off their AR step)."""
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M, SUM_COLS], dtype=tl.float32)
+        tile_lo = split * TILES_PER_SPLIT
+        tile_hi = tl.minimum(tile_lo + TILES_PER_SPLIT, max_pos // BLOCK_N + 1)
+        shared_hi = tl.where(all_chain != 0, tile_hi, tl.minimum(tile_hi, tl.maximum(start // BLOCK_N, tile_lo)))
+        for tile in range(tile_lo, shared_hi):
+            j = tile * BLOCK_N + offs_n
+            k = _gather_tile(k_base, stride_kp, offs_d, j, start, max_pos, anc_base, True)
+            v = _gather_tile(v_base, stride_vp, offs_d, j, start, max_pos, anc_base, True)
+            m_i, l_i, acc = _tile_update(q, k, v, (j[None, :] <= pos_row[:, None]) & row_ok[:, None], m_i, l_i, acc,
+                                         ones, scale_log2, EMULATE, PRECISION)
+        for tile in range(shared_hi, tile_hi):
+            j = tile * BLOCK_N + offs_n
+            # visibility of each row: positions up to its own, and above start only where it has an ancestor
+            vis = j[None, :] <= pos_row[:, None]
+            anc_rc = tl.load(anc_base + t[:, None] * T + (j[None, :] - start),
+                             mask=row_ok[:, None] & (j[None, :] >= start) & vis, other=-1)
+            vis = vis & ((j[None, :] < start) | (anc_rc >= 0))
+            scores = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            groups = tl.minimum(QT, T - pid_q * QT)  # the tile's real queries (the rest select nothing)
+            for grp in range(0, groups):
+                t_g = pid_q * QT + grp
+                pos_g = tl.load(pos_ptr + r * T + t_g, mask=t_g < T, other=-1)
+                k = _gather_tile(k_base, stride_kp, offs_d, j, start, pos_g, anc_base + t_g * T, False)
+                s = _dot(q, tl.trans(k.to(q.dtype)), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), EMULATE,
+                         PRECISION)
+                scores = tl.where((qi == grp)[:, None], s, scores)
+            p, alpha, l_i, m_new = _softmax_step(scores, vis & row_ok[:, None], m_i, l_i, ones, scale_log2, EMULATE,
+                                                 PRECISION)
+            scaled = acc * alpha[:, None]
+            acc = scaled  # rows of no query (past T) keep it
+            for grp in range(0, groups):
+                t_g = pid_q * QT + grp
+                pos_g = tl.load(pos_ptr + r * T + t_g, mask=t_g < T, other=-1)
+                v = _gather_tile(v_base, stride_vp, offs_d, j, start, pos_g, anc_base + t_g * T, False)
+                o = _dot(p, v.to(q.dtype), scaled, EMULATE, PRECISION)
+                acc = tl.where((qi == grp)[:, None], o, acc)
+            m_i = m_new
+        return m_i, tl.max(l_i, 1), acc  # l's columns are equal
+
+    @triton.jit
+    def _merge_weights(m_run, m_s):
+        """The weights of one merge step of the splits, in ascending split order: -> (m, w_run, w_s) with
+        m = max(m_run, m_s) and w = 2^(m_x - m); the caller forms ``fma(x_run, w_run, x_s * w_s)`` for l and acc
+        (explicit fma: the fused and the combine kernel must round alike, and a compiler's own contraction need not
+        be the same in both). An empty split (m_s = -inf: no visible key) merges as an exact no-op; -inf - -inf is
+        guarded."""
+        m = tl.maximum(m_run, m_s)
+        m_use = tl.where(m == float("-inf"), 0.0, m)
+        return m, tl.exp2(m_run - m_use), tl.exp2(m_s - m_use)
+
+    @triton.jit
+    def _merge_split(m_run, l_run, acc_run, m_s, l_s, acc_s, take):
+        """The running state after merging one split's (m_s, l_s [rows], acc_s [rows, D]) into it, in rows ``take``
+        (:func:`_merge_weights`; the combine kernel's arithmetic)."""
+        m_new, w_run, w_s = _merge_weights(m_run, m_s)
+        l_run = tl.where(take, tl.fma(l_run, w_run, l_s * w_s), l_run)
+        acc_run = tl.where(take[:, None], tl.fma(acc_run, w_run[:, None], acc_s * w_s[:, None]), acc_run)
+        return tl.where(take, m_new, m_run), l_run, acc_run
+
+    @triton.jit
+    def _tail_query(q_ptr, k_base, v_base, anc_base, pos_ptr, out_ptr, state_ptr, r, kv, t_g, grp, prog, start,
+                    shared_hi, stride_kp, stride_vp, stride_qr, stride_qh, stride_qt, stride_or, stride_oh, stride_ot,
+                    T, G, scale_log2, offs_d, offs_n, ones, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, SUM_COLS: tl.constexpr,
+                    TAIL_ROWS: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
+        """A tree query's tail tiles (from ``shared_hi``, each reading the query's own ancestors) on TAIL_ROWS rows
+        (its G heads, padded), resumed from its rows' state in program ``prog``'s part of ``state_ptr``
+        (:func:`_fused_program`), then its last split merged and its output stored."""
+        TPS: tl.constexpr = TILES_PER_SPLIT
+        width = 2 * HEAD_DIM + 4
+        lane = tl.arange(0, TAIL_ROWS)
+        lane_ok = lane < G
+        pos_g = tl.load(pos_ptr + r * T + t_g)
+        head_g = kv * G + lane
+        q_g = tl.load(q_ptr + r * stride_qr + head_g[:, None] * stride_qh + t_g * stride_qt + offs_d[None, :],
+                      mask=lane_ok[:, None], other=0.0)
+        sg = state_ptr + (prog * BLOCK_M + grp * G + lane) * width
+        acc_g = tl.load(sg[:, None] + offs_d[None, :], mask=lane_ok[:, None], other=0.0)
+        acc_run_g = tl.load(sg[:, None] + HEAD_DIM + offs_d[None, :], mask=lane_ok[:, None], other=0.0)
+        m_g = tl.load(sg + 2 * HEAD_DIM, mask=lane_ok, other=float("-inf"))
+        l_g = tl.load(sg + 2 * HEAD_DIM + 1, mask=lane_ok, other=0.0)[:, None] + tl.zeros([TAIL_ROWS, SUM_COLS],
+                                                                                          dtype=tl.float32)
+        m_run_g = tl.load(sg + 2 * HEAD_DIM + 2, mask=lane_ok, other=float("-inf"))
+        l_run_g = tl.load(sg + 2 * HEAD_DIM + 3, mask=lane_ok, other=0.0)
+        anc_g = anc_base + t_g * T
+        for tile in range(shared_hi, pos_g // BLOCK_N + 1):
+            if (tile % TPS == 0) & (tile > 0):
+                take = lane_ok & ((tile // TPS - 1) * (TPS * BLOCK_N) <= pos_g)
+                m_run_g, l_run_g, acc_run_g = _merge_split(m_run_g, l_run_g, acc_run_g, m_g, tl.max(l_g, 1), acc_g,
+                                                           take)
+                m_g = tl.full([TAIL_ROWS], float("-inf"), dtype=tl.float32)
+                l_g = tl.zeros([TAIL_ROWS, SUM_COLS], dtype=tl.float32)
+                acc_g = tl.zeros([TAIL_ROWS, HEAD_DIM], dtype=tl.float32)
+            j = tile * BLOCK_N + offs_n
+            idx, vis = _key_index(j, start, pos_g, anc_g, False)
+            k = tl.load(k_base + idx[:, None] * stride_kp + offs_d[None, :], mask=vis[:, None], other=0.0)
+            v = tl.load(v_base + idx[:, None] * stride_vp + offs_d[None, :], mask=vis[:, None], other=0.0)
+            m_g, l_g, acc_g = _tile_update(q_g, k, v, vis[None, :] & lane_ok[:, None], m_g, l_g, acc_g, ones,
+                                           scale_log2, EMULATE, PRECISION)
+        take = lane_ok & (((pos_g // BLOCK_N) // TPS) * (TPS * BLOCK_N) <= pos_g)
+        m_run_g, l_run_g, acc_run_g = _merge_split(m_run_g, l_run_g, acc_run_g, m_g, tl.max(l_g, 1), acc_g, take)
+        out = acc_run_g / tl.where(l_run_g > 0.0, l_run_g, 1.0)[:, None]
+        tl.store(out_ptr + r * stride_or + head_g[:, None] * stride_oh + t_g * stride_ot + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=lane_ok[:, None])
+
+    @triton.jit
+    def _fused_program(q, k_base, v_base, anc_base, pos_ptr, out_ptr, state_ptr, r, t, qi, row_ok, head, pos_row,
+                       max_pos, all_chain, start, kv, pid_q, pid_rk, stride_kp, stride_vp, stride_qr, stride_qh,
+                       stride_qt, q_ptr, stride_or, stride_oh, stride_ot, T, G, scale_log2, offs_d, offs_n, ones,
+                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, QT: tl.constexpr, BLOCK_N: tl.constexpr,
+                       TILES_PER_SPLIT: tl.constexpr, SUM_COLS: tl.constexpr, TAIL_ROWS: tl.constexpr,
+                       EMULATE: tl.constexpr, PRECISION: tl.constexpr):
+        """The fused launch's program: every split of its rows in one loop over the key tiles, merged in ascending
+        order, and the output stored. The bits of the split launch (:func:`_split_state` per split, then the
+        combine kernel): the same tile arithmetic (:func:`_tile_update`) from the same zero state at each split's
+        first tile, the same merge (:func:`_merge_split`) in the rows whose position reaches the split.
+
+        One loop, not a loop per split: the loads stay software-pipelined across split edges (a loop per split
+        drains the pipeline every ATTN_SPLIT_KEYS / ATTN_BLOCK_N tiles). Tiles the program's queries read alike (all
+        of a chain's or a prompt chunk's; below ``start // BLOCK_N`` in a tree) run on all BLOCK_M rows at once. A
+        tree's tiles above that, where each query reads its own ancestors, run one query at a time on TAIL_ROWS rows
+        (its G heads, padded): the program stores its rows' state to ``state_ptr`` (fp32, exact) and each query
+        resumes its own rows from there, so a tail tile costs a dot of TAIL_ROWS rows per query, not one of BLOCK_M
+        rows per query."""
+        TPS: tl.constexpr = TILES_PER_SPLIT
+        n_tiles = max_pos // BLOCK_N + 1
+        shared_hi = tl.where(all_chain != 0, n_tiles, tl.minimum(n_tiles, start // BLOCK_N))
+        m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_run = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc_run = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M, SUM_COLS], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        for tile in range(0, shared_hi):
+            if (tile % TPS == 0) & (tile > 0):  # split tile // TPS - 1 ends here: merge it, start the next from zero
+                take = row_ok & ((tile // TPS - 1) * (TPS * BLOCK_N) <= pos_row)
+                m_run, l_run, acc_run = _merge_split(m_run, l_run, acc_run, m_i, tl.max(l_i, 1), acc, take)
+                m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+                l_i = tl.zeros([BLOCK_M, SUM_COLS], dtype=tl.float32)
+                acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+            j = tile * BLOCK_N + offs_n
+            k = _gather_tile(k_base, stride_kp, offs_d, j, start, max_pos, anc_base, True)
+            v = _gather_tile(v_base, stride_vp, offs_d, j, start, max_pos, anc_base, True)
+            m_i, l_i, acc = _tile_update(q, k, v, (j[None, :] <= pos_row[:, None]) & row_ok[:, None], m_i, l_i, acc,
+                                         ones, scale_log2, EMULATE, PRECISION)
+        if shared_hi == n_tiles:  # no tail: the last split, then the output
+            take = row_ok & (((n_tiles - 1) // TPS) * (TPS * BLOCK_N) <= pos_row)
+            m_run, l_run, acc_run = _merge_split(m_run, l_run, acc_run, m_i, tl.max(l_i, 1), acc, take)
+            out = acc_run / tl.where(l_run > 0.0, l_run, 1.0)[:, None]
+            tl.store(out_ptr + r * stride_or + head[:, None] * stride_oh + t[:, None] * stride_ot + offs_d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        else:
+            # state rows [BLOCK_M, 2 * HEAD_DIM + 4] of this program: acc, acc_run, m, l, m_run, l_run
+            width = 2 * HEAD_DIM + 4
+            prog = (pid_rk * tl.num_programs(0) + pid_q).to(tl.int64)
+            rows = tl.arange(0, BLOCK_M)
+            st = state_ptr + (prog * BLOCK_M + rows) * width
+            tl.store(st[:, None] + offs_d[None, :], acc)
+            tl.store(st[:, None] + HEAD_DIM + offs_d[None, :], acc_run)
+            tl.store(st + 2 * HEAD_DIM, m_i)
+            tl.store(st + 2 * HEAD_DIM + 1, tl.max(l_i, 1))
+            tl.store(st + 2 * HEAD_DIM + 2, m_run)
+            tl.store(st + 2 * HEAD_DIM + 3, l_run)
+            tl.debug_barrier()  # the rows' state is read back by other threads of this program
+            for grp in range(0, tl.minimum(QT, T - pid_q * QT)):
+                _tail_query(q_ptr, k_base, v_base, anc_base, pos_ptr, out_ptr, state_ptr, r, kv, pid_q * QT + grp, grp,
+                            prog, start, shared_hi, stride_kp, stride_vp, stride_qr, stride_qh, stride_qt, stride_or,
+                            stride_oh, stride_ot, T, G, scale_log2, offs_d, offs_n, ones, HEAD_DIM, BLOCK_M, BLOCK_N,
+                            TILES_PER_SPLIT, SUM_COLS, TAIL_ROWS, EMULATE, PRECISION)
+
+    @triton.jit
+    def _attention_program(
+        q_ptr, k_ptr, v_ptr, slots_ptr, start_ptr, pos_ptr, anc_ptr, chain_ptr, out_ptr, part_m_ptr, part_l_ptr,
+        part_acc_ptr, state_ptr, stride_qr, stride_qh, stride_qt, stride_ks, stride_kh, stride_kp, stride_vs, stride_vh,
+        stride_vp, stride_or, stride_oh, stride_ot, pid_q, pid_s, pid_rk, T, G, num_kv, num_splits, scale_log2,
+        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, QT: tl.constexpr, BLOCK_N: tl.constexpr,
+        TILES_PER_SPLIT: tl.constexpr, SUM_COLS: tl.constexpr, TAIL_ROWS: tl.constexpr, FUSED: tl.constexpr,
+        EMULATE: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        """One program's rows (query tile pid_q, row x KV head pid_rk): split pid_s's state stored as partials, or
+        (FUSED) every split up to the program's last position merged in ascending order and the output stored."""
+        r = (pid_rk // num_kv).to(tl.int64)
+        kv = pid_rk % num_kv
+        rows = tl.arange(0, BLOCK_M)
+        qi = rows // G  # query within the tile (query-major folding)
+        t = pid_q * QT + qi
+        row_ok = (qi < QT) & (t < T)
+        head = kv * G + rows % G
+        offs_d = tl.arange(0, HEAD_DIM)
+        offs_n = tl.arange(0, BLOCK_N)
+        q = tl.load(q_ptr + r * stride_qr + head[:, None] * stride_qh + t[:, None] * stride_qt + offs_d[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        slot = tl.load(slots_ptr + r)
+        start = tl.load(start_ptr + r)
+        pos_row = tl.load(pos_ptr + r * T + t, mask=row_ok, other=-1)
+        max_pos = tl.max(pos_row, 0)
+        all_chain = tl.min(tl.load(chain_ptr + r * T + t, mask=row_ok, other=1), 0)
+        k_base = k_ptr + slot * stride_ks + kv * stride_kh
+        v_base = v_ptr + slot * stride_vs + kv * stride_vh
+        anc_base = anc_ptr + r * T * T
+        # made in fp32 and cast: Triton 3.6's interpreter has no bf16 constant (``tl.full`` in bf16 fails there)
+        ones = tl.full([BLOCK_N, SUM_COLS], 1.0, dtype=tl.float32).to(q_ptr.dtype.element_ty)
+        if FUSED:
+            _fused_program(q, k_base, v_base, anc_base, pos_ptr, out_ptr, state_ptr, r, t, qi, row_ok, head, pos_row,
+                           max_pos, all_chain, start, kv, pid_q, pid_rk, stride_kp, stride_vp, stride_qr, stride_qh,
+                           stride_qt, q_ptr, stride_or, stride_oh, stride_ot, T, G, scale_log2, offs_d, offs_n, ones,
+                           HEAD_DIM, BLOCK_M, QT, BLOCK_N, TILES_PER_SPLIT, SUM_COLS, TAIL_ROWS, EMULATE, PRECISION)
+        else:
+            m_i, l_i, acc = _split_state(
+                q, k_base, v_base, anc_base, pos_ptr, r, t, qi, row_ok, pos_row, max_pos, all_chain, start, pid_q,
+                pid_s, stride_kp, stride_vp, T, scale_log2, offs_d, offs_n, ones, HEAD_DIM, BLOCK_M, QT, BLOCK_N,
+                TILES_PER_SPLIT, SUM_COLS, EMULATE, PRECISION)
+            # partials [R, T, H, splits] (+ D): written for every valid row, read only for splits up to its position
+            part = ((r * T + t) * (num_kv * G) + head) * num_splits + pid_s
+            tl.store(part_m_ptr + part, m_i, mask=row_ok)
+            tl.store(part_l_ptr + part, l_i, mask=row_ok)
+            tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None])
+
+    @triton.jit(do_not_specialize=["T"])
+    def _attention_kernel(
+        q_ptr, k_ptr, v_ptr, slots_ptr, start_ptr, pos_ptr, anc_ptr, chain_ptr, out_ptr, part_m_ptr, part_l_ptr,
+        part_acc_ptr, state_ptr, stride_qr, stride_qh, stride_qt, stride_ks, stride_kh, stride_kp, stride_vs, stride_vh,
+        stride_vp, stride_or, stride_oh, stride_ot, T, G, num_kv, num_splits, scale_log2,
+        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, QT: tl.constexpr, BLOCK_N: tl.constexpr,
+        TILES_PER_SPLIT: tl.constexpr, SUM_COLS: tl.constexpr, TAIL_ROWS: tl.constexpr, FUSED: tl.constexpr,
+        EMULATE: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        """Grid (query tiles, splits or 1 if FUSED, rows x KV heads): :func:`_attention_program`."""
+        _attention_program(
+            q_ptr, k_ptr, v_ptr, slots_ptr, start_ptr, pos_ptr, anc_ptr, chain_ptr, out_ptr, part_m_ptr, part_l_ptr,
+            part_acc_ptr, state_ptr, stride_qr, stride_qh, stride_qt, stride_ks, stride_kh, stride_kp, stride_vs, stride_vh,
+            stride_vp, stride_or, stride_oh, stride_ot, tl.program_id(0), tl.program_id(1), tl.program_id(2), T, G,
+            num_kv, num_splits, scale_log2, HEAD_DIM, BLOCK_M, QT, BLOCK_N, TILES_PER_SPLIT, SUM_COLS, TAIL_ROWS,
+            FUSED, EMULATE, PRECISION)
+
+    @triton.jit(do_not_specialize=["T"])
+    def _attention_combine_kernel(
+        out_ptr, pos_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, stride_or, stride_oh, stride_ot, T, H, num_splits,
+        HEAD_DIM: tl.constexpr, SPLIT_KEYS: tl.constexpr,
+    ):
+        """Program (row x token, head): the stored split states 0 .. pos // SPLIT_KEYS merged in ascending order into a
+        running max and rescaled sums (:func:`_merge_weights`, the fused launch's arithmetic), then out = acc / l
+        (the same splits whatever the call's kv_len)."""
+        rt = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1).to(tl.int64)
+        r = rt // T
+        t = rt % T
+        offs_d = tl.arange(0, HEAD_DIM)
+        pos = tl.load(pos_ptr + rt)
+        n = tl.minimum(pos // SPLIT_KEYS + 1, num_splits)
+        base = (rt * H + h) * num_splits
+        m_run = float("-inf")
+        l_run = 0.0
+        acc_run = tl.zeros([HEAD_DIM], dtype=tl.float32)
+        for s in range(0, n):
+            m_new, w_run, w_s = _merge_weights(m_run, tl.load(part_m_ptr + base + s))
+            l_run = tl.fma(l_run, w_run, tl.load(part_l_ptr + base + s) * w_s)
+            acc_run = tl.fma(acc_run, w_run, tl.load(part_acc_ptr + (base + s) * HEAD_DIM + offs_d) * w_s)
+            m_run = m_new
+        out = acc_run / tl.where(l_run > 0.0, l_run, 1.0)
+        tl.store(out_ptr + r * stride_or + h * stride_oh + t * stride_ot + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+def _check_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start: Tensor, positions: Tensor,
+                     anc: Tensor) -> None:
+    if q.dim() != 4:
+        raise ShapeError(f"batch_invariant.attention: q must be [R, H, T, D], got {tuple(q.shape)}")
+    r, h, t, d = q.shape
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[-1] != d:
+        raise ShapeError(f"batch_invariant.attention: k/v caches {tuple(k_cache.shape)}/{tuple(v_cache.shape)} "
+                          f"must both be [slots, KV, max_len, {d}]")
+    if h % k_cache.shape[1]:
+        raise ShapeError(f"batch_invariant.attention: {h} query heads are not a multiple of {k_cache.shape[1]}")
+    if slots.shape != (r,) or start.shape != (r,) or positions.shape != (r, t) or anc.shape != (r, t, t):
+        raise ShapeError(f"batch_invariant.attention: slots {tuple(slots.shape)}, start {tuple(start.shape)}, "
+                          f"positions {tuple(positions.shape)}, anc {tuple(anc.shape)} do not fit q {tuple(q.shape)}")
+
+
+def attention_block_m(tokens: int, group: int) -> int:
+    """Folded rows per attention program for ``tokens`` new tokens of ``group`` query heads per KV head: 64 where
+    that puts every token of a row in one program (a chain of 16 or a tree of 9-16 nodes at G = 4: each program
+    reads its keys once, not twice), else :data:`ATTN_BLOCK_M` (a large tree's per-query tiles cost rows x
+    queries). A launch choice, not a bit-fixing one: a tensor-core dot's row depends on that row and the tile only,
+    and the tile's reductions are dots or maxima (:func:`_softmax_step`); the GPU tests compare chain rows and tree
+    nodes in 64-row programs with their AR steps in 32-row ones."""
+    return 64 if ATTN_BLOCK_M < tokens * group <= 64 else ATTN_BLOCK_M
+
+
+def attention_fused(programs: int) -> bool:
+    """Whether the fused launch serves a call whose grid without splits has ``programs`` programs (query tiles x
+    rows x KV heads): where they alone fill the device (:data:`ATTN_FUSED_MIN_PROGRAMS`), splits only add partials
+    to write and read back (a chain at C = 64 over 1k keys wrote 134 MB and read 84 MB of them for 34 MB of K/V);
+    below it the splits are what spread a long context over the SMs. A launch choice, never a bit-fixing one."""
+    return programs >= ATTN_FUSED_MIN_PROGRAMS
+
+
+def attention_stages(fused: bool, tokens: int) -> int:
+    """Software-pipeline stages of a launch: :data:`ATTN_FUSED_ONE_TOKEN_STAGES` for the fused launch of one token
+    per row (AR at C = 64: 75 against 85 us, H200, docs/benchmarks.md "Exact mode"), else :data:`ATTN_NUM_STAGES`
+    (3 stages cost chains and trees 18-160 us there). A launch choice: the H200 run compared the bits."""
+    return ATTN_FUSED_ONE_TOKEN_STAGES if fused and tokens == 1 else ATTN_NUM_STAGES
+
+
+def supports_head_dim(head_dim: int) -> bool:
+    """Head dims the Triton attention takes (one power-of-two block, at least a tensor-core tile)."""
+    return head_dim in SUPPORTED_HEAD_DIMS
+
+
+def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start: Tensor, positions: Tensor,
+              anc: Tensor, chain: Tensor, kv_len: int, *, split_keys: int = ATTN_SPLIT_KEYS,
+              fused: bool | None = None, num_stages: int | None = None) -> Tensor:
+    """Attention of the new tokens over their slots' keys in position order (module docstring).
+
+    q [R, H, T, D]; k_cache, v_cache [slots, KV, max_len, D] (new tokens already written at ``start + t``);
+    slots, start [R] long; positions [R, T] long (``start + depth``); anc, chain: :func:`ancestor_map`; kv_len: host
+    bound > every position (sizes the split grid only: a query's result does not depend on it). Softmax in fp32
+    with scale 1/sqrt(D). Returns [R, H, T, D] in q's dtype (a view of [R, T, H, D] memory).
+
+    ``fused``: one program per query tile walks all of its splits and stores the output (no fp32 partials written
+    and read back), or one program per split and a combine kernel; None: :func:`attention_fused`. The same bits
+    either way (both merge the split states with :func:`_merge_weights`). ``num_stages`` (default
+    :func:`attention_stages`): the software pipeline's depth, for the tuning script; a launch choice too."""
+    if triton is None:
+        raise ConfigError("batch_invariant.attention needs Triton; use attention_rows")
+    _check_attention(q, k_cache, v_cache, slots, start, positions, anc)
+    r, h, t, d = q.shape
+    if not supports_head_dim(d):
+        raise ConfigError(f"batch_invariant.attention takes head_dim in {SUPPORTED_HEAD_DIMS}, got {d}")
+    if split_keys % ATTN_BLOCK_N:
+        raise ConfigError(f"batch_invariant.attention: split_keys {split_keys} is not a multiple of {ATTN_BLOCK_N}")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ShapeError("batch_invariant.attention: the KV cache must have unit stride over head_dim")
+    kv = k_cache.shape[1]
+    g = h // kv
+    if g > ATTN_BLOCK_M:
+        raise ConfigError(f"batch_invariant.attention: {g} query heads per KV head exceed {ATTN_BLOCK_M}")
+    block_m = attention_block_m(t, g)
+    qt = block_m // g
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    slots, start, positions = slots.contiguous(), start.contiguous(), positions.contiguous()
+    anc, chain = anc.contiguous(), chain.contiguous()
+    out = torch.empty((r, t, h, d), dtype=q.dtype, device=q.device).transpose(1, 2)
+    if r == 0 or t == 0:
+        return out
+    splits = max(1, math.ceil(kv_len / split_keys))
+    q_tiles = -(-t // qt)
+    if fused is None:
+        fused = attention_fused(q_tiles * r * kv)
+    # The two launches agree only while kv_len exceeds every position (the contract above): the split launch has
+    # ceil(kv_len / split_keys) splits, the fused one walks a program's splits up to its last position.
+    if fused:  # no partials: each program merges its splits itself; ``out`` stands in for the partials' pointers,
+        # which the FUSED kernel never reads or writes (its partial stores are compiled out). A tree's programs park
+        # their rows' state in ``state`` for the tail by query (_fused_program); one token is always a chain.
+        part_m = part_l = part_acc = out
+        state = torch.empty((1 if t == 1 else q_tiles * r * kv * block_m, 2 * d + 4), dtype=torch.float32,
+                            device=q.device)
+    else:
+        part_m = torch.empty((r, t, h, splits), dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty((r, t, h, splits, d), dtype=torch.float32, device=q.device)
+        state = out  # the split launch keeps its tail tiles in registers
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    scale_log2 = d**-0.5 * math.log2(math.e)
+    _attention_kernel[(q_tiles, 1 if fused else splits, r * kv)](
+        q, k_cache, v_cache, slots, start, positions, anc, chain, out, part_m, part_l, part_acc, state,
+        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        t, g, kv, splits, scale_log2,
+        HEAD_DIM=d, BLOCK_M=block_m, QT=qt, BLOCK_N=ATTN_BLOCK_N, TILES_PER_SPLIT=split_keys // ATTN_BLOCK_N,
+        SUM_COLS=ATTN_SUM_COLS, TAIL_ROWS=_pow2_at_least(g, 16), FUSED=fused, EMULATE=INTERPRETED,
+        PRECISION=precision, num_warps=ATTN_NUM_WARPS, num_stages=num_stages or attention_stages(fused, t),
+    )
+    if not fused:
+        _attention_combine_kernel[(r * t, h)](
+            out, positions, part_m, part_l, part_acc, out.stride(0), out.stride(1), out.stride(2), t, h, splits,
+            HEAD_DIM=d, SPLIT_KEYS=split_keys, num_warps=1,
+        )
+    return out
+
+
+def attention_rows(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start: Tensor, positions: Tensor,
+                   anc: Tensor) -> Tensor:
+    """The torch path of :func:`attention`: one query at a time over exactly its ``position + 1`` keys gathered in
+    position order (shapes depend on the position alone). Reads the small index tensors on the host: CPU use only.
+    Same arguments and result as :func:`attention` (chain and kv_len are not needed)."""
+    _check_attention(q, k_cache, v_cache, slots, start, positions, anc)
+    r_count, h, t_count, d = q.shape
+    kv = k_cache.shape[1]
+    g = h // kv
+    out = torch.empty((r_count, t_count, h, d), dtype=q.dtype, device=q.device).transpose(1, 2)
+    starts, slot_ids, pos, ancs = start.tolist(), slots.tolist(), positions.tolist(), anc.tolist()
+    for r in range(r_count):
+        s0, slot = starts[r], slot_ids[r]
+        for t in range(t_count):
+            depth = pos[r][t] - s0
+            above = [s0 + a for a in ancs[r][t][:depth + 1] if a >= 0]
+            idx = torch.tensor(list(range(s0)) + above, dtype=torch.long, device=q.device)
+            k = k_cache[slot][:, idx].to(q.dtype)  # [KV, n, D]
+            v = v_cache[slot][:, idx].to(q.dtype)
+            qg = q[r, :, t].reshape(kv, g, d)
+            scores = torch.matmul(qg, k.transpose(-1, -2)).float() * d**-0.5  # [KV, G, n]
+            probs = torch.softmax(scores, dim=-1).to(v.dtype)
+            out[r, :, t] = torch.matmul(probs, v).reshape(h, d)
+    return out
