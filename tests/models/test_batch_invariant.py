@@ -249,6 +249,26 @@ def test_fused_launch_gives_the_split_launch_bits(dtype, group, split_keys):
                        bi.attention(*cargs, split_keys=split_keys, fused=False))
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["split", "fused"])
+def test_grouped_tail_gives_the_bits_of_a_query_alone(fused):
+    """The 20-node tree in three query tiles (and the 7-node one in one): tail_chunks' grouping against every query
+    its own chunk (single_chunks: each gathers its own tile, as before the grouping) in both launches."""
+    gen = torch.Generator().manual_seed(5)
+    for parents, group in ((WIDE, 4), (PARENTS, G)):
+        t = len(parents)
+        kc = torch.randn(3, KV, 256, D, generator=gen)
+        vc = torch.randn(3, KV, 256, D, generator=gen)
+        q = torch.randn(2, KV * group, t, D, generator=gen)
+        vis, depth = _tree(parents)
+        start = torch.tensor([60, 150])
+        pos = start[:, None] + depth[None]
+        anc, chain = bi.ancestor_map(start, pos, vis.expand(2, t, t).contiguous())
+        args = (q, kc, vc, torch.tensor([2, 0]), start, pos, anc, chain, 256)
+        grouped = bi.attention(*args, split_keys=64, fused=fused)
+        alone = bi.attention(*args, split_keys=64, fused=fused, tail=bi.single_chunks(2, t, group, q.device))
+        assert torch.equal(grouped, alone), (t, group)
+
+
 def test_attention_fused_by_grid_size():
     assert not bi.attention_fused(bi.ATTN_FUSED_MIN_PROGRAMS - 1)
     assert bi.attention_fused(bi.ATTN_FUSED_MIN_PROGRAMS)

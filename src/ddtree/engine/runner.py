@@ -158,9 +158,10 @@ class ModelRunner:
         positions = inp.start[:, None] + torch.arange(t, device=self.device)
         visibility = speculative.causal_visibility(t, inp.valid_len)
         # The tree kernel takes a causal chunk as a tree whose every node sees the ones before it (and skips the
-        # keys after a query tile's last token); the dense path gets its mask.
+        # keys after a query tile's last token); the dense path gets its mask. A chunk never branches (exact mode
+        # does not group its queries' tail tiles: batch_invariant.tail_chunks).
         if self.kernels.tree_attention:
-            seen: Tensor | TreeVisibility = TreeVisibility(inp.start, visibility, inp.kv_len)
+            seen: Tensor | TreeVisibility = TreeVisibility(inp.start, visibility, inp.kv_len, branches=False)
         else:
             seen = speculative.build_attention_mask(inp.start, positions, visibility, inp.kv_len)
         out = self.target(

@@ -159,9 +159,14 @@ def forward(target, input_ids: Tensor, positions: Tensor, cache: KVCache, slots:
     ops = _Ops(triton, frozenset(blas))
     start, kv_len = visibility.start, visibility.kv_len
     anc, chain = bi.ancestor_map(start, positions, visibility.new_vis)
-    # which queries share a gathered tile above start: once here for every layer's attention (Triton only)
+    # which queries share a gathered tile above start: once here for every layer's attention (Triton only); a
+    # forward without branches (prefill chunks, chains, AR) has no tree query to group: a chunk each, fewer ops
     c = target.config
-    tail = bi.tail_chunks(anc, positions, start, c.num_heads // c.num_kv_heads) if triton else None
+    group = c.num_heads // c.num_kv_heads
+    tail = None
+    if triton:
+        tail = (bi.tail_chunks(anc, positions, start, group) if visibility.branches
+                else bi.single_chunks(*positions.shape, group, positions.device))
 
     def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         ops.write_kv(cache, layer, slots, write_pos, k, v)

@@ -94,6 +94,12 @@ class TreeVisibility(NamedTuple):
     new_vis: Tensor  # [R, T, T] bool, new token t sees new token t'
     kv_len: int  # static bound >= max(start) + T; sizes the context split (host int, no sync)
     packed: PackedVisibility | None = None  # pack_visibility(new_vis), once per forward instead of once per layer
+    # whether the new tokens may branch (a tree round); False, known on the host, for prefill chunks: exact mode then
+    # gives each query its own tail chunk instead of grouping them (ddtree.models.batch_invariant.tail_chunks), in a
+    # few ops instead of about fifty (a speed choice: the bits are the same either way). Rounds keep True: their
+    # stage graphs are shared between chain and tree rounds (runner.STAGE_SHAPE_FIELDS), and AR's one token is
+    # never grouped
+    branches: bool = True
 
     def with_packed(self) -> TreeVisibility:
         """This visibility with :func:`pack_visibility` computed (a forward packs once and reuses it per layer)."""
