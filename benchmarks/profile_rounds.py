@@ -8,10 +8,15 @@ the round (launch gaps, host waits). Why: exact mode's price at 64 in flight was
 kernels measured alone explained 1 (docs/benchmarks.md, "Exact mode", fourth run).
 
 Each (method, mode) runs once untimed (captures and compilations), then again with the profiler on from the moment
-every request has its first token to the end (the decode rounds only; a window without a round, where the first
-requests finished before the last one's first token, is reported as the cell's error): ``--concurrency`` requests
-at once, ``--context`` tokens each, ``--new-tokens`` each, greedy; writes ``OUT/profile_rounds.md`` and ``.json``.
-Times under the profiler are slower than without it (its tracing adds host time per launch).
+every request has its first token (the prefills are done) until the first request finishes (``--window all-rows``,
+the default: every round in it holds every request, so the two modes' windows hold the same rows) or until the
+last one does (``--window to-end``; rows leave as requests finish, so the modes' windows can differ); a window
+without a round is reported as the cell's error. ``--concurrency`` requests at once, ``--context`` tokens each,
+``--new-tokens`` each, greedy; writes ``OUT/profile_rounds.md`` and ``.json``. Times under the profiler are slower
+than without it (its tracing adds host time per launch). The profiler is started once before the cells: the
+first start in a process initialises CUPTI for about a second, which in an earlier version of this script fell
+inside the first mode's window (the default engine's chain at C = 64 then had 6.3 rows a round in its window, the
+exact one 28.6; docs/benchmarks.md, "Exact mode", ninth run); each window records how long its start took.
 
     python benchmarks/profile_rounds.py --out $OUT/prof --methods ar,ddtree-4 --concurrency 64 --context 1024
     python benchmarks/profile_rounds.py --out /tmp/p --device cpu --shape none --concurrency 2 --context 64  # dry run
@@ -47,13 +52,15 @@ class EmptyWindow(RuntimeError):
     """The profiling window held no decode round (:func:`decode_window`)."""
 
 
-def decode_window(engine: Engine, prompts, tree: TreeSettings, new_tokens: int, cuda: bool) -> dict:
+def decode_window(engine: Engine, prompts, tree: TreeSettings, new_tokens: int, cuda: bool,
+                  window: str = "all-rows") -> dict:
     """Every prompt at once; the profiler runs from the moment every request has its first token (the prefills
-    are done) to the last one's end, so the kernels are the decode rounds'. Rounds in the window: the rounds the
-    engine reads in it (its ``_collect``, once a round), with their mean rows: requests that finish leave the batch,
-    so the window's rounds hold fewer rows than ``len(prompts)`` towards its end."""
+    are done) to the first request's end (``window`` "all-rows") or the last one's ("to-end"), so the kernels are
+    the decode rounds'. Rounds in the window: the rounds the engine reads in it (its ``_collect``, once a round),
+    with their mean rows (to the end, requests that finish leave the batch)."""
     state = {"first": 0, "done": 0, "tokens": 0, "rounds": 0, "rows": 0, "profiling": False}
     lock, all_first, all_done = threading.Lock(), threading.Event(), threading.Event()
+    first_done = threading.Event()
     collect = engine._collect
 
     def counted(flight):  # the engine thread reads each round once
@@ -74,6 +81,7 @@ def decode_window(engine: Engine, prompts, tree: TreeSettings, new_tokens: int, 
                     all_first.set()
             if chunk.finished:
                 state["done"] += 1
+                first_done.set()
                 if state["done"] == len(prompts):
                     all_done.set()
 
@@ -85,32 +93,49 @@ def decode_window(engine: Engine, prompts, tree: TreeSettings, new_tokens: int, 
             engine.submit(req, on_chunk)
         if not all_first.wait(600):
             raise RuntimeError("the requests' first tokens did not all arrive")
+        asked = time.perf_counter()
         with profile(activities=activities) as prof:
             with lock:
                 state["profiling"] = True
                 t0 = time.perf_counter()
-            if not all_done.wait(600):
-                raise RuntimeError("the requests did not all finish")
-            wall = time.perf_counter() - t0
+                started_early = not first_done.is_set()
+            if not (first_done if window == "all-rows" else all_done).wait(600):
+                raise RuntimeError("the requests did not finish")
+            with lock:
+                state["profiling"] = False
+                wall = time.perf_counter() - t0
             synchronize(engine.device)
+        if not all_done.wait(600):
+            raise RuntimeError("the requests did not all finish")
     finally:
         del engine._collect  # the class's method again
-    if state["rounds"] == 0:  # the first requests finished before the last one's first token: nothing to profile
+    if state["rounds"] == 0 or window == "all-rows" and not started_early:
         raise EmptyWindow(f"no decode round ran while all {len(prompts)} requests were decoding (the first ones "
-                          f"finished before the last one's first token); raise --new-tokens (now {new_tokens}) or "
-                          "--prefill-chunk")
+                          f"finished before the last one's first token, or before the profiler started); raise "
+                          f"--new-tokens (now {new_tokens}) or --prefill-chunk")
     rounds = state["rounds"]
     kernels = kernel_times(prof, cuda, width=80)
-    return {"rounds": rounds, "mean_rows": state["rows"] / rounds, "tokens": state["tokens"], "wall_s": wall,
+    return {"window": window, "start_ms": 1e3 * (t0 - asked), "rounds": rounds, "mean_rows": state["rows"] / rounds,
+            "tokens": state["tokens"], "wall_s": wall,
             "round_ms": 1e3 * wall / rounds,
             "tok_s": state["tokens"] / max(wall, 1e-9),
             "kernel_ms_per_round": sum(us for _, us in kernels.values()) / rounds / 1e3, "kernels": kernels}
 
 
-def profiled_cell(engine: Engine, prompts, tree: TreeSettings, new_tokens: int, cuda: bool) -> dict:
+def profiled_cell(engine: Engine, prompts, tree: TreeSettings, new_tokens: int, cuda: bool,
+                  window: str = "all-rows") -> dict:
     run_cell(engine, prompts, tree, new_tokens)  # captures and compilations, untimed
     synchronize(engine.device)
-    return decode_window(engine, prompts, tree, new_tokens, cuda)
+    return decode_window(engine, prompts, tree, new_tokens, cuda, window)
+
+
+def start_profiler_once(cuda: bool) -> None:
+    """One short profile before any window: the first start in a process initialises the profiler's CUDA tracing
+    (CUPTI), about a second, which must not fall inside a window."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities):
+        torch.zeros(1, device="cuda" if cuda else "cpu").add_(1)
+        synchronize(torch.device("cuda" if cuda else "cpu"))
 
 
 def table(report: dict, top: int) -> str:
@@ -121,6 +146,8 @@ def table(report: dict, top: int) -> str:
             lines += [f"### {method}: {(d or {}).get('error') or (e or {}).get('error') or 'a mode is missing'}", ""]
             continue
         lines += [f"### {method}, C = {report['concurrency']}, context {report['context']}", "",
+                  f"window: {d.get('window', 'to-end')}, profiler started {d.get('start_ms', 0):.0f} / "
+                  f"{e.get('start_ms', 0):.0f} ms after the last first token (default / exact)", "",
                   f"decode under the profiler, default: {d['tok_s']:.0f} tok/s, round {d['round_ms']:.2f} ms wall, "
                   f"kernels {d['kernel_ms_per_round']:.2f} ms a round ({d['rounds']} rounds of {d['mean_rows']:.1f} "
                   f"rows); exact: {e['tok_s']:.0f} tok/s, round {e['round_ms']:.2f} ms wall, kernels "
@@ -151,7 +178,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--methods", default="ar,ddtree-4")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=512)
+    ap.add_argument("--window", choices=("all-rows", "to-end"), default="all-rows",
+                    help="profile until the first request finishes (every round holds every request) or the last")
     ap.add_argument("--top", type=int, default=24)
     ap.add_argument("--prefill-chunk", type=int, default=None,
                     help="EngineConfig.prefill_chunk (default: every prompt in one step, at most 4096 tokens: the KV "
@@ -173,7 +202,8 @@ def main(argv: list[str] | None = None) -> None:
                           args.concurrency, salt=3)
     report = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
               "shape": args.shape, "concurrency": args.concurrency, "context": args.context,
-              "new_tokens": args.new_tokens, "cells": {}}
+              "new_tokens": args.new_tokens, "window": args.window, "cells": {}}
+    start_profiler_once(cuda)
     for mode in MODES:
         config = EngineConfig(max_batch=args.concurrency, max_len=args.context + args.new_tokens + 80, max_budget=64,
                               max_queue=4096, exact=mode == "exact", warmup="none",
@@ -183,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             for method in args.methods.split(","):
                 try:
-                    cell = profiled_cell(engine, prompts, tree_of(method), args.new_tokens, cuda)
+                    cell = profiled_cell(engine, prompts, tree_of(method), args.new_tokens, cuda, args.window)
                 except EmptyWindow as exc:  # recorded; the other cells still run
                     report["cells"].setdefault(method, {})[mode] = {"error": str(exc)}
                     print(f"{method} {mode}: {exc}", flush=True)
