@@ -13,9 +13,9 @@ the default: every round in it holds every request, so the two modes' windows ho
 last one does (``--window to-end``; rows leave as requests finish, so the modes' windows can differ); a window
 without a round is reported as the cell's error. ``--concurrency`` requests at once, ``--context`` tokens each,
 ``--new-tokens`` each, greedy; writes ``OUT/profile_rounds.md`` and ``.json``. Times under the profiler are slower
-than without it (its tracing adds host time per launch). The profiler is started once before the cells: the
-first start in a process initialises CUPTI for about a second, which in an earlier version of this script fell
-inside the first mode's window (the default engine's chain at C = 64 then had 6.3 rows a round in its window, the
+than without it (its tracing adds host time per launch). The profiler is started once before the cells: its first
+start in a process sets up CUDA tracing (CUPTI), and in an earlier version of this script the first cell profiled
+had a window of other rows than the rest (the default engine's chain at C = 64: 6.3 rows a round in its window, the
 exact one 28.6; docs/benchmarks.md, "Exact mode", ninth run); each window records how long its start took.
 
     python benchmarks/profile_rounds.py --out $OUT/prof --methods ar,ddtree-4 --concurrency 64 --context 1024
@@ -130,8 +130,8 @@ def profiled_cell(engine: Engine, prompts, tree: TreeSettings, new_tokens: int, 
 
 
 def start_profiler_once(cuda: bool) -> None:
-    """One short profile before any window: the first start in a process initialises the profiler's CUDA tracing
-    (CUPTI), about a second, which must not fall inside a window."""
+    """One short profile before any window: the first start in a process sets up the profiler's CUDA tracing
+    (CUPTI), which must not delay a window's start."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities):
         torch.zeros(1, device="cuda" if cuda else "cpu").add_(1)
