@@ -249,17 +249,52 @@ def test_fused_launch_gives_the_split_launch_bits(dtype, group, split_keys):
                        bi.attention(*cargs, split_keys=split_keys, fused=False))
 
 
+def _same_depth_sight() -> tuple[torch.Tensor, torch.Tensor]:
+    """Not a tree: a root and four nodes at depth 1 where node 1 sees node 2 and node 3 sees node 4 (ancestor_map
+    then gives 1 and 2 one path, and 3 and 4 another): (visibility [1, 5, 5], depths [5])."""
+    vis = torch.eye(5, dtype=torch.bool)[None].clone()
+    vis[0, 1:, 0] = True
+    vis[0, 1, 2] = vis[0, 3, 4] = True
+    return vis, torch.tensor([0, 1, 1, 1, 1])
+
+
+def test_tail_chunks_of_equal_paths_and_of_nothing():
+    """Queries whose paths are equal (each under the other) get one chunk per path, never a chunk that mixes paths;
+    no rows or no tokens give an empty table and an empty attention."""
+    vis, depth = _same_depth_sight()
+    start = torch.tensor([100])
+    pos = start[:, None] + depth[None]
+    anc, chain = bi.ancestor_map(start, pos, vis)
+    row = bi.tail_chunks(anc, pos, start, 4)[0, 0].tolist()
+    per = bi.tail_layout(5, 4)[1]
+    chunks = [row[1 + c * (1 + per):1 + (c + 1) * (1 + per)] for c in range(row[0])]
+    paths = anc[0].tolist()
+    for lead, *members in chunks:
+        for m in (m for m in members if m >= 0):
+            d = int(depth[m])
+            assert paths[m][:d + 1] == paths[lead][:d + 1], (lead, m)
+    assert sorted(m for _, *ms in chunks for m in ms if m >= 0) == [0, 1, 2, 3, 4]
+    q = torch.randn(0, 4, 3, D)
+    empty = bi.attention(q, torch.randn(1, 1, 64, D), torch.randn(1, 1, 64, D), torch.zeros(0, dtype=torch.long),
+                         torch.zeros(0, dtype=torch.long), torch.zeros(0, 3, dtype=torch.long),
+                         torch.zeros(0, 3, 3, dtype=torch.int32), torch.zeros(0, 3, dtype=torch.int32), 64)
+    assert empty.shape == (0, 4, 3, D)
+    assert bi.tail_chunks(torch.zeros(0, 3, 3, dtype=torch.int32), torch.zeros(0, 3, dtype=torch.long),
+                          torch.zeros(0, dtype=torch.long), 4).shape[0] == 0
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["split", "fused"])
 def test_grouped_tail_gives_the_bits_of_a_query_alone(fused):
-    """The 20-node tree in three query tiles (and the 7-node one in one): tail_chunks' grouping against every query
-    its own chunk (single_chunks: each gathers its own tile, as before the grouping) in both launches."""
+    """The 20-node tree in three query tiles, the 7-node one in one, and a visibility with equal paths:
+    tail_chunks' grouping against every query its own chunk (single_chunks: each gathers its own tile, as before
+    the grouping) in both launches."""
     gen = torch.Generator().manual_seed(5)
-    for parents, group in ((WIDE, 4), (PARENTS, G)):
-        t = len(parents)
+    for parents, group in ((WIDE, 4), (PARENTS, G), (None, 4)):  # None: equal paths (not a tree)
+        vis, depth = _tree(parents) if parents else _same_depth_sight()
+        t = len(depth)
         kc = torch.randn(3, KV, 256, D, generator=gen)
         vc = torch.randn(3, KV, 256, D, generator=gen)
         q = torch.randn(2, KV * group, t, D, generator=gen)
-        vis, depth = _tree(parents)
         start = torch.tensor([60, 150])
         pos = start[:, None] + depth[None]
         anc, chain = bi.ancestor_map(start, pos, vis.expand(2, t, t).contiguous())

@@ -30,8 +30,8 @@ Attention (:func:`attention`, new tokens over a KV-cache slot)
     combine kernel over stored fp32 partials (the split launch: a program per split, :func:`_split_state`; its tree
     tiles gather each chunk's tile and keep, of each full-tile dot, its members' rows) or, where the grid fills the
     device without splits (:func:`attention_fused`), by each program itself in one loop over its tiles, a tree's
-    tail tiles one chunk at a time on 16-row dots (the fused launch, :func:`_fused_program`): the same arithmetic,
-    so the same bits.
+    tail tiles one chunk at a time on 16-row dots (G rows where G > 16; the fused launch, :func:`_fused_program`):
+    the same arithmetic, so the same bits.
 
 Example: a tree root(0) -> a(1), root -> b(2), a -> c(3) at start 5, written at cache indices 5..8 with positions
 5, 6, 6, 7. Query c (position 7) walks positions 0..7 and reads cache indices 0 1 2 3 4 5 6 8: exactly the keys AR
@@ -361,12 +361,14 @@ def tail_chunks(anc: Tensor, positions: Tensor, start: Tensor, group: int) -> Te
     on that row and the tile only). Chunks: each query belongs to one leaf below it (the lowest-numbered leaf of its
     program whose path holds it), a leaf's queries sorted by depth and cut into runs of C; all within one program.
     The test of "u's path is a prefix of t's" compares the two paths at every depth up to u's, so any visibility
-    :func:`ancestor_map` takes is grouped correctly (a node alone when nothing shares its path).
+    :func:`ancestor_map` takes is grouped correctly (a node alone when nothing shares its path; of two queries with
+    equal paths, the lower index under the higher). For finite K/V: a member's masked keys hold the lead's values,
+    and p = 0 times an infinite V is NaN (as in a chain's shared tiles already).
 
     anc [R, T, T], positions [R, T], start [R] as :func:`ancestor_map` takes and makes; device ops only, no host
     sync (graph-capturable). Once per forward: every layer's attention reads the same table."""
     r, t = positions.shape
-    if t == 1:  # nothing to group
+    if t <= 1 or r == 0:  # nothing to group
         return single_chunks(r, t, group, positions.device)
     qt, per = tail_layout(t, group)
     p = -(-t // qt)
@@ -382,9 +384,12 @@ def tail_chunks(anc: Tensor, positions: Tensor, start: Tensor, group: int) -> Te
     ok = real.view(p, qt)
     prefix &= ok[None, :, :, None] & ok[None, :, None, :]
     local = torch.arange(qt, device=dev)
-    below = prefix & (local[:, None] != local[None, :])
+    # below[u, v]: v lies under u. Two queries with equal paths (a visibility that is not a tree: a node seeing a
+    # node of its own depth) lie under each other; the higher index is taken as the lower one's, so one is a leaf.
+    below = prefix & (local[:, None] != local[None, :]) & ~(prefix.transpose(-1, -2) & (local[:, None] > local[None, :]))
     leaf = ~below.any(-1) & ok  # [R, P, QT]
     owner = torch.where(prefix & leaf[:, :, None, :], local, qt).amin(-1)  # [R, P, QT]; qt for padding
+    owner = torch.where(ok & (owner == qt), local, owner)  # never left without one (a query alone is a chunk)
     key = torch.where(ok, (owner * t + d) * qt + local, qt * t * qt + local)
     order = key.argsort(-1)  # [R, P, QT]: by leaf, then depth
     s_owner = owner.gather(-1, order)
@@ -840,11 +845,6 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start:
         raise ConfigError(f"batch_invariant.attention: {g} query heads per KV head exceed {ATTN_BLOCK_M}")
     block_m = attention_block_m(t, g)
     qt, chunk = tail_layout(t, g)
-    if tail is None:
-        tail = tail_chunks(anc, positions, start, g)
-    if tail.shape != (r, -(-t // qt), 1 + qt * (1 + chunk)) or tail.dtype != torch.int32:
-        raise ShapeError(f"batch_invariant.attention: tail {tuple(tail.shape)} {tail.dtype} is not tail_chunks' "
-                         f"table for {t} tokens of {g} query heads per KV head")
     if q.stride(-1) != 1:
         q = q.contiguous()
     slots, start, positions = slots.contiguous(), start.contiguous(), positions.contiguous()
@@ -852,6 +852,11 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start:
     out = torch.empty((r, t, h, d), dtype=q.dtype, device=q.device).transpose(1, 2)
     if r == 0 or t == 0:
         return out
+    if tail is None:
+        tail = tail_chunks(anc, positions, start, g)
+    if tail.shape != (r, -(-t // qt), 1 + qt * (1 + chunk)) or tail.dtype != torch.int32:
+        raise ShapeError(f"batch_invariant.attention: tail {tuple(tail.shape)} {tail.dtype} is not tail_chunks' "
+                         f"table for {t} tokens of {g} query heads per KV head")
     splits = max(1, math.ceil(kv_len / split_keys))
     q_tiles = -(-t // qt)
     if fused is None:
@@ -860,7 +865,7 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start:
     # ceil(kv_len / split_keys) splits, the fused one walks a program's splits up to its last position.
     if fused:  # no partials: each program merges its splits itself; ``out`` stands in for the partials' pointers,
         # which the FUSED kernel never reads or writes (its partial stores are compiled out). A tree's programs park
-        # their rows' state in ``state`` for the tail by query (_fused_program); one token is always a chain.
+        # their rows' state in ``state`` for the tail by chunk (_tail_chunk); one token is always a chain.
         part_m = part_l = part_acc = out
         state = torch.empty((1 if t == 1 else q_tiles * r * kv * block_m, 2 * d + 4), dtype=torch.float32,
                             device=q.device)
