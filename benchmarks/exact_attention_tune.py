@@ -2,7 +2,8 @@
 
 Qwen3-8B's heads (32 query heads, 8 KV heads, head dim 128), bf16, random K/V, over a 1k or 4k context: AR at 1 and
 64 rows, the DFlash chain (16 tokens), DDTree trees of 17 and 64 nodes at one row, of 9 nodes at 8 rows and of 9 and
-16 nodes at 64 rows (random trees of depth <= 15, each node's parent drawn among the shallower ones). For each shape:
+16 nodes at 64 rows (random trees of depth <= 15, each node's parent drawn among the shallower ones), and DDTree's
+own best-first trees of 9 and 16 nodes at 64 rows and of 64 at 8 (``served_trees``, not yet run on a GPU). For each shape:
 microseconds per call of CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median) of
 
 - ``default``: ``ddtree.models.tree_attention.tree_attention`` (the default engine's kernel);
@@ -40,11 +41,14 @@ from ddtree.models import batch_invariant as bi
 from ddtree.models.tree_attention import tree_attention
 
 HEADS, KV, D = 32, 8, 128
-SHAPES = (  # (name, rows, tokens, tree?, context)
+SHAPES = (  # (name, rows, tokens, tree? (False: a chain, True: random, "served": DDTree's), context)
     ("AR C=1", 1, 1, False, 1024), ("chain C=1", 1, 16, False, 1024), ("tree 17 C=1", 1, 17, True, 1024),
     ("tree 64 C=1", 1, 64, True, 1024), ("AR C=64", 64, 1, False, 1024), ("tree 9 C=64", 64, 9, True, 1024),
     ("chain C=64", 64, 16, False, 1024), ("AR C=1 4k", 1, 1, False, 4096), ("tree 64 C=1 4k", 1, 64, True, 4096),
     ("tree 16 C=64", 64, 16, True, 1024), ("tree 9 C=8", 8, 9, True, 1024),
+    # DDTree's own trees (served_trees), deeper than the random ones
+    ("served tree 9 C=64", 64, 9, "served", 1024), ("served tree 16 C=64", 64, 16, "served", 1024),
+    ("served tree 64 C=8", 8, 64, "served", 1024),
 )
 
 
@@ -57,8 +61,25 @@ SWEEP_SHAPES = (
 SWEEP = tuple((bn, sk, w, st) for bn in (64, 128) for sk in (256, 512) for w in (4, 8) for st in (2, 3, 4))
 
 
-def random_trees(rows: int, t: int, tree: bool, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(depths [R, T], visibility [R, T, T] with the diagonal): chains, or random trees of depth <= 15."""
+def served_trees(rows: int, t: int, gen: torch.Generator, top_prob_boost: float = 10.0):
+    """DDTree's trees of ``t`` nodes (``speculative.build_trees`` at top-k 8, 15 depths) over random drafter logits
+    of 256 tokens whose top token has a mean probability of about 0.7 (logits N(0, 2.5) plus ``top_prob_boost`` on
+    one token a depth): best-first trees, deeper than :func:`random_trees`' (docs/benchmarks.md, "Exact mode",
+    ninth run: 0.38 tail chunks per query at 9-16 nodes). -> (depths [R, T], visibility [R, T, T])."""
+    from ddtree import speculative
+
+    logits = torch.randn((rows, 15, 256), generator=gen) * 2.5
+    top = torch.randint(256, (rows, 15, 1), generator=gen)
+    logits.scatter_add_(2, top, torch.full((rows, 15, 1), top_prob_boost))
+    trees = speculative.build_trees(logits, t - 1, 8, max_budget=t - 1, root_tokens=torch.zeros(rows, dtype=torch.long))
+    return trees.depths, trees.visibility
+
+
+def random_trees(rows: int, t: int, tree: bool | str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(depths [R, T], visibility [R, T, T] with the diagonal): chains (``tree`` False), random trees of depth <= 15
+    (True: each node's parent drawn among the shallower ones), or DDTree's own ("served": :func:`served_trees`)."""
+    if tree == "served":
+        return served_trees(rows, t, gen)
     if not tree:
         depth = torch.arange(t).expand(rows, t).clone()
         return depth, torch.tril(torch.ones(t, t, dtype=torch.bool)).expand(rows, t, t).clone()
