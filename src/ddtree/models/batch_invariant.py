@@ -24,9 +24,10 @@ Attention (:func:`attention`, new tokens over a KV-cache slot)
     x the G query heads of one KV head. Where its queries share their keys (prefix tiles; every tile of a chain or a
     prompt chunk) one K/V tile serves them all; in a tree's tiles above that each chunk of queries on one path reads
     its deepest member's tile, which holds every member's keys (:func:`tail_chunks`; a tensor-core dot's row depends
-    only on that row and the tile, whatever the dot's row count, and keys past a member's position are masked). Masked keys are exact
-    no-ops (p = exp2(-inf) = 0; the running max is guarded against -inf - -inf). The splits' states are merged in
-    ascending order into a running max and rescaled sums with explicit fma (:func:`_merge_weights`), either by a
+    only on that row and the tile, whatever the dot's row count, and keys past a member's position are masked).
+    Masked keys are exact no-ops (p = exp2(-inf) = 0; the running max is guarded against -inf - -inf). The splits'
+    states are merged in ascending order into a running max and rescaled sums with explicit fma
+    (:func:`_merge_weights`), either by a
     combine kernel over stored fp32 partials (the split launch: a program per split, :func:`_split_state`; its tree
     tiles gather each chunk's tile and keep, of each full-tile dot, its members' rows) or, where the grid fills the
     device without splits (:func:`attention_fused`), by each program itself in one loop over its tiles, a tree's
@@ -335,7 +336,7 @@ def tail_layout(tokens: int, group: int) -> tuple[int, int]:
 def single_chunks(rows: int, tokens: int, group: int, device: torch.device) -> Tensor:
     """:func:`tail_chunks`' table with every query a chunk of its own (the grouping is a speed choice: a query alone
     is always a valid chunk): for forwards whose queries do not branch, in a few ops instead of the grouping's
-    fifty (about 0.1 ms a forward on an H200 in CUDA graphs, 2026-12-03)."""
+    ninety or so (inferred from the H200's exact rounds at C = 1: about 0.1 ms a forward, 2026-12-03)."""
     qt, per = tail_layout(tokens, group)
     p = -(-tokens // qt)
     width = 1 + qt * (1 + per)
@@ -356,9 +357,9 @@ def tail_chunks(anc: Tensor, positions: Tensor, start: Tensor, group: int) -> Te
     Why: above ``start`` each tree query reads its own ancestors, so the kernel gathers a tile per query. But a query
     whose path is a prefix of another's (an ancestor in the tree) reads exactly the other's keys at every position
     it sees; the keys past its own position are masked (p = 0) whatever they hold. So one gathered tile of the lead,
-    the deepest member, serves every member: a chain of 16 nodes gathers one tile for its 16 queries instead of 16,
-    and the fused launch's tail dots carry C queries' heads instead of one query's (a tensor-core dot's row depends
-    on that row and the tile only). Chunks: each query belongs to one leaf below it (the lowest-numbered leaf of its
+    the deepest member, serves every member: a path of 16 nodes at G = 4 (C = 4) gathers 4 tiles for its 16 queries
+    instead of 16, and the fused launch's tail dots carry C queries' heads instead of one query's (a tensor-core
+    dot's row depends on that row and the tile only). Chunks: each query belongs to one leaf below it (the lowest-numbered leaf of its
     program whose path holds it), a leaf's queries sorted by depth and cut into runs of C; all within one program.
     The test of "u's path is a prefix of t's" compares the two paths at every depth up to u's, so any visibility
     :func:`ancestor_map` takes is grouped correctly (a node alone when nothing shares its path; of two queries with
