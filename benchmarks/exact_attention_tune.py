@@ -117,7 +117,7 @@ def inputs(rows: int, t: int, tree: bool, ctx: int, gen: torch.Generator, bucket
     depth, vis = depth.to(dev), vis.to(dev)
     positions = start[:, None] + depth
     anc, chain = bi.ancestor_map(start, positions, vis)
-    tail = bi.tail_chunks(anc, positions, start, HEADS // KV) if hasattr(bi, "tail_chunks") else None
+    tail = bi.tail_chunks(anc, positions, start, HEADS // KV)
     return dict(q=q, k=k, v=v, slots=slots, start=start, depth=depth, vis=vis, positions=positions, anc=anc,
                 chain=chain, tail=tail, kv_len=kv_len, ctx=ctx, t=t)
 
@@ -156,7 +156,7 @@ def exact_call(x: dict, module=bi, **launch):
     size the module's constant says (the sweep changes it); ``launch``: ``fused=`` for this tree's. This tree's
     gets the forward's tail table made once (``tail_chunks``), as the engine passes it; a ``--ref`` copy from before
     the table has no such argument."""
-    if module is bi and x["tail"] is not None:
+    if module is bi:
         launch = {"tail": x["tail"], **launch}
     return lambda: module.attention(x["q"], x["k"], x["v"], x["slots"], x["start"], x["positions"], x["anc"],
                                     x["chain"], x["kv_len"], split_keys=module.ATTN_SPLIT_KEYS, **launch)

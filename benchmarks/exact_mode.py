@@ -172,9 +172,10 @@ def main(argv: list[str] | None = None) -> None:
     short = [c for c in cells if c[3] <= 1024]
     for mode in MODES:
         for long in (False, True):
-            group = [c for c in cells if (c[3] > 1024) == long] or short
-            if long and not any(c[3] > 1024 for c in cells):
+            group = [c for c in cells if (c[3] > 1024) == long]
+            if long and not group:  # no 4k cell kept: no 4k engine
                 continue
+            group = group or short
             config = EngineConfig(max_batch=max(c[2] for c in group), max_len=max(c[3] for c in group) + args.new_tokens
                                   + 16, max_budget=64, max_queue=4096, exact=mode == "exact", warmup="none")
             t = time.perf_counter()

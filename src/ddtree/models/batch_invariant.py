@@ -375,7 +375,7 @@ def tail_chunks(anc: Tensor, positions: Tensor, start: Tensor, group: int) -> Te
     p = -(-t // qt)
     tp = p * qt
     dev = positions.device
-    depth = (positions - start[:, None]).clamp(0, max(t - 1, 0))
+    depth = (positions - start[:, None]).clamp(0, t - 1)
     real = torch.arange(tp, device=dev) < t  # [TP]: padding queries of the last tile
     a = torch.nn.functional.pad(anc, (0, 0, 0, tp - t), value=-2).view(r, p, qt, t)  # [R, P, QT, D]
     d = torch.nn.functional.pad(depth, (0, tp - t)).view(r, p, qt)
