@@ -56,6 +56,13 @@ LAUNCHES = {
     "flat256x128w8": bi.MatmulLaunch(256, 128, 8, 3, fused=True, flat=True),
     "flat128x128w4s4": bi.MatmulLaunch(128, 128, 4, 4, fused=True, flat=True),
     "flat64x256w4": bi.MatmulLaunch(64, 256, 4, 3, fused=True, flat=True),
+    # the flat launch with its tiles loaded by tensor descriptors (Hopper's TMA; MatmulLaunch.tma); not yet timed
+    "tma128x128w8s4": bi.MatmulLaunch(128, 128, 8, 4, fused=True, flat=True, tma=True),
+    "tma128x256w8s3": bi.MatmulLaunch(128, 256, 8, 3, fused=True, flat=True, tma=True),
+    "tma128x256w8s4": bi.MatmulLaunch(128, 256, 8, 4, fused=True, flat=True, tma=True),
+    "tma256x128w8s3": bi.MatmulLaunch(256, 128, 8, 3, fused=True, flat=True, tma=True),
+    "tma64x128w4s4": bi.MatmulLaunch(64, 128, 4, 4, fused=True, flat=True, tma=True),
+    "tma64x256w4s3": bi.MatmulLaunch(64, 256, 4, 3, fused=True, flat=True, tma=True),
     # narrow column tiles: enough programs to stream a weight at one row tile without split-K (S = 1)
     "split64x32w4": bi.MatmulLaunch(64, 32, 4, 4, fused=False),
     "split16x32w2": bi.MatmulLaunch(16, 32, 2, 4, fused=False),
@@ -121,10 +128,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--weights", default=",".join(WEIGHTS))
     ap.add_argument("--splits", default="auto")
     ap.add_argument("--cublas-rows", type=int, default=2048)
+    ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts to time (at most 2048)")
     ap.add_argument("--launches", default=",".join(LAUNCHES), help="names of LAUNCHES to time (the bits reference, "
                     "split64x128w4, is always computed)")
     args = ap.parse_args(argv)
     wanted = args.launches.split(",")
+    rows = tuple(int(v) for v in args.rows.split(","))
+    if not rows or min(rows) < 1 or max(rows) > 2048:
+        ap.error(f"--rows: counts in 1..2048, got {args.rows}")
     unknown = [name for name in wanted if name not in LAUNCHES]
     if unknown:
         ap.error(f"--launches: unknown {unknown}; known: {list(LAUNCHES)}")
@@ -132,16 +143,16 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     dev = torch.device("cuda")
-    report = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "rows": ROWS, "weights": {}}
+    report = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "rows": rows, "weights": {}}
     t0 = time.perf_counter()
     for name in args.weights.split(","):
         n, k = WEIGHTS[name]
         copies = max(1, -(-(256 << 20) // (n * k * 2)))  # >= 256 MiB of weights rotated: past the 60 MB L2
         ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-        x = torch.randn(max(ROWS), k, device=dev, dtype=torch.bfloat16)
+        x = torch.randn(2048, k, device=dev, dtype=torch.bfloat16)
         entry = {"shape": [n, k], "default_tiles": bi.matmul_tiles(n, k)._asdict(), "cublas_ms": {}, "triton_ms": {},
                  "bits": {}, "errors": {}}
-        for m in ROWS:
+        for m in rows:
             entry["cublas_ms"][m] = _time(lambda m=m, x=x, ws=ws: [F.linear(x[:m], w) for w in ws]) / copies
         k_blocks = -(-k // 64)
         splits = SPLITS_OF.get(name, f"1,{bi.matmul_tiles(n, k).split_k}") if args.splits == "auto" else args.splits
@@ -156,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
                     continue
                 key = f"S{s}/{lname}"
                 try:
-                    for m in ROWS:
+                    for m in rows:
                         y = bi.linear(x[:m], ws[0], tiles=tiles, launch=launch)
                         if not torch.equal(y, ref[:m]):
                             same = False
@@ -164,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
                     entry["triton_ms"][key] = {
                         m: _time(lambda m=m, x=x, ws=ws, t=tiles, la=launch: [bi.linear(x[:m], w, tiles=t, launch=la) for w in ws])
                         / copies
-                        for m in ROWS}
+                        for m in rows}
                 except Exception as exc:  # a launch that does not compile (shared memory) is recorded
                     entry["errors"][key] = f"{type(exc).__name__}: {exc}"[:300]
             entry["bits"][f"S{s}"] = "all launches and row counts identical" if same else "DIFFER"
@@ -183,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, e in report["weights"].items():
         s_def = e["default_tiles"]["split_k"]
         bad = e.get("cublas_rows_changing", [])
-        for m in ROWS:
+        for m in rows:
             cands = [(v[m], key) for key, v in e["triton_ms"].items()]
             best = min(cands) if cands else (float("nan"), "-")
             own = [(v[m], key) for key, v in e["triton_ms"].items() if key.startswith(f"S{s_def}/")]

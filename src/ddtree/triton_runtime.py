@@ -39,8 +39,12 @@ try:
 except ImportError:  # Triton is optional: every kernel has a torch path
     triton = None
     tl = None
+try:  # host-side TMA descriptors (Triton 3.4 and later); a kernel that loads through them needs a fallback
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:
+    TensorDescriptor = None
 
-__all__ = ["INTERPRETED", "can_run", "cpu_interpreter", "masked_if", "tl", "triton"]
+__all__ = ["INTERPRETED", "TensorDescriptor", "can_run", "cpu_interpreter", "masked_if", "tl", "triton"]
 
 
 def _interpreter_on() -> bool:

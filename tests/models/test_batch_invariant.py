@@ -67,7 +67,10 @@ def test_linear_launches_give_the_same_bits(dtype, k):
     x = torch.randn(64, k, generator=gen).to(dtype).to(DEVICE)
     launches = [bi.MatmulLaunch(16, 32, 4, 2, fused=False), bi.MatmulLaunch(16, 32, 4, 2, fused=True),
                 bi.MatmulLaunch(32, 64, 4, 2, fused=True), bi.MatmulLaunch(64, 16, 4, 2, fused=False),
-                bi.MatmulLaunch(32, 32, 4, 2, fused=True, flat=True)]
+                bi.MatmulLaunch(32, 32, 4, 2, fused=True, flat=True),
+                bi.MatmulLaunch(32, 32, 4, 2, fused=True, flat=True, tma=True)]
+    # rows of 16-byte multiples load through descriptors (K past the end padded with zeros); 500 bf16 do not
+    assert bi._descriptors_fit(x, w) == (k * x.element_size() % 16 == 0)
     for bias in (None, b):
         alone = torch.cat([bi.linear(x[i:i + 1], w, bias, tiles=tiles, launch=launches[0]) for i in range(x.shape[0])])
         for launch in launches:
@@ -459,9 +462,11 @@ def test_gpu_split_and_fused_launches_agree_at_every_row_count(shape):
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     x = torch.randn(2048, k, device="cuda", dtype=torch.bfloat16)
     ref = bi.linear(x, w, launch=bi.MATMUL_WIDE_LAUNCH)
-    launches = [launch for _, launch in bi.MATMUL_LAUNCHES] + [bi.MATMUL_WIDE_LAUNCH,
-                                                                bi.MATMUL_WIDE_LAUNCH._replace(flat=False)]
-    assert {launch.fused for launch in launches} == {True, False}
+    launches = [launch for _, launch in bi.MATMUL_LAUNCHES] + [
+        bi.MATMUL_WIDE_LAUNCH, bi.MATMUL_WIDE_LAUNCH._replace(flat=False), bi.MATMUL_WIDE_LAUNCH._replace(tma=True),
+        bi.MatmulLaunch(128, 256, 8, 3, fused=True, flat=True), bi.MatmulLaunch(128, 256, 8, 3, fused=True, flat=True,
+                                                                                tma=True)]
+    assert {launch.fused for launch in launches} == {True, False} and any(launch.tma for launch in launches)
     for m in range(1, 2049):
         for launch in launches:
             assert torch.equal(bi.linear(x[:m], w, launch=launch), ref[:m]), f"{launch} at {m} rows"

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ddtree.errors import ConfigError, ShapeError
-from ddtree.triton_runtime import INTERPRETED, tl, triton
+from ddtree.triton_runtime import INTERPRETED, TensorDescriptor, tl, triton
 
 # ---- constants (changing one changes exact mode's bits, never its invariance) --------------------------------------
 MATMUL_MAX_BLOCK_N = 128
@@ -91,7 +91,10 @@ class MatmulLaunch(NamedTuple):
     per (tile, segment) writes an fp32 partial and a second kernel sums them in ascending order (more programs for
     the few row tiles of a decode step). ``flat`` (fused only): the segments run as one pipelined K loop that adds
     its accumulator into the total at each segment's end (the same sums: a loop per segment drains and refills the
-    software pipeline S times per tile)."""
+    software pipeline S times per tile). ``tma`` (fused and flat only): the tiles load through Hopper's tensor
+    memory accelerator (host tensor descriptors) instead of masked pointer loads; the same dots in the same order.
+    A call whose tensors a descriptor cannot address (a base or row stride not a multiple of 16 bytes) runs the
+    pointer loads."""
 
     block_m: int
     block_n: int
@@ -99,6 +102,7 @@ class MatmulLaunch(NamedTuple):
     num_stages: int
     fused: bool
     flat: bool = False
+    tma: bool = False
 
 
 def _pow2_at_least(n: int, lo: int) -> int:
@@ -226,6 +230,30 @@ if triton is not None:
             tl.store(part, acc, mask=m_ok[:, None] & n_ok[None, :])
 
     @triton.jit(do_not_specialize=["M"])
+    def _matmul_tma_kernel(x_desc, w_desc, out_desc, b_ptr, N, k_per_split, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           EMULATE: tl.constexpr, PRECISION: tl.constexpr):
+        """The flat fused launch of :func:`_matmul_kernel` with its tiles loaded by tensor descriptors (rows and
+        columns past the end load 0 and are not stored): seg_s from zero in ascending K order, total = seg_0, then
+        total + seg_s at each later segment's end, the bias last. Grid: row tiles x column tiles."""
+        off_m = tl.program_id(0) * BLOCK_M
+        off_n = tl.program_id(1) * BLOCK_N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        per_split = k_per_split // BLOCK_K
+        for kb in range(0, SPLITS * per_split):
+            x = x_desc.load([off_m, kb * BLOCK_K])
+            w = w_desc.load([off_n, kb * BLOCK_K])
+            acc = _dot(x, tl.trans(w), acc, EMULATE, PRECISION)
+            if (kb + 1) % per_split == 0:
+                total = tl.where(kb + 1 == per_split, acc, total + acc)
+                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if HAS_BIAS:
+            rn = off_n + tl.arange(0, BLOCK_N)
+            total = total + tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        out_desc.store([off_m, off_n], total.to(out_desc.dtype))
+
+    @triton.jit(do_not_specialize=["M"])
     def _split_sum_kernel(part_ptr, b_ptr, out_ptr, M, N, stride_om, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
                           BLOCK: tl.constexpr):
         """out[m, n] = ((part[0] + part[1]) + ...) + bias, splits in ascending order, one element per lane."""
@@ -277,6 +305,16 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, tiles: Matm
     part = out if fused else torch.empty((tiles.split_k, m, n), dtype=torch.float32, device=x.device)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     grid = (-(-m // launch.block_m), -(-n // launch.block_n), 1 if fused else tiles.split_k)
+    if launch.tma and launch.fused and launch.flat and _descriptors_fit(x2, weight, out):
+        descriptor = TensorDescriptor.from_tensor
+        _matmul_tma_kernel[grid[:2]](descriptor(x2, [launch.block_m, tiles.block_k]),
+                                     descriptor(weight, [launch.block_n, tiles.block_k]),
+                                     descriptor(out, [launch.block_m, launch.block_n]),
+                                     weight if bias is None else bias, n, k_per_split,
+                                     BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=tiles.block_k,
+                                     SPLITS=tiles.split_k, HAS_BIAS=bias is not None, EMULATE=INTERPRETED,
+                                     PRECISION=precision, num_warps=launch.num_warps, num_stages=launch.num_stages)
+        return out.reshape(*lead, n)
     _matmul_kernel[grid](x2, weight, weight if bias is None else bias, out, part, m, n, k, x2.stride(0),
                          weight.stride(0), out.stride(0), k_per_split,
                          BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=tiles.block_k,
@@ -289,6 +327,15 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, tiles: Matm
                                                     SPLITS=tiles.split_k, HAS_BIAS=bias is not None, BLOCK=block,
                                                     num_warps=4)
     return out.reshape(*lead, n)
+
+
+def _descriptors_fit(*tensors: Tensor) -> bool:
+    """Whether a TMA descriptor can address each 2-D tensor: base and row stride multiples of 16 bytes, unit
+    column stride (the hardware's rule), and Triton's host descriptors import."""
+    if TensorDescriptor is None:
+        return False
+    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+               for t in tensors)
 
 
 def linear_rows(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
