@@ -63,6 +63,13 @@ LAUNCHES = {
     "tma256x128w8s3": bi.MatmulLaunch(256, 128, 8, 3, fused=True, flat=True, tma=True),
     "tma64x128w4s4": bi.MatmulLaunch(64, 128, 4, 4, fused=True, flat=True, tma=True),
     "tma64x256w4s3": bi.MatmulLaunch(64, 256, 4, 3, fused=True, flat=True, tma=True),
+    # split programs loading through tensor descriptors, for the 16-320 rows of decode and small verifies
+    "tmasplit16x64w4": bi.MatmulLaunch(16, 64, 4, 4, fused=False, tma=True),
+    "tmasplit64x64w4": bi.MatmulLaunch(64, 64, 4, 4, fused=False, tma=True),
+    "tmasplit64x128w4": bi.MatmulLaunch(64, 128, 4, 4, fused=False, tma=True),
+    "tmasplit64x128w4s3": bi.MatmulLaunch(64, 128, 4, 3, fused=False, tma=True),
+    "tmasplit32x128w4": bi.MatmulLaunch(32, 128, 4, 4, fused=False, tma=True),
+    "tmasplit128x128w8": bi.MatmulLaunch(128, 128, 8, 4, fused=False, tma=True),
     # narrow column tiles: enough programs to stream a weight at one row tile without split-K (S = 1)
     "split64x32w4": bi.MatmulLaunch(64, 32, 4, 4, fused=False),
     "split16x32w2": bi.MatmulLaunch(16, 32, 2, 4, fused=False),

@@ -68,7 +68,8 @@ def test_linear_launches_give_the_same_bits(dtype, k):
     launches = [bi.MatmulLaunch(16, 32, 4, 2, fused=False), bi.MatmulLaunch(16, 32, 4, 2, fused=True),
                 bi.MatmulLaunch(32, 64, 4, 2, fused=True), bi.MatmulLaunch(64, 16, 4, 2, fused=False),
                 bi.MatmulLaunch(32, 32, 4, 2, fused=True, flat=True),
-                bi.MatmulLaunch(32, 32, 4, 2, fused=True, flat=True, tma=True)]
+                bi.MatmulLaunch(32, 32, 4, 2, fused=True, flat=True, tma=True),
+                bi.MatmulLaunch(16, 32, 4, 2, fused=False, tma=True)]
     # rows of 16-byte multiples load through descriptors (K past the end padded with zeros); 500 bf16 do not
     assert bi._descriptors_fit(x, w) == (k * x.element_size() % 16 == 0)
     for bias in (None, b):
@@ -89,6 +90,9 @@ def test_matmul_launch_by_rows():
     assert not bi.matmul_launch(4096, 12288, 1).fused and bi.matmul_launch(4096, 12288, 1).block_m == 16
     assert bi.matmul_launch(4096, 12288, 768).fused and bi.matmul_launch(4096, 12288, 768).block_m == 128
     assert bi.matmul_launch(24576, 4096, 1).block_m == 64  # one segment: nothing for small tiles to spread
+    # tensor-descriptor loads from 129 rows where the device has them, the pointer table elsewhere
+    assert bi.matmul_launch(4096, 12288, 320).tma and not bi.matmul_launch(4096, 12288, 320, tma=False).tma
+    assert not any(bi.matmul_launch(4096, 12288, m, tma=False).tma for m in (1, 64, 320, 768, 4096))
 
 
 def test_linear_no_bias_and_leading_dims():
@@ -461,12 +465,15 @@ def test_gpu_split_and_fused_launches_agree_at_every_row_count(shape):
     n, k = shape
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     x = torch.randn(2048, k, device="cuda", dtype=torch.bfloat16)
-    ref = bi.linear(x, w, launch=bi.MATMUL_WIDE_LAUNCH)
-    launches = [launch for _, launch in bi.MATMUL_LAUNCHES] + [
-        bi.MATMUL_WIDE_LAUNCH, bi.MATMUL_WIDE_LAUNCH._replace(flat=False), bi.MATMUL_WIDE_LAUNCH._replace(tma=True),
-        bi.MatmulLaunch(128, 256, 8, 3, fused=True, flat=True), bi.MatmulLaunch(128, 256, 8, 3, fused=True, flat=True,
-                                                                                tma=True)]
-    assert {launch.fused for launch in launches} == {True, False} and any(launch.tma for launch in launches)
+    ref = bi.linear(x, w, launch=bi.MATMUL_POINTER_WIDE_LAUNCH)
+    launches = [launch for _, launch in bi.MATMUL_POINTER_LAUNCHES + bi.MATMUL_LAUNCHES] + [
+        bi.MATMUL_WIDE_LAUNCH, bi.MATMUL_POINTER_WIDE_LAUNCH, bi.MATMUL_POINTER_WIDE_LAUNCH._replace(flat=False),
+        bi.MATMUL_POINTER_WIDE_LAUNCH._replace(tma=True), bi.MATMUL_LAUNCHES[0][1]._replace(tma=True),
+        bi.MatmulLaunch(128, 256, 8, 3, fused=True, flat=True)]
+    assert {launch.fused for launch in launches} == {True, False}
+    assert {(launch.tma, launch.fused) for launch in launches} == {(True, True), (True, False), (False, True),
+                                                                  (False, False)}
+    assert bi.tma_loads(x)  # an H200: the TMA launches run, no fallback
     for m in range(1, 2049):
         for launch in launches:
             assert torch.equal(bi.linear(x[:m], w, launch=launch), ref[:m]), f"{launch} at {m} rows"

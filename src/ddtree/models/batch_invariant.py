@@ -122,29 +122,51 @@ def matmul_tiles(n: int, k: int) -> MatmulTiles:
     return MatmulTiles(block_k, split)
 
 
-# The launch table by row count, from benchmarks/exact_matmul_tune.py on the H200 (CUDA-graph replays, 2026-12-01):
-# split programs with small row tiles where few row tiles would leave SMs idle (decode, small verifies), 128 x 128
-# fused tiles with 8 warps where the call is compute-bound. Every launch gives the same bits (the run's check and
-# tests/models/test_batch_invariant.py); only BLOCK_K and the split count (matmul_tiles) fix them.
-MATMUL_LAUNCHES: tuple[tuple[int, MatmulLaunch], ...] = (  # (up to this many rows, launch)
+# The launch tables by row count, from benchmarks/exact_matmul_tune.py on the H200 (CUDA-graph replays). Every
+# launch gives the same bits (the run's check and tests/models/test_batch_invariant.py); only BLOCK_K and the split
+# count (matmul_tiles) fix them. Pointer loads (any GPU): split programs with small row tiles where few row tiles
+# would leave SMs idle (decode, small verifies), 128 x 128 fused tiles with 8 warps in one K loop (MatmulLaunch.flat)
+# where the call is compute-bound (2026-12-01/02).
+MATMUL_POINTER_LAUNCHES: tuple[tuple[int, MatmulLaunch], ...] = (  # (up to this many rows, launch)
     (16, MatmulLaunch(16, 64, 4, 4, fused=False)),
     (128, MatmulLaunch(64, 64, 4, 4, fused=False)),
     (767, MatmulLaunch(64, 128, 4, 3, fused=False)),
 )
-# one K loop over the segments, 4 stages: 76 against 89 us (o_proj) and 214 against 242 us (down) at 1024 rows for
-# a loop per segment, H200 (docs/benchmarks.md, "Exact mode")
-MATMUL_WIDE_LAUNCH = MatmulLaunch(128, 128, 8, 4, fused=True, flat=True)
+MATMUL_POINTER_WIDE_LAUNCH = MatmulLaunch(128, 128, 8, 4, fused=True, flat=True)
+# Tensor-descriptor loads (Hopper's TMA, where Triton has them): from 129 rows the flat launch, 64 x 128 tiles up to
+# 640 rows and 128 x 256 with 8 warps past it; at 320 / 512 / 1024 rows o_proj 28 / 30 / 50 us and down 77 / 84 /
+# 137 against the pointer table's 35 / 54 / 78 and 95 / 140 / 216, cuBLAS 19 / 25 / 45 and 48 / 70 / 130
+# (docs/benchmarks.md, "Exact mode", tenth run).
+MATMUL_LAUNCHES: tuple[tuple[int, MatmulLaunch], ...] = (
+    MATMUL_POINTER_LAUNCHES[0],
+    MATMUL_POINTER_LAUNCHES[1],
+    (640, MatmulLaunch(64, 128, 4, 4, fused=True, flat=True, tma=True)),
+)
+MATMUL_WIDE_LAUNCH = MatmulLaunch(128, 256, 8, 3, fused=True, flat=True, tma=True)
 
 
-def matmul_launch(n: int, k: int, m: int) -> MatmulLaunch:
-    """The launch of x [m, k] @ w [n, k]^T for m rows (:data:`MATMUL_LAUNCHES`); a weight of one K segment runs
-    the same kernel either way. Any choice here gives the same bits."""
-    for rows, launch in MATMUL_LAUNCHES:
+def matmul_launch(n: int, k: int, m: int, tma: bool = True) -> MatmulLaunch:
+    """The launch of x [m, k] @ w [n, k]^T for m rows (:data:`MATMUL_LAUNCHES`, or without tensor descriptors
+    :data:`MATMUL_POINTER_LAUNCHES`); a weight of one K segment runs the same kernel either way. Any choice here
+    gives the same bits."""
+    table, wide = (MATMUL_LAUNCHES, MATMUL_WIDE_LAUNCH) if tma else (MATMUL_POINTER_LAUNCHES,
+                                                                     MATMUL_POINTER_WIDE_LAUNCH)
+    for rows, launch in table:
         if m <= rows:
             if matmul_tiles(n, k).split_k == 1 and launch.block_m < 64:  # no SMs to fill with splits: full tiles
-                return MATMUL_LAUNCHES[1][1]
+                return table[1][1]
             return launch
-    return MATMUL_WIDE_LAUNCH
+    return wide
+
+
+def tma_loads(x: Tensor) -> bool:
+    """Whether calls on x's device may load through tensor descriptors: Triton has them, and the device is a
+    Hopper or later GPU (compute capability 9+) or Triton's interpreter runs (the CPU tests)."""
+    if TensorDescriptor is None:
+        return False
+    if x.device.type != "cuda":
+        return INTERPRETED
+    return torch.cuda.get_device_capability(x.device)[0] >= 9
 
 
 if triton is not None:
@@ -230,28 +252,40 @@ if triton is not None:
             tl.store(part, acc, mask=m_ok[:, None] & n_ok[None, :])
 
     @triton.jit(do_not_specialize=["M"])
-    def _matmul_tma_kernel(x_desc, w_desc, out_desc, b_ptr, N, k_per_split, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           EMULATE: tl.constexpr, PRECISION: tl.constexpr):
-        """The flat fused launch of :func:`_matmul_kernel` with its tiles loaded by tensor descriptors (rows and
-        columns past the end load 0 and are not stored): seg_s from zero in ascending K order, total = seg_0, then
-        total + seg_s at each later segment's end, the bias last. Grid: row tiles x column tiles."""
+    def _matmul_tma_kernel(x_desc, w_desc, out_desc, b_ptr, part_ptr, M, N, k_per_split, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr, FUSED: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
+        """:func:`_matmul_kernel`'s sums with its tiles loaded by tensor descriptors (rows and columns past the end
+        load 0 and are not stored). FUSED (grid: row tiles x column tiles; the flat loop): seg_s from zero in
+        ascending K order, total = seg_0, then total + seg_s at each later segment's end, the bias last. Otherwise
+        (grid x SPLITS): seg_{pid} -> part[split, m, n] in fp32 for :func:`_split_sum_kernel`."""
         off_m = tl.program_id(0) * BLOCK_M
         off_n = tl.program_id(1) * BLOCK_N
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         per_split = k_per_split // BLOCK_K
-        for kb in range(0, SPLITS * per_split):
-            x = x_desc.load([off_m, kb * BLOCK_K])
-            w = w_desc.load([off_n, kb * BLOCK_K])
-            acc = _dot(x, tl.trans(w), acc, EMULATE, PRECISION)
-            if (kb + 1) % per_split == 0:
-                total = tl.where(kb + 1 == per_split, acc, total + acc)
-                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        if HAS_BIAS:
+        if FUSED:
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for kb in range(0, SPLITS * per_split):
+                x = x_desc.load([off_m, kb * BLOCK_K])
+                w = w_desc.load([off_n, kb * BLOCK_K])
+                acc = _dot(x, tl.trans(w), acc, EMULATE, PRECISION)
+                if (kb + 1) % per_split == 0:
+                    total = tl.where(kb + 1 == per_split, acc, total + acc)
+                    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            if HAS_BIAS:
+                rn = off_n + tl.arange(0, BLOCK_N)
+                total = total + tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+            out_desc.store([off_m, off_n], total.to(out_desc.dtype))
+        else:
+            pid_s = tl.program_id(2)
+            for kb in range(pid_s * per_split, (pid_s + 1) * per_split):
+                x = x_desc.load([off_m, kb * BLOCK_K])
+                w = w_desc.load([off_n, kb * BLOCK_K])
+                acc = _dot(x, tl.trans(w), acc, EMULATE, PRECISION)
+            rm = off_m.to(tl.int64) + tl.arange(0, BLOCK_M)
             rn = off_n + tl.arange(0, BLOCK_N)
-            total = total + tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        out_desc.store([off_m, off_n], total.to(out_desc.dtype))
+            part = part_ptr + (pid_s * M + rm[:, None]) * N + rn[None, :]
+            tl.store(part, acc, mask=(rm < M)[:, None] & (rn < N)[None, :])
 
     @triton.jit(do_not_specialize=["M"])
     def _split_sum_kernel(part_ptr, b_ptr, out_ptr, M, N, stride_om, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -296,7 +330,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, tiles: Matm
     if m == 0:
         return out.reshape(*lead, n)
     tiles = tiles or matmul_tiles(n, k)
-    launch = launch or matmul_launch(n, k, m)
+    launch = launch or matmul_launch(n, k, m, tma=tma_loads(x2))
     k_blocks = -(-k // tiles.block_k)
     if k_blocks % tiles.split_k:
         raise ConfigError(f"batch_invariant.linear: {k_blocks} K blocks do not divide into {tiles.split_k} splits")
@@ -305,22 +339,24 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, tiles: Matm
     part = out if fused else torch.empty((tiles.split_k, m, n), dtype=torch.float32, device=x.device)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     grid = (-(-m // launch.block_m), -(-n // launch.block_n), 1 if fused else tiles.split_k)
-    if launch.tma and launch.fused and launch.flat and _descriptors_fit(x2, weight, out):
+    if launch.tma and _descriptors_fit(x2, weight, out):
         descriptor = TensorDescriptor.from_tensor
-        _matmul_tma_kernel[grid[:2]](descriptor(x2, [launch.block_m, tiles.block_k]),
-                                     descriptor(weight, [launch.block_n, tiles.block_k]),
-                                     descriptor(out, [launch.block_m, launch.block_n]),
-                                     weight if bias is None else bias, n, k_per_split,
-                                     BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=tiles.block_k,
-                                     SPLITS=tiles.split_k, HAS_BIAS=bias is not None, EMULATE=INTERPRETED,
-                                     PRECISION=precision, num_warps=launch.num_warps, num_stages=launch.num_stages)
-        return out.reshape(*lead, n)
-    _matmul_kernel[grid](x2, weight, weight if bias is None else bias, out, part, m, n, k, x2.stride(0),
-                         weight.stride(0), out.stride(0), k_per_split,
-                         BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=tiles.block_k,
-                         SPLITS=tiles.split_k, FUSED=fused, FLAT=launch.flat, HAS_BIAS=bias is not None,
-                         EMULATE=INTERPRETED,
-                         PRECISION=precision, num_warps=launch.num_warps, num_stages=launch.num_stages)
+        _matmul_tma_kernel[grid](descriptor(x2, [launch.block_m, tiles.block_k]),
+                                 descriptor(weight, [launch.block_n, tiles.block_k]),
+                                 descriptor(out, [launch.block_m, launch.block_n]),
+                                 weight if bias is None else bias, part, m, n, k_per_split,
+                                 BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=tiles.block_k,
+                                 SPLITS=tiles.split_k, FUSED=fused, HAS_BIAS=bias is not None, EMULATE=INTERPRETED,
+                                 PRECISION=precision, num_warps=launch.num_warps, num_stages=launch.num_stages)
+    else:
+        launch = matmul_launch(n, k, m, tma=False) if launch.tma else launch
+        grid = (-(-m // launch.block_m), -(-n // launch.block_n), 1 if fused else tiles.split_k)
+        _matmul_kernel[grid](x2, weight, weight if bias is None else bias, out, part, m, n, k, x2.stride(0),
+                             weight.stride(0), out.stride(0), k_per_split,
+                             BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=tiles.block_k,
+                             SPLITS=tiles.split_k, FUSED=fused, FLAT=launch.flat, HAS_BIAS=bias is not None,
+                             EMULATE=INTERPRETED,
+                             PRECISION=precision, num_warps=launch.num_warps, num_stages=launch.num_stages)
     if not fused:
         block = 1024
         _split_sum_kernel[(-(-(m * n) // block),)](part, weight if bias is None else bias, out, m, n, out.stride(0),
