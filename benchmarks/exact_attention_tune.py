@@ -215,6 +215,44 @@ def sweep(gen: torch.Generator, settings: tuple[tuple[int, int, int, int], ...] 
     return {"default_us": default, "settings": results}
 
 
+LARGE_SHAPES = (  # trees of more than 64 folded rows at G = 4, as served (their programs: ATTN_LARGE_BLOCK_M)
+    ("tree 17 C=1", 1, 17, True, 1024), ("served tree 32 C=1", 1, 32, "served", 1024),
+    ("served tree 64 C=1", 1, 64, "served", 1024), ("served tree 32 C=8", 8, 32, "served", 1024),
+    ("served tree 64 C=8", 8, 64, "served", 1024), ("served tree 32 C=1 4k", 1, 32, "served", 4096),
+)
+
+
+def large_block_m(values: tuple[int, ...], gen: torch.Generator) -> dict:
+    """Exact attention on :data:`LARGE_SHAPES` at the engine's key buckets with ``ATTN_LARGE_BLOCK_M`` set to each
+    of ``values`` (the launch as the engine picks it, and both launches forced), each output against the one at
+    32-row programs (a launch choice must keep every bit); the default kernel once a shape. us per call."""
+    from triton.testing import do_bench_cudagraph
+
+    kept = bi.ATTN_LARGE_BLOCK_M
+    rows_out = []
+    for name, rows, t, tree, ctx in LARGE_SHAPES:
+        x = inputs(rows, t, tree, ctx, gen, bucket=True)
+        row = {"shape": name, "default_us": round(do_bench_cudagraph(default_call(x), rep=100) * 1e3, 1)}
+        ref = None
+        for value in (32, *[v for v in values if v != 32]):
+            bi.ATTN_LARGE_BLOCK_M = value
+            x["tail"] = bi.tail_chunks(x["anc"], x["positions"], x["start"], HEADS // KV)
+            for label, launch in (("auto", {}), ("split", {"fused": False}), ("fused", {"fused": True})):
+                fn = exact_call(x, **launch)
+                try:
+                    out = fn().clone()
+                    ref = out if ref is None else ref
+                    row[f"m{value}_{label}_us"] = round(do_bench_cudagraph(fn, rep=100) * 1e3, 1)
+                    if not torch.equal(out, ref):
+                        row[f"m{value}_{label}_bits"] = "DIFFER"
+                except Exception as exc:  # a launch the device refuses (shared memory): recorded
+                    row[f"m{value}_{label}_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+        bi.ATTN_LARGE_BLOCK_M = kept
+        rows_out.append(row)
+        print(" | ".join(f"{key}={val}" for key, val in row.items()), flush=True)
+    return {"rows": rows_out, "values": list(values)}
+
+
 def parse_settings(text: str) -> tuple[tuple[int, int, int, int], ...]:
     """``"64:512:4:2,64:1024:4:2"`` -> ((64, 512, 4, 2), (64, 1024, 4, 2)); a split that is not a multiple of its
     tile is refused here, before any kernel runs."""
@@ -239,6 +277,8 @@ def main() -> None:
                     "1k), not at the exact key count (the table only, not --sweep)")
     ap.add_argument("--settings", default=None, help="with --sweep: these settings instead of SWEEP, as "
                     "block_n:split_keys:warps:stages,... (for example 64:512:4:2,64:1024:4:2)")
+    ap.add_argument("--large-block-m", default=None, help="time trees of more than 64 folded rows with their "
+                    "programs at these row counts instead (ATTN_LARGE_BLOCK_M), for example 32,64,128")
     args = ap.parse_args()
     if args.settings is not None and not args.sweep:
         ap.error("--settings names settings for --sweep; pass --sweep with it")
@@ -247,6 +287,14 @@ def main() -> None:
     settings = SWEEP if args.settings is None else parse_settings(args.settings)
     ref = load_ref(args.ref) if args.ref else None
     gen = torch.Generator().manual_seed(0)
+    if args.large_block_m is not None:
+        values = tuple(int(v) for v in args.large_block_m.split(","))
+        if any(v not in (32, 64, 128) for v in values):
+            ap.error(f"--large-block-m: values among 32, 64, 128, got {args.large_block_m}")
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "exact_attention_large_block_m.json").write_text(json.dumps(large_block_m(values, gen), indent=1))
+        return
     if args.sweep:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

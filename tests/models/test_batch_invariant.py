@@ -256,6 +256,28 @@ def test_fused_launch_gives_the_split_launch_bits(dtype, group, split_keys):
                        bi.attention(*cargs, split_keys=split_keys, fused=False))
 
 
+@pytest.mark.parametrize("large_block_m", [64, 128])
+def test_large_tree_programs_give_the_bits_of_small_ones(monkeypatch, large_block_m):
+    """A 20-node tree at 4 query heads per KV head (80 folded rows) in programs of 64 and 128 rows (the large-tree
+    launch choice, ATTN_LARGE_BLOCK_M) against programs of 32, both launches, bf16."""
+    gen = torch.Generator().manual_seed(13)
+    t = len(WIDE)
+    kc = torch.randn(3, KV, 256, D, generator=gen).to(torch.bfloat16)
+    vc = torch.randn(3, KV, 256, D, generator=gen).to(torch.bfloat16)
+    q = torch.randn(2, KV * 4, t, D, generator=gen).to(torch.bfloat16)
+    vis, depth = _tree(WIDE)
+    start = torch.tensor([60, 130])
+    pos = start[:, None] + depth[None]
+    anc, chain = bi.ancestor_map(start, pos, vis.expand(2, t, t).contiguous())
+    args = (q, kc, vc, torch.tensor([2, 0]), start, pos, anc, chain, 256)
+    monkeypatch.setattr(bi, "ATTN_LARGE_BLOCK_M", 32)
+    small = bi.attention(*args, fused=False)
+    monkeypatch.setattr(bi, "ATTN_LARGE_BLOCK_M", large_block_m)
+    assert bi.attention_block_m(t, 4) == large_block_m
+    for fused in (False, True):
+        assert torch.equal(bi.attention(*args, fused=fused), small), f"fused={fused}"
+
+
 def _same_depth_sight() -> tuple[torch.Tensor, torch.Tensor]:
     """Not a tree: a root and four nodes at depth 1 where node 1 sees node 2 and node 3 sees node 4 (ancestor_map
     then gives 1 and 2 one path, and 3 and 4 another): (visibility [1, 5, 5], depths [5])."""

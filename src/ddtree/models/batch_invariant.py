@@ -64,6 +64,9 @@ MATMUL_TARGET_PROGRAMS = 160
 MATMUL_MAX_SPLIT_K = 4  # 8 measured no faster at decode and slower on wide calls (H200)
 MATMUL_MIN_K_BLOCKS_PER_SPLIT = 4
 ATTN_BLOCK_M = 32  # folded rows (queries x query heads of one KV head) per attention program (64: attention_block_m)
+# folded rows per program for more than 64 folded rows (a tree of 17+ nodes at G = 4): a launch choice (the tail
+# is gathered per chunk of queries, so wider programs read the shared prefix fewer times; attention_block_m)
+ATTN_LARGE_BLOCK_M = 32
 ATTN_SUM_COLS = 16  # columns of the ones matrix the tile's row sums are a dot with (a tensor-core dot's least N)
 ATTN_BLOCK_N = 64  # key positions per tile
 ATTN_SPLIT_KEYS = 256  # key positions per split (a multiple of ATTN_BLOCK_N); 512 served slower (benchmarks.md)
@@ -133,13 +136,15 @@ MATMUL_POINTER_LAUNCHES: tuple[tuple[int, MatmulLaunch], ...] = (  # (up to this
     (767, MatmulLaunch(64, 128, 4, 3, fused=False)),
 )
 MATMUL_POINTER_WIDE_LAUNCH = MatmulLaunch(128, 128, 8, 4, fused=True, flat=True)
-# Tensor-descriptor loads (Hopper's TMA, where Triton has them): from 129 rows the flat launch, 64 x 128 tiles up to
-# 640 rows and 128 x 256 with 8 warps past it; at 320 / 512 / 1024 rows o_proj 28 / 30 / 50 us and down 77 / 84 /
-# 137 against the pointer table's 35 / 54 / 78 and 95 / 140 / 216, cuBLAS 19 / 25 / 45 and 48 / 70 / 130
-# (docs/benchmarks.md, "Exact mode", tenth run).
+# Tensor-descriptor loads (Hopper's TMA, where Triton has them): split programs of 64 x 128 tiles from 17 rows, the
+# flat launch from 193 rows (64 x 128 tiles up to 640 rows, 128 x 256 with 8 warps past it). us per call at 128 /
+# 320 / 512 / 1024 rows, H200 (docs/benchmarks.md, "Exact mode", tenth run): o_proj 17 / 28 / 30 / 50 and down 37 /
+# 75 / 84 / 137, against the pointer table's 23 / 35 / 54 / 78 and 53 / 95 / 140 / 216, cuBLAS 14 / 19 / 25 / 45 and
+# 35 / 48 / 70 / 130.
 MATMUL_LAUNCHES: tuple[tuple[int, MatmulLaunch], ...] = (
     MATMUL_POINTER_LAUNCHES[0],
-    MATMUL_POINTER_LAUNCHES[1],
+    (128, MatmulLaunch(64, 128, 4, 4, fused=False, tma=True)),
+    (192, MatmulLaunch(64, 128, 4, 3, fused=False, tma=True)),
     (640, MatmulLaunch(64, 128, 4, 4, fused=True, flat=True, tma=True)),
 )
 MATMUL_WIDE_LAUNCH = MatmulLaunch(128, 256, 8, 3, fused=True, flat=True, tma=True)
@@ -871,11 +876,15 @@ def _check_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
 def attention_block_m(tokens: int, group: int) -> int:
     """Folded rows per attention program for ``tokens`` new tokens of ``group`` query heads per KV head: 64 where
     that puts every token of a row in one program (a chain of 16 or a tree of 9-16 nodes at G = 4: each program
-    reads its keys once, not twice), else :data:`ATTN_BLOCK_M` (a large tree's per-query tiles cost rows x
-    queries). A launch choice, not a bit-fixing one: a tensor-core dot's row depends on that row and the tile only,
-    and the tile's reductions are dots or maxima (:func:`_softmax_step`); the GPU tests compare chain rows and tree
-    nodes in 64-row programs with their AR steps in 32-row ones."""
-    return 64 if ATTN_BLOCK_M < tokens * group <= 64 else ATTN_BLOCK_M
+    reads its keys once, not twice), :data:`ATTN_BLOCK_M` for fewer, :data:`ATTN_LARGE_BLOCK_M` for more (a large
+    tree: each program reads the shared prefix once, its tail once per chunk of queries on one path). A launch
+    choice, not a bit-fixing one: a tensor-core dot's row depends on that row and the tile only, and the tile's
+    reductions are dots or maxima (:func:`_softmax_step`); the GPU tests compare chain rows and tree nodes in
+    64-row programs with their AR steps in 32-row ones."""
+    folded = tokens * group
+    if folded <= ATTN_BLOCK_M:
+        return ATTN_BLOCK_M
+    return 64 if folded <= 64 else ATTN_LARGE_BLOCK_M
 
 
 def attention_fused(programs: int) -> bool:
