@@ -117,7 +117,7 @@ def inputs(rows: int, t: int, tree: bool, ctx: int, gen: torch.Generator, bucket
     depth, vis = depth.to(dev), vis.to(dev)
     positions = start[:, None] + depth
     anc, chain = bi.ancestor_map(start, positions, vis)
-    tail = bi.tail_chunks(anc, positions, start, HEADS // KV)
+    tail = bi.tail_chunks(anc, positions, start, HEADS // KV, KV)
     return dict(q=q, k=k, v=v, slots=slots, start=start, depth=depth, vis=vis, positions=positions, anc=anc,
                 chain=chain, tail=tail, kv_len=kv_len, ctx=ctx, t=t)
 
@@ -223,20 +223,22 @@ LARGE_SHAPES = (  # trees of more than 64 folded rows at G = 4, as served (their
 
 
 def large_block_m(values: tuple[int, ...], gen: torch.Generator) -> dict:
-    """Exact attention on :data:`LARGE_SHAPES` at the engine's key buckets with ``ATTN_LARGE_BLOCK_M`` set to each
-    of ``values`` (the launch as the engine picks it, and both launches forced), each output against the one at
-    32-row programs (a launch choice must keep every bit); the default kernel once a shape. us per call."""
+    """Exact attention on :data:`LARGE_SHAPES` at the engine's key buckets in programs of each of ``values`` rows
+    (``attention_block_m`` replaced for the call; "auto": the launch the grid-size rule picks, and both launches
+    forced), each output against the one at 32-row programs (a launch choice must keep every bit); the default
+    kernel once a shape. us per call. The engine's rule (ATTN_LARGE_BLOCK_M) came from this table."""
     from triton.testing import do_bench_cudagraph
 
-    kept = bi.ATTN_LARGE_BLOCK_M
+    rule = bi.attention_block_m  # the engine's rule, replaced here by "value rows past 64 folded rows"
     rows_out = []
     for name, rows, t, tree, ctx in LARGE_SHAPES:
         x = inputs(rows, t, tree, ctx, gen, bucket=True)
         row = {"shape": name, "default_us": round(do_bench_cudagraph(default_call(x), rep=100) * 1e3, 1)}
         ref = None
         for value in (32, *[v for v in values if v != 32]):
-            bi.ATTN_LARGE_BLOCK_M = value
-            x["tail"] = bi.tail_chunks(x["anc"], x["positions"], x["start"], HEADS // KV)
+            bi.attention_block_m = (lambda tokens, group, per_tile=1, value=value:
+                                    value if tokens * group > 64 else rule(tokens, group, per_tile))
+            x["tail"] = bi.tail_chunks(x["anc"], x["positions"], x["start"], HEADS // KV, KV)
             for label, launch in (("auto", {}), ("split", {"fused": False}), ("fused", {"fused": True})):
                 fn = exact_call(x, **launch)
                 try:
@@ -247,9 +249,9 @@ def large_block_m(values: tuple[int, ...], gen: torch.Generator) -> dict:
                         row[f"m{value}_{label}_bits"] = "DIFFER"
                 except Exception as exc:  # a launch the device refuses (shared memory): recorded
                     row[f"m{value}_{label}_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
-        bi.ATTN_LARGE_BLOCK_M = kept
         rows_out.append(row)
         print(" | ".join(f"{key}={val}" for key, val in row.items()), flush=True)
+    bi.attention_block_m = rule
     return {"rows": rows_out, "values": list(values)}
 
 
@@ -278,7 +280,7 @@ def main() -> None:
     ap.add_argument("--settings", default=None, help="with --sweep: these settings instead of SWEEP, as "
                     "block_n:split_keys:warps:stages,... (for example 64:512:4:2,64:1024:4:2)")
     ap.add_argument("--large-block-m", default=None, help="time trees of more than 64 folded rows with their "
-                    "programs at these row counts instead (ATTN_LARGE_BLOCK_M), for example 32,64,128")
+                    "programs at these row counts instead (attention_block_m), for example 32,64,128")
     args = ap.parse_args()
     if args.settings is not None and not args.sweep:
         ap.error("--settings names settings for --sweep; pass --sweep with it")

@@ -259,7 +259,8 @@ def test_fused_launch_gives_the_split_launch_bits(dtype, group, split_keys):
 @pytest.mark.parametrize("large_block_m", [64, 128])
 def test_large_tree_programs_give_the_bits_of_small_ones(monkeypatch, large_block_m):
     """A 20-node tree at 4 query heads per KV head (80 folded rows) in programs of 64 and 128 rows (the large-tree
-    launch choice, ATTN_LARGE_BLOCK_M) against programs of 32, both launches, bf16."""
+    launch choice, ATTN_LARGE_BLOCK_M; its threshold and the fused grid's lowered for the tiny shape) against
+    programs of 32, both launches, bf16."""
     gen = torch.Generator().manual_seed(13)
     t = len(WIDE)
     kc = torch.randn(3, KV, 256, D, generator=gen).to(torch.bfloat16)
@@ -270,12 +271,26 @@ def test_large_tree_programs_give_the_bits_of_small_ones(monkeypatch, large_bloc
     pos = start[:, None] + depth[None]
     anc, chain = bi.ancestor_map(start, pos, vis.expand(2, t, t).contiguous())
     args = (q, kc, vc, torch.tensor([2, 0]), start, pos, anc, chain, 256)
-    monkeypatch.setattr(bi, "ATTN_LARGE_BLOCK_M", 32)
+    assert bi.attention_block_m(t, 4, 2 * KV) == bi.ATTN_BLOCK_M  # 80 folded rows: below the large-tree rule
     small = bi.attention(*args, fused=False)
+    small_layout = bi.single_chunks(2, t, 4, q.device, KV)
     monkeypatch.setattr(bi, "ATTN_LARGE_BLOCK_M", large_block_m)
-    assert bi.attention_block_m(t, 4) == large_block_m
+    monkeypatch.setattr(bi, "ATTN_LARGE_MIN_FOLDED", 64)
+    monkeypatch.setattr(bi, "ATTN_FUSED_MIN_PROGRAMS", 1)
+    assert bi.attention_block_m(t, 4, 2 * KV) == large_block_m
     for fused in (False, True):
         assert torch.equal(bi.attention(*args, fused=fused), small), f"fused={fused}"
+    # the table must be laid out for the call's programs: one made for 32-row programs is refused
+    with pytest.raises(ShapeError, match="tail"):
+        bi.attention(*args, tail=small_layout)
+
+
+def test_large_tree_rule():
+    # a served 64-node tree at G = 4: 64-row programs where that grid launches fused (C = 8, 8 KV heads), else 32
+    assert bi.attention_block_m(64, 4, 8 * 8) == bi.ATTN_LARGE_BLOCK_M == 64
+    assert bi.attention_block_m(64, 4, 1 * 8) == bi.ATTN_BLOCK_M
+    assert bi.attention_block_m(32, 4, 8 * 8) == bi.ATTN_BLOCK_M  # 128 folded rows: not past the threshold
+    assert bi.tail_layout(64, 4, 64)[0] == 16 and bi.tail_layout(64, 4, 8)[0] == 8
 
 
 def _same_depth_sight() -> tuple[torch.Tensor, torch.Tensor]:

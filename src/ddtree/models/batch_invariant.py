@@ -64,9 +64,12 @@ MATMUL_TARGET_PROGRAMS = 160
 MATMUL_MAX_SPLIT_K = 4  # 8 measured no faster at decode and slower on wide calls (H200)
 MATMUL_MIN_K_BLOCKS_PER_SPLIT = 4
 ATTN_BLOCK_M = 32  # folded rows (queries x query heads of one KV head) per attention program (64: attention_block_m)
-# folded rows per program for more than 64 folded rows (a tree of 17+ nodes at G = 4): a launch choice (the tail
-# is gathered per chunk of queries, so wider programs read the shared prefix fewer times; attention_block_m)
-ATTN_LARGE_BLOCK_M = 32
+# folded rows per program for trees of more than ATTN_LARGE_MIN_FOLDED folded rows whose grid then still launches
+# fused (attention_block_m): a launch choice. The tail is gathered per chunk of queries, so wider programs read the
+# shared prefix fewer times: a served 64-node tree at C = 8 102 against 135 us; at C = 1 (split launch) 50 against
+# 36, and 128-row programs slower everywhere (H200, docs/benchmarks.md, "Exact mode", tenth run).
+ATTN_LARGE_BLOCK_M = 64
+ATTN_LARGE_MIN_FOLDED = 128
 ATTN_SUM_COLS = 16  # columns of the ones matrix the tile's row sums are a dot with (a tensor-core dot's least N)
 ATTN_BLOCK_N = 64  # key positions per tile
 ATTN_SPLIT_KEYS = 256  # key positions per split (a multiple of ATTN_BLOCK_N); 512 served slower (benchmarks.md)
@@ -415,17 +418,18 @@ def tail_rows(group: int) -> int:
     return _pow2_at_least(group, 16)
 
 
-def tail_layout(tokens: int, group: int) -> tuple[int, int]:
+def tail_layout(tokens: int, group: int, per_tile: int = 1) -> tuple[int, int]:
     """(queries per attention program QT, queries per tail chunk) for ``tokens`` new tokens of ``group`` query
-    heads per KV head: the shape :func:`tail_chunks` lays its table out in."""
-    return attention_block_m(tokens, group) // group, tail_rows(group) // _pow2_at_least(group, 1)
+    heads per KV head in a call of ``per_tile`` = rows x KV heads programs per query tile: the shape
+    :func:`tail_chunks` lays its table out in."""
+    return attention_block_m(tokens, group, per_tile) // group, tail_rows(group) // _pow2_at_least(group, 1)
 
 
-def single_chunks(rows: int, tokens: int, group: int, device: torch.device) -> Tensor:
+def single_chunks(rows: int, tokens: int, group: int, device: torch.device, kv_heads: int = 1) -> Tensor:
     """:func:`tail_chunks`' table with every query a chunk of its own (the grouping is a speed choice: a query alone
     is always a valid chunk): for forwards whose queries do not branch, in a few ops instead of the grouping's
     ninety or so (inferred from the H200's exact rounds at C = 1: about 0.1 ms a forward, 2026-12-03)."""
-    qt, per = tail_layout(tokens, group)
+    qt, per = tail_layout(tokens, group, rows * kv_heads)
     p = -(-tokens // qt)
     width = 1 + qt * (1 + per)
     idx = torch.arange(p, device=device)[:, None] * qt + torch.arange(qt, device=device)  # [P, QT]
@@ -437,7 +441,7 @@ def single_chunks(rows: int, tokens: int, group: int, device: torch.device) -> T
     return table.expand(rows, p, width).contiguous()
 
 
-def tail_chunks(anc: Tensor, positions: Tensor, start: Tensor, group: int) -> Tensor:
+def tail_chunks(anc: Tensor, positions: Tensor, start: Tensor, group: int, kv_heads: int = 1) -> Tensor:
     """Which queries of each attention program share the gathered K/V tiles above ``start`` (``tail [R, P, 1 + QT x
     (1 + C)]`` int32, P query tiles of QT queries, C = :func:`tail_layout`'s chunk size): per program the number
     of chunks, then per chunk its lead (the query whose ancestors are gathered) and up to C members (-1 pads).
@@ -454,12 +458,13 @@ def tail_chunks(anc: Tensor, positions: Tensor, start: Tensor, group: int) -> Te
     equal paths, the lower index under the higher). For finite K/V: a member's masked keys hold the lead's values,
     and p = 0 times an infinite V is NaN (as in a chain's shared tiles already).
 
-    anc [R, T, T], positions [R, T], start [R] as :func:`ancestor_map` takes and makes; device ops only, no host
-    sync (graph-capturable). Once per forward: every layer's attention reads the same table."""
+    anc [R, T, T], positions [R, T], start [R] as :func:`ancestor_map` takes and makes; ``kv_heads``: the
+    target's KV heads (the programs' layout depends on the grid: :func:`attention_block_m`); device ops only, no
+    host sync (graph-capturable). Once per forward: every layer's attention reads the same table."""
     r, t = positions.shape
     if t <= 1 or r == 0:  # nothing to group
-        return single_chunks(r, t, group, positions.device)
-    qt, per = tail_layout(t, group)
+        return single_chunks(r, t, group, positions.device, kv_heads)
+    qt, per = tail_layout(t, group, r * kv_heads)
     p = -(-t // qt)
     tp = p * qt
     dev = positions.device
@@ -873,18 +878,23 @@ def _check_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
                           f"positions {tuple(positions.shape)}, anc {tuple(anc.shape)} do not fit q {tuple(q.shape)}")
 
 
-def attention_block_m(tokens: int, group: int) -> int:
-    """Folded rows per attention program for ``tokens`` new tokens of ``group`` query heads per KV head: 64 where
-    that puts every token of a row in one program (a chain of 16 or a tree of 9-16 nodes at G = 4: each program
-    reads its keys once, not twice), :data:`ATTN_BLOCK_M` for fewer, :data:`ATTN_LARGE_BLOCK_M` for more (a large
-    tree: each program reads the shared prefix once, its tail once per chunk of queries on one path). A launch
-    choice, not a bit-fixing one: a tensor-core dot's row depends on that row and the tile only, and the tile's
-    reductions are dots or maxima (:func:`_softmax_step`); the GPU tests compare chain rows and tree nodes in
-    64-row programs with their AR steps in 32-row ones."""
+def attention_block_m(tokens: int, group: int, per_tile: int = 1) -> int:
+    """Folded rows per attention program for ``tokens`` new tokens of ``group`` query heads per KV head, in a call
+    of ``per_tile`` programs per query tile (rows x KV heads): 64 where that puts every token of a row in one program
+    (a chain of 16 or a tree of 9-16 nodes at G = 4: each program reads its keys once, not twice);
+    :data:`ATTN_LARGE_BLOCK_M` for more than :data:`ATTN_LARGE_MIN_FOLDED` folded rows where that grid still
+    launches fused (:func:`attention_fused`: a tree of 64 at C = 8, whose programs then read the shared prefix half
+    as often); else :data:`ATTN_BLOCK_M`. A launch choice, not a bit-fixing one: a tensor-core dot's row depends on
+    that row and the tile only, and the tile's reductions are dots or maxima (:func:`_softmax_step`); the GPU tests
+    compare chain rows and tree nodes in 64-row programs with their AR steps in 32-row ones."""
     folded = tokens * group
     if folded <= ATTN_BLOCK_M:
         return ATTN_BLOCK_M
-    return 64 if folded <= 64 else ATTN_LARGE_BLOCK_M
+    if folded <= 64:
+        return 64
+    if folded > ATTN_LARGE_MIN_FOLDED and attention_fused(-(-folded // ATTN_LARGE_BLOCK_M) * per_tile):
+        return ATTN_LARGE_BLOCK_M
+    return ATTN_BLOCK_M
 
 
 def attention_fused(programs: int) -> bool:
@@ -936,8 +946,8 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start:
     g = h // kv
     if g > ATTN_BLOCK_M:
         raise ConfigError(f"batch_invariant.attention: {g} query heads per KV head exceed {ATTN_BLOCK_M}")
-    block_m = attention_block_m(t, g)
-    qt, chunk = tail_layout(t, g)
+    block_m = attention_block_m(t, g, r * kv)
+    qt, chunk = tail_layout(t, g, r * kv)
     if q.stride(-1) != 1:
         q = q.contiguous()
     slots, start, positions = slots.contiguous(), start.contiguous(), positions.contiguous()
@@ -946,10 +956,10 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start:
     if r == 0 or t == 0:
         return out
     if tail is None:
-        tail = tail_chunks(anc, positions, start, g)
+        tail = tail_chunks(anc, positions, start, g, kv)
     if tail.shape != (r, -(-t // qt), 1 + qt * (1 + chunk)) or tail.dtype != torch.int32:
         raise ShapeError(f"batch_invariant.attention: tail {tuple(tail.shape)} {tail.dtype} is not tail_chunks' "
-                         f"table for {t} tokens of {g} query heads per KV head")
+                         f"table for {t} tokens of {g} query heads per KV head in {r} rows x {kv} KV heads")
     splits = max(1, math.ceil(kv_len / split_keys))
     q_tiles = -(-t // qt)
     if fused is None:

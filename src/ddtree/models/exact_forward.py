@@ -165,8 +165,8 @@ def forward(target, input_ids: Tensor, positions: Tensor, cache: KVCache, slots:
     group = c.num_heads // c.num_kv_heads
     tail = None
     if triton:
-        tail = (bi.tail_chunks(anc, positions, start, group) if visibility.branches
-                else bi.single_chunks(*positions.shape, group, positions.device))
+        tail = (bi.tail_chunks(anc, positions, start, group, c.num_kv_heads) if visibility.branches
+                else bi.single_chunks(*positions.shape, group, positions.device, c.num_kv_heads))
 
     def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         ops.write_kv(cache, layer, slots, write_pos, k, v)
