@@ -168,13 +168,14 @@ def matmul_launch(n: int, k: int, m: int, tma: bool = True) -> MatmulLaunch:
 
 
 def tma_loads(x: Tensor) -> bool:
-    """Whether calls on x's device may load through tensor descriptors: Triton has them, and the device is a
-    Hopper or later GPU (compute capability 9+) or Triton's interpreter runs (the CPU tests)."""
+    """Whether calls on x may load through tensor descriptors: Triton has them, and the device is a Hopper or later
+    GPU (compute capability 9+) with 16-bit x (what the H200 runs measured; fp32 keeps the pointer table), or
+    Triton's interpreter runs (the CPU tests, any dtype)."""
     if TensorDescriptor is None:
         return False
     if x.device.type != "cuda":
         return INTERPRETED
-    return torch.cuda.get_device_capability(x.device)[0] >= 9
+    return x.element_size() == 2 and torch.cuda.get_device_capability(x.device)[0] >= 9
 
 
 if triton is not None:
