@@ -215,7 +215,8 @@ def sweep(gen: torch.Generator, settings: tuple[tuple[int, int, int, int], ...] 
     return {"default_us": default, "settings": results}
 
 
-LARGE_SHAPES = (  # trees of more than 64 folded rows at G = 4, as served (their programs: ATTN_LARGE_BLOCK_M)
+LARGE_SHAPES = (  # trees of more than 64 folded rows at G = 4, as served (the engine's rule from this table:
+    # ATTN_LARGE_BLOCK_M past 128 folded rows where that grid launches fused; the C = 1 shapes keep 32)
     ("tree 17 C=1", 1, 17, True, 1024), ("served tree 32 C=1", 1, 32, "served", 1024),
     ("served tree 64 C=1", 1, 64, "served", 1024), ("served tree 32 C=8", 8, 32, "served", 1024),
     ("served tree 64 C=8", 8, 64, "served", 1024), ("served tree 32 C=1 4k", 1, 32, "served", 4096),

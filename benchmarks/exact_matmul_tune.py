@@ -48,15 +48,15 @@ LAUNCHES = {
     "flat128x128w8": bi.MatmulLaunch(128, 128, 8, 3, fused=True, flat=True),
     "flat128x128w8s4": bi.MatmulLaunch(128, 128, 8, 4, fused=True, flat=True),
     "flat64x128w4": bi.MatmulLaunch(64, 128, 4, 3, fused=True, flat=True),
-    # wider tiles for the 500-1100 rows of verifies at C = 64 (at 1024 rows the wide launch runs at 59-61 % of
-    # cuBLAS's speed: docs/benchmarks.md, "Exact mode", seventh run); not yet timed. Those that fit the
+    # wider tiles for the 500-1100 rows of verifies at C = 64 (at 1024 rows the flat 128 x 128 launch ran at 59-61 %
+    # of cuBLAS's speed: docs/benchmarks.md, "Exact mode", seventh run); slower with pointer loads (tenth run). Those that fit the
     # interpreter give the split launch's bits on the CPU; 256-row or 256-column tiles of 8 warps exceed its
     # emulated dot.
     "flat128x256w8": bi.MatmulLaunch(128, 256, 8, 3, fused=True, flat=True),
     "flat256x128w8": bi.MatmulLaunch(256, 128, 8, 3, fused=True, flat=True),
     "flat128x128w4s4": bi.MatmulLaunch(128, 128, 4, 4, fused=True, flat=True),
     "flat64x256w4": bi.MatmulLaunch(64, 256, 4, 3, fused=True, flat=True),
-    # the flat launch with its tiles loaded by tensor descriptors (Hopper's TMA; MatmulLaunch.tma); not yet timed
+    # the flat launch with its tiles loaded by tensor descriptors (Hopper's TMA; MatmulLaunch.tma; tenth run)
     "tma128x128w8s4": bi.MatmulLaunch(128, 128, 8, 4, fused=True, flat=True, tma=True),
     "tma128x256w8s3": bi.MatmulLaunch(128, 256, 8, 3, fused=True, flat=True, tma=True),
     "tma128x256w8s4": bi.MatmulLaunch(128, 256, 8, 4, fused=True, flat=True, tma=True),

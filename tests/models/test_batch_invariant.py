@@ -90,9 +90,58 @@ def test_matmul_launch_by_rows():
     assert not bi.matmul_launch(4096, 12288, 1).fused and bi.matmul_launch(4096, 12288, 1).block_m == 16
     assert bi.matmul_launch(4096, 12288, 768).fused and bi.matmul_launch(4096, 12288, 768).block_m == 128
     assert bi.matmul_launch(24576, 4096, 1).block_m == 64  # one segment: nothing for small tiles to spread
-    # tensor-descriptor loads from 129 rows where the device has them, the pointer table elsewhere
+    # tensor-descriptor loads from 17 rows where the device has them, the pointer table elsewhere and for weights
+    # of one K segment (timed on 4-segment weights only)
     assert bi.matmul_launch(4096, 12288, 320).tma and not bi.matmul_launch(4096, 12288, 320, tma=False).tma
+    assert bi.matmul_launch(4096, 12288, 17).tma and not bi.matmul_launch(4096, 12288, 16).tma
+    assert not any(bi.matmul_launch(151936, 4096, m).tma for m in (1, 64, 320, 768, 4096))
     assert not any(bi.matmul_launch(4096, 12288, m, tma=False).tma for m in (1, 64, 320, 768, 4096))
+
+
+class _Spy:
+    """Stands in for a Triton kernel: records each launch's grid, then launches the kernel."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(tuple(grid))
+        return self.kernel[grid]
+
+
+def test_tma_launch_loads_through_descriptors_or_runs_the_pointer_table(monkeypatch):
+    """A descriptor launch runs the descriptor kernel; with x's base off 16 bytes it runs the pointer table's
+    launch for its rows (not the descriptor launch's tiles through pointers), with the same bits; a split launch
+    keeps its descriptors when only the output's rows are off 16 bytes (it stores partials through pointers)."""
+    spies = {name: _Spy(getattr(bi, name)) for name in ("_matmul_kernel", "_matmul_tma_kernel")}
+    for name, spy in spies.items():
+        monkeypatch.setattr(bi, name, spy)
+    gen = torch.Generator().manual_seed(4)
+    k, n, m = 512, 40, 200
+    tiles = bi.MatmulTiles(block_k=64, split_k=4)
+    w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    ref = bi.linear(x, w, tiles=tiles, launch=bi.MatmulLaunch(64, 64, 4, 2, fused=False))
+    flat = bi.MatmulLaunch(32, 32, 4, 2, fused=True, flat=True, tma=True)
+    spies["_matmul_tma_kernel"].grids.clear()
+    spies["_matmul_kernel"].grids.clear()
+    assert torch.equal(bi.linear(x, w, tiles=tiles, launch=flat), ref)
+    assert spies["_matmul_tma_kernel"].grids == [(7, 2, 1)] and spies["_matmul_kernel"].grids == []
+    storage = torch.empty(m * k + 1, dtype=torch.bfloat16)
+    storage[1:] = x.flatten()
+    shifted = storage[1:].view(m, k)  # the same values, the base 2 bytes off
+    assert not bi._descriptors_fit(shifted)
+    assert torch.equal(bi.linear(shifted, w, tiles=tiles, launch=flat), ref)
+    pointer = bi.matmul_launch(n, k, m, tma=False)
+    assert spies["_matmul_tma_kernel"].grids == [(7, 2, 1)]
+    assert spies["_matmul_kernel"].grids == [(-(-m // pointer.block_m), -(-n // pointer.block_n),
+                                              1 if pointer.fused else tiles.split_k)]
+    odd = torch.randn(41, k, generator=gen).to(torch.bfloat16)  # output rows of 82 bytes
+    split = bi.MatmulLaunch(32, 32, 4, 2, fused=False, tma=True)
+    odd_ref = bi.linear(x, odd, tiles=tiles, launch=bi.MatmulLaunch(64, 64, 4, 2, fused=False))
+    spies["_matmul_tma_kernel"].grids.clear()
+    assert torch.equal(bi.linear(x, odd, tiles=tiles, launch=split), odd_ref)
+    assert spies["_matmul_tma_kernel"].grids == [(7, 2, 4)]
 
 
 def test_linear_no_bias_and_leading_dims():
@@ -510,7 +559,7 @@ def test_gpu_split_and_fused_launches_agree_at_every_row_count(shape):
     assert {launch.fused for launch in launches} == {True, False}
     assert {(launch.tma, launch.fused) for launch in launches} == {(True, True), (True, False), (False, True),
                                                                   (False, False)}
-    assert bi.tma_loads(x)  # an H200: the TMA launches run, no fallback
+    assert bi.tma_loads(x) and bi._descriptors_fit(x, w, ref)  # an H200: the descriptor launches run, no fallback
     for m in range(1, 2049):
         for launch in launches:
             assert torch.equal(bi.linear(x[:m], w, launch=launch), ref[:m]), f"{launch} at {m} rows"

@@ -97,10 +97,10 @@ class MatmulLaunch(NamedTuple):
     per (tile, segment) writes an fp32 partial and a second kernel sums them in ascending order (more programs for
     the few row tiles of a decode step). ``flat`` (fused only): the segments run as one pipelined K loop that adds
     its accumulator into the total at each segment's end (the same sums: a loop per segment drains and refills the
-    software pipeline S times per tile). ``tma`` (fused and flat only): the tiles load through Hopper's tensor
-    memory accelerator (host tensor descriptors) instead of masked pointer loads; the same dots in the same order.
-    A call whose tensors a descriptor cannot address (a base or row stride not a multiple of 16 bytes) runs the
-    pointer loads."""
+    software pipeline S times per tile). ``tma``: the tiles load through Hopper's tensor memory accelerator (host
+    tensor descriptors) instead of masked pointer loads, the same dots in the same order; a fused launch then always
+    runs the flat loop. A call whose tensors a descriptor cannot address (a base or row stride not a multiple of 16
+    bytes) runs the pointer table's launch for its rows instead (:func:`linear`)."""
 
     block_m: int
     block_n: int
@@ -142,8 +142,9 @@ MATMUL_POINTER_WIDE_LAUNCH = MatmulLaunch(128, 128, 8, 4, fused=True, flat=True)
 # Tensor-descriptor loads (Hopper's TMA, where Triton has them): split programs of 64 x 128 tiles from 17 rows, the
 # flat launch from 193 rows (64 x 128 tiles up to 640 rows, 128 x 256 with 8 warps past it). us per call at 128 /
 # 320 / 512 / 1024 rows, H200 (docs/benchmarks.md, "Exact mode", tenth run): o_proj 17 / 28 / 30 / 50 and down 37 /
-# 75 / 84 / 137, against the pointer table's 23 / 35 / 54 / 78 and 53 / 95 / 140 / 216, cuBLAS 14 / 19 / 25 / 45 and
-# 35 / 48 / 70 / 130.
+# 77 / 84 / 137, against the pointer table's 23 / 35 / 54 / 78 and 53 / 95 / 140 / 216, cuBLAS 14 / 19 / 25 / 45 and
+# 35 / 48 / 70 / 130. Weights of one K segment (an LM head of a large vocabulary) keep the pointer table: the
+# descriptor launches were timed on 4-segment weights only.
 MATMUL_LAUNCHES: tuple[tuple[int, MatmulLaunch], ...] = (
     MATMUL_POINTER_LAUNCHES[0],
     (128, MatmulLaunch(64, 128, 4, 4, fused=False, tma=True)),
@@ -154,14 +155,14 @@ MATMUL_WIDE_LAUNCH = MatmulLaunch(128, 256, 8, 3, fused=True, flat=True, tma=Tru
 
 
 def matmul_launch(n: int, k: int, m: int, tma: bool = True) -> MatmulLaunch:
-    """The launch of x [m, k] @ w [n, k]^T for m rows (:data:`MATMUL_LAUNCHES`, or without tensor descriptors
-    :data:`MATMUL_POINTER_LAUNCHES`); a weight of one K segment runs the same kernel either way. Any choice here
-    gives the same bits."""
-    table, wide = (MATMUL_LAUNCHES, MATMUL_WIDE_LAUNCH) if tma else (MATMUL_POINTER_LAUNCHES,
-                                                                     MATMUL_POINTER_WIDE_LAUNCH)
+    """The launch of x [m, k] @ w [n, k]^T for m rows (:data:`MATMUL_LAUNCHES`; without tensor descriptors, or
+    for a weight of one K segment, :data:`MATMUL_POINTER_LAUNCHES`). Any choice here gives the same bits."""
+    one_segment = matmul_tiles(n, k).split_k == 1
+    table, wide = ((MATMUL_LAUNCHES, MATMUL_WIDE_LAUNCH) if tma and not one_segment
+                   else (MATMUL_POINTER_LAUNCHES, MATMUL_POINTER_WIDE_LAUNCH))
     for rows, launch in table:
         if m <= rows:
-            if matmul_tiles(n, k).split_k == 1 and launch.block_m < 64:  # no SMs to fill with splits: full tiles
+            if one_segment and launch.block_m < 64:  # no SMs to fill with splits: full tiles
                 return table[1][1]
             return launch
     return wide
@@ -175,7 +176,8 @@ def tma_loads(x: Tensor) -> bool:
         return False
     if x.device.type != "cuda":
         return INTERPRETED
-    return x.element_size() == 2 and torch.cuda.get_device_capability(x.device)[0] >= 9
+    return (torch.version.hip is None and x.element_size() == 2
+            and torch.cuda.get_device_capability(x.device)[0] >= 9)
 
 
 if triton is not None:
@@ -320,7 +322,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, tiles: Matm
 
     ``tiles`` (default :func:`matmul_tiles`) fixes the bits; ``launch`` (default :func:`matmul_launch` of the row
     count) only how the programs are laid out: a segment's sum is the same in a split program or a fused one, and
-    0 + s == s, so a row's bits do not depend on M. Both overrides exist for the tuning script and the tests."""
+    0 + s == s, so a row's bits do not depend on M. Both overrides exist for the tuning script and the tests. A
+    ``tma`` launch whose tensors a descriptor cannot address (:func:`_descriptors_fit`) runs the pointer table's
+    launch for these rows instead: the same bits."""
     if triton is None:
         raise ConfigError("batch_invariant.linear needs Triton; use linear_rows")
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
@@ -344,22 +348,25 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, tiles: Matm
     if k_blocks % tiles.split_k:
         raise ConfigError(f"batch_invariant.linear: {k_blocks} K blocks do not divide into {tiles.split_k} splits")
     k_per_split = (k_blocks // tiles.split_k) * tiles.block_k
+    stores_out = launch.fused or tiles.split_k == 1  # a split launch stores partials through pointers
+    if launch.tma and not _descriptors_fit(x2, weight, *((out,) if stores_out else ())):
+        launch = matmul_launch(n, k, m, tma=False)
     fused = launch.fused or tiles.split_k == 1
     part = out if fused else torch.empty((tiles.split_k, m, n), dtype=torch.float32, device=x.device)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     grid = (-(-m // launch.block_m), -(-n // launch.block_n), 1 if fused else tiles.split_k)
-    if launch.tma and _descriptors_fit(x2, weight, out):
+    if launch.tma:
         descriptor = TensorDescriptor.from_tensor
-        _matmul_tma_kernel[grid](descriptor(x2, [launch.block_m, tiles.block_k]),
-                                 descriptor(weight, [launch.block_n, tiles.block_k]),
-                                 descriptor(out, [launch.block_m, launch.block_n]),
+        w_desc = descriptor(weight, [launch.block_n, tiles.block_k])
+        _matmul_tma_kernel[grid](descriptor(x2, [launch.block_m, tiles.block_k]), w_desc,
+                                 # a split launch never stores through it: any descriptor does where out has none
+                                 descriptor(out, [launch.block_m, launch.block_n])
+                                 if fused or _descriptors_fit(out) else w_desc,
                                  weight if bias is None else bias, part, m, n, k_per_split,
                                  BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=tiles.block_k,
                                  SPLITS=tiles.split_k, FUSED=fused, HAS_BIAS=bias is not None, EMULATE=INTERPRETED,
                                  PRECISION=precision, num_warps=launch.num_warps, num_stages=launch.num_stages)
     else:
-        launch = matmul_launch(n, k, m, tma=False) if launch.tma else launch
-        grid = (-(-m // launch.block_m), -(-n // launch.block_n), 1 if fused else tiles.split_k)
         _matmul_kernel[grid](x2, weight, weight if bias is None else bias, out, part, m, n, k, x2.stride(0),
                              weight.stride(0), out.stride(0), k_per_split,
                              BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=tiles.block_k,
@@ -893,7 +900,7 @@ def attention_block_m(tokens: int, group: int, per_tile: int = 1) -> int:
         return ATTN_BLOCK_M
     if folded <= 64:
         return 64
-    if folded > ATTN_LARGE_MIN_FOLDED and attention_fused(-(-folded // ATTN_LARGE_BLOCK_M) * per_tile):
+    if folded > ATTN_LARGE_MIN_FOLDED and attention_fused(-(-tokens // (ATTN_LARGE_BLOCK_M // group)) * per_tile):
         return ATTN_LARGE_BLOCK_M
     return ATTN_BLOCK_M
 

@@ -1,8 +1,8 @@
 """Which of the target's matmuls torch's cuBLAS already computes row-invariantly, measured on the running device.
 
 Why: exact mode needs every token row computed the same way whatever the row count, and its own Triton matmul
-(:func:`ddtree.models.batch_invariant.linear`) guarantees that by construction, at 89-97 % of cuBLAS's speed on wide
-calls with tensor-descriptor loads on the H200 and 59-61 % without (docs/benchmarks.md, "Exact mode"). But cuBLAS changes its reduction (split-K) with the row count only for
+(:func:`ddtree.models.batch_invariant.linear`) guarantees that by construction, at 90-95 % of cuBLAS's speed on wide
+calls with tensor-descriptor loads on the H200 and 58-60 % without (docs/benchmarks.md, "Exact mode"). But cuBLAS changes its reduction (split-K) with the row count only for
 some weight shapes: on the H200 (torch 2.11, cuBLAS 13) the fused q/k/v and gate/up projections gave bit-identical
 rows at every row count 1..2048, while o_proj and down changed from 25 and 9 rows (``../shared/docs/gpu-facts.md``).
 That is a property of the device, the library version and the shape, not a promise, so it is *checked* at engine
