@@ -12,7 +12,8 @@ Matmul (:func:`linear`, x [M, K] @ w [N, K]^T)
     ascending order, the bias last. How the programs are laid out may follow M (:func:`matmul_launch`): split
     programs writing fp32 partials that a second kernel adds in order, or fused programs that walk the segments
     themselves (same bits, as 0 + s == s), in row and column tiles of any size (a tensor-core dot's row depends on
-    that row and the K step only; the H200 run compared every launch). M is not specialised on
+    that row and the K step only; the H200 run compared every launch), with tiles loaded through pointers or,
+    on Hopper, through tensor descriptors (the same loads, :data:`MATMUL_LAUNCHES`). M is not specialised on
     (``do_not_specialize``): a row's result depends on its own inputs and the weight only.
 
 Attention (:func:`attention`, new tokens over a KV-cache slot)
