@@ -567,6 +567,23 @@ def test_gpu_split_and_fused_launches_agree_at_every_row_count(shape):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_descriptor_launches_with_a_bias_and_a_masked_k_tile():
+    # K = 4064: the last of 64 K blocks is half past the end (descriptors pad it with zeros, pointers mask it), a
+    # bias; every launch of both tables against the pointer wide launch at row counts across the tables' edges
+    n, k = 4096, 4064
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(2048, k, device="cuda", dtype=torch.bfloat16)
+    assert bi.matmul_tiles(n, k).split_k == 4
+    ref = bi.linear(x, w, b, launch=bi.MATMUL_POINTER_WIDE_LAUNCH)
+    launches = [launch for _, launch in bi.MATMUL_POINTER_LAUNCHES + bi.MATMUL_LAUNCHES] + [bi.MATMUL_WIDE_LAUNCH]
+    for m in (1, 16, 17, 128, 129, 192, 193, 640, 641, 1024, 2048):
+        for launch in launches:
+            assert torch.equal(bi.linear(x[:m], w, b, launch=launch), ref[:m]), f"{launch} at {m} rows"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("parents", [None, PARENTS, WIDE[:9], WIDE],
                          ids=["chain of 16", "7 nodes", "9 nodes", "20 nodes (three query tiles)"])
 def test_gpu_fused_launch_gives_the_split_launch_bits(parents):
