@@ -171,7 +171,7 @@ def matmul_launch(n: int, k: int, m: int, tma: bool = True) -> MatmulLaunch:
 
 def tma_loads(x: Tensor) -> bool:
     """Whether calls on x may load through tensor descriptors: Triton has them, and the device is a Hopper or later
-    GPU (compute capability 9+) with 16-bit x (what the H200 runs measured; fp32 keeps the pointer table), or
+    NVIDIA GPU (compute capability 9+; not ROCm) with 16-bit x (what the H200 runs measured; fp32 keeps the pointer table), or
     Triton's interpreter runs (the CPU tests, any dtype)."""
     if TensorDescriptor is None:
         return False
