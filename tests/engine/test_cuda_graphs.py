@@ -27,8 +27,9 @@ def _decode(graphs: bool) -> tuple[list[list[int]], Engine]:
     target = load_target(demo_target_path(), dtype=torch.float32, device="cuda")
     drafter = load_drafter(demo_drafter_path(), dtype=torch.float32, device="cuda")
     # prefill_chunk 128: the long prompt is chunked (eager), the short ones prefill whole (graphed)
+    # mixed rounds off: they run eagerly in both engines (tests/engine/test_mixed_rounds.py has their GPU test)
     config = EngineConfig(device="cuda", dtype="float32", max_batch=4, max_len=512, max_budget=16, prefill_chunk=128,
-                          cuda_graphs=graphs)
+                          cuda_graphs=graphs, mixed_chunk=0)
     engine = Engine.from_models(target, drafter, tokenizer, config, model_name="demo")
     engine.start()
     try:

@@ -137,7 +137,9 @@ def test_newcomers_join_the_next_round_with_their_first_token_still_on_the_devic
     """A prefill step does not read its first tokens: the newcomers join the round launched right after it, beside
     the rows already decoding, with their roots written on the device (Scheduler._root_patch), and the tokens are
     emitted at the next iteration. Outputs must equal the plain decoder's (a root left at its host stand-in would
-    not), and such rounds must really have held other rows too."""
+    not), and such rounds must really have held other rows too. Mixed rounds off: with them a newcomer's prompt
+    beside decoding rows rides in a round, whose first tokens are read with the round
+    (tests/engine/test_mixed_rounds.py)."""
     import threading
     import time
 
@@ -146,8 +148,8 @@ def test_newcomers_join_the_next_round_with_their_first_token_still_on_the_devic
     patched: list[tuple[int, int]] = []  # (rows in the round, rows patched)
     real_launch, real_patch = Engine._launch, Engine._root_patch
 
-    def launch(self, states, pending):
-        out = real_launch(self, states, pending)
+    def launch(self, states, pending, riders=()):
+        out = real_launch(self, states, pending, riders)
         if self._last_patch:
             patched.append((len(states), self._last_patch))
         self._last_patch = 0
@@ -160,7 +162,7 @@ def test_newcomers_join_the_next_round_with_their_first_token_still_on_the_devic
     monkeypatch.setattr(Engine, "_launch", launch)
     monkeypatch.setattr(Engine, "_root_patch", root_patch)
     monkeypatch.setattr(Engine, "_last_patch", 0, raising=False)
-    engine = tiny_engine_factory(oracle=True, max_batch=4)
+    engine = tiny_engine_factory(oracle=True, max_batch=4, mixed_chunk=0)
     results: dict[int, list[int]] = {}
     done = threading.Event()
     tree = TreeSettings(method="ddtree", budget=6)

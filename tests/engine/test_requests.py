@@ -71,10 +71,10 @@ def _poisonable(engine, tokenizer, monkeypatch) -> tuple[list[int], list[Generat
     real_round = engine.runner.round
     poisoned: list[int] = []
 
-    def faulty_round(inp, timer):
+    def faulty_round(inp, timer, work=None):
         if poisoned and any(poisoned[0] <= p < poisoned[1] for p in inp.start.tolist()):
             raise RuntimeError("injected fault")
-        return real_round(inp, timer)
+        return real_round(inp, timer, work)
 
     monkeypatch.setattr(engine.runner, "round", faulty_round)
     text = tokenizer.encode("def g(x):\n    return x + 1\n" * 40)
@@ -351,9 +351,10 @@ def test_prefill_graph_inputs_reach_the_right_rows(tiny_engine_factory, tiny_tok
     long_ids = torch.randint(3, 200, (150,), generator=torch.Generator().manual_seed(0)).tolist()  # not repetitive
     reqs.append(GenerationRequest(prompt_token_ids=long_ids, tree=tree,
                                   sampling=SamplingParams(max_tokens=10, ignore_eos=True)))
-    plain = tiny_engine_factory(max_batch=4, prefill_chunk=64).generate(reqs)
+    # mixed rounds off: a prompt arriving while another decodes would ride in a round instead of a prefill step
+    plain = tiny_engine_factory(max_batch=4, prefill_chunk=64, mixed_chunk=0).generate(reqs)
 
-    engine = tiny_engine_factory(max_batch=4, prefill_chunk=64)
+    engine = tiny_engine_factory(max_batch=4, prefill_chunk=64, mixed_chunk=0)
     graphs = PrefillGraphs(engine.runner, max_rows=4, max_width=32)
 
     def record(fn):

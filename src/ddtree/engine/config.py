@@ -25,6 +25,10 @@ class EngineConfig:
     max_block_size: int | None = None  # largest block size a request may ask for; None = drafter's trained size
     max_queue: int = 256  # requests waiting for a slot before new ones are refused
     prefill_chunk: int = 512  # prompt tokens prefilled per engine step (long prompts are chunked)
+    # Prompt tokens a decode round carries in its verify forward for requests still prefilling (a mixed round;
+    # ddtree.engine.scheduler): the bound on the extra forward a decoding request waits for per round. 0 = prompts
+    # are prefilled only in steps of their own (prefill_chunk tokens) between rounds.
+    mixed_chunk: int = 256
     kv_memory_fraction: float | None = None  # size max_batch from free device memory instead
     cuda_graphs: bool = True  # capture decode rounds as CUDA graphs (CUDA devices only)
     prefill_graphs: bool = True  # with cuda_graphs: also prefill chunks that start a prompt (up to 1024 tokens)
@@ -62,6 +66,9 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < lo:
                 raise ConfigError(f"{name} must be an integer >= {lo}, got {value!r}")
+        if isinstance(self.mixed_chunk, bool) or not isinstance(self.mixed_chunk, int) or self.mixed_chunk < 0:
+            raise ConfigError(f"mixed_chunk must be an integer >= 0 (0: no prompt chunks in decode rounds), "
+                              f"got {self.mixed_chunk!r}")
         if self.max_block_size is not None and (not isinstance(self.max_block_size, int) or self.max_block_size < 2):
             raise ConfigError(f"max_block_size must be an integer >= 2, got {self.max_block_size!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):

@@ -61,6 +61,8 @@ class EngineSnapshot:
     verify_rounds_total: int
     accept_hist: list[int]
     stage_seconds_total: dict[str, float]
+    mixed_rounds_total: int = 0  # decode rounds that carried prompt chunks (EngineConfig.mixed_chunk)
+    mixed_prompt_tokens_total: int = 0  # prompt tokens those rounds carried
 
 
 class Engine(Scheduler):
@@ -349,6 +351,8 @@ class Engine(Scheduler):
                 verify_rounds_total=c.verify_rounds_total,
                 accept_hist=list(c.accept_hist),
                 stage_seconds_total=dict(c.stage_seconds_total),
+                mixed_rounds_total=c.mixed_rounds_total,
+                mixed_prompt_tokens_total=c.mixed_prompt_tokens_total,
             )
 
     def info(self) -> dict[str, Any]:

@@ -39,6 +39,8 @@ HELP: dict[str, str] = {
     "max_block_size": "Largest block size a request may ask for (default: the drafter's trained size).",
     "max_queue": "Requests waiting for a slot before new ones are refused (the server answers 503).",
     "prefill_chunk": "Prompt tokens prefilled per engine step.",
+    "mixed_chunk": "Prompt tokens a decode round carries in its verify forward for requests still prefilling "
+                   "(mixed rounds: the extra forward a decoding request waits for per round); 0: prefill steps only.",
     "kv_memory_fraction": "Size max_batch from this fraction of free device memory instead.",
     "cuda_graphs": "Capture decode rounds as CUDA graphs (CUDA devices only).",
     "prefill_graphs": "With CUDA graphs: also graph prefill chunks that start a prompt (up to 1024 tokens).",

@@ -151,6 +151,19 @@ class PackedRows:
         return PackedRows(longs, self.floats)
 
 
+@dataclass
+class PrefillInputs:
+    """A prompt chunk: a prefill step's whole input (:meth:`~ddtree.engine.runner.ModelRunner.prefill`), or the
+    chunk a mixed round carries in its verify forward (:attr:`RoundInputs.prefill`)."""
+
+    ids: Tensor  # [R, T] long, prompt chunk (padded)
+    slots: Tensor  # [R] long
+    start: Tensor  # [R] long, prompt tokens already in the cache
+    valid_len: Tensor  # [R] long, real tokens in this chunk
+    last_index: Tensor  # [R] long, valid_len - 1
+    kv_len: int  # static bound >= max(start) + T: the cache positions the chunk's attention reads
+
+
 @dataclass(frozen=True)
 class RoundInputs:
     """A round as the runner's stages read it: the shape and one ``[R]`` device tensor per :class:`RowInputs`
@@ -172,6 +185,9 @@ class RoundInputs:
     top_p: Tensor
     auto: Tensor
     banned: Tensor  # [MAX_STOP_IDS, R] the ids min_tokens masks, -1 = none
+    # a mixed round: prompt chunks of other requests (not rows of the round) that ride in its verify forward
+    # (ModelRunner.stage_forward); rounds with one run eagerly, never from a CUDA graph
+    prefill: PrefillInputs | None = None
 
     @classmethod
     def from_packed(cls, packed: PackedRows, shape: RoundShape) -> RoundInputs:
@@ -206,6 +222,7 @@ class VerifyStage:
     normed: Tensor  # [R, N, H] the final-normed states the head reads
     choices: Tensor | None = None  # [R, N] the target's token at each node (argmax or sampled)
     logits: Tensor | None = None  # [R, N, V] the verify's logits, kept only when RoundShape.logprobs
+    prompt_normed: Tensor | None = None  # [P, 1, H] a mixed round's final-normed states at each chunk's last token
 
 
 @dataclass
@@ -222,3 +239,4 @@ class RoundWork:
     # RoundShape.auto_width the accepted path's node indices (L + 1 columns, walk_trees' path), then the last
     # auto_width columns TreeStage.expected (logprobs.float_bits)
     result: Tensor | None = None
+    first_logits: Tensor | None = None  # [P, V] a mixed round's logits at each chunk's last token (RoundInputs.prefill)

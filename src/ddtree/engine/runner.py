@@ -29,7 +29,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -38,8 +37,9 @@ from ddtree import speculative
 from ddtree.engine.kernels import KernelSet
 from ddtree.engine.logprobs import float_bits, pack_round_logprobs
 from ddtree.engine.min_tokens import mask_min_tokens
-from ddtree.engine.round import RoundInputs, RoundWork, TreeStage, VerifyStage
+from ddtree.engine.round import PrefillInputs, RoundInputs, RoundWork, TreeStage, VerifyStage
 from ddtree.models import DFlashDrafter, KVCache, TargetModel
+from ddtree.models.target import Segment
 from ddtree.speculative import tree_select
 from ddtree.speculative.attention import TreeVisibility
 
@@ -57,16 +57,6 @@ STAGE_SHAPE_FIELDS: dict[str, tuple[str, ...]] = {
     # the verify's layers (stage_forward): the tree's fields (it reads the tree stage's outputs) and nothing more
     "forward": ("rows", "block_size", "draft_kv_len", "max_budget", "kv_len", "auto_width"),
 }
-
-
-@dataclass
-class PrefillInputs:
-    ids: Tensor  # [R, T] long, prompt chunk (padded)
-    slots: Tensor  # [R] long
-    start: Tensor  # [R] long, prompt tokens already in the cache
-    valid_len: Tensor  # [R] long, real tokens in this chunk
-    last_index: Tensor  # [R] long, valid_len - 1
-    kv_len: int
 
 
 class StageTimer:
@@ -154,16 +144,7 @@ class ModelRunner:
 
         Returns ``[R, V]`` float logits; with ``every_position`` (prompt log-probs, only for chunks with a row that
         asked: the output projection then runs over every token) ``[R, T, V]``, the logits at every column."""
-        r, t = inp.ids.shape
-        positions = inp.start[:, None] + torch.arange(t, device=self.device)
-        visibility = speculative.causal_visibility(t, inp.valid_len)
-        # The tree kernel takes a causal chunk as a tree whose every node sees the ones before it (and skips the
-        # keys after a query tile's last token); the dense path gets its mask. A chunk never branches (exact mode
-        # does not group its queries' tail tiles: batch_invariant.tail_chunks).
-        if self.kernels.tree_attention:
-            seen: Tensor | TreeVisibility = TreeVisibility(inp.start, visibility, inp.kv_len, branches=False)
-        else:
-            seen = speculative.build_attention_mask(inp.start, positions, visibility, inp.kv_len)
+        positions, seen = self._chunk_view(inp)
         out = self.target(
             inp.ids,
             positions,
@@ -181,6 +162,18 @@ class ModelRunner:
             self.drafter.append_context(out.hidden, positions, self.drafter_cache, inp.slots, positions,
                                         kernels=self.kernels)
         return out.logits if every_position else out.logits[:, 0]
+
+    def _chunk_view(self, inp: PrefillInputs) -> tuple[Tensor, Tensor | TreeVisibility]:
+        """A prompt chunk's positions ``[R, T]`` (= its cache indices) and visibility: the tree kernel takes a causal
+        chunk as a tree whose every node sees the ones before it (and skips the keys after a query tile's last
+        token); the dense path gets its mask. A chunk never branches (exact mode does not group its queries' tail
+        tiles: batch_invariant.tail_chunks)."""
+        t = inp.ids.shape[1]
+        positions = inp.start[:, None] + torch.arange(t, device=self.device)
+        visibility = speculative.causal_visibility(t, inp.valid_len)
+        if self.kernels.tree_attention:
+            return positions, TreeVisibility(inp.start, visibility, inp.kv_len, branches=False)
+        return positions, speculative.build_attention_mask(inp.start, positions, visibility, inp.kv_len)
 
     # ---- one speculative round, as four stages ------------------------------------------------------------------
     # Each stage reads the round's inputs and the earlier stages' typed outputs from a RoundWork and fills its own
@@ -255,9 +248,15 @@ class ModelRunner:
         self.stage_choose(inp, work)
 
     def stage_forward(self, inp: RoundInputs, work: RoundWork) -> None:
-        """The verify's layers (no head): features for the drafter and the final-normed states at every node."""
+        """The verify's layers (no head): features for the drafter and the final-normed states at every node. A
+        round with a prompt chunk (``inp.prefill``, a mixed round) runs the chunk's rows in the same forward
+        (:meth:`~ddtree.models.target.TargetModel.forward_segments`) and writes their drafter context here, as
+        :meth:`prefill` does."""
         tree = work.tree
         trees = tree.trees
+        if inp.prefill is not None:
+            self._forward_mixed(inp, work)
+            return
         out = self.target(
             trees.tokens,
             tree.positions,
@@ -270,6 +269,21 @@ class ModelRunner:
             head=False,
         )
         work.verify = VerifyStage(hidden=out.hidden, normed=out.normed)
+
+    def _forward_mixed(self, inp: RoundInputs, work: RoundWork) -> None:
+        tree, chunk = work.tree, inp.prefill
+        positions, seen = self._chunk_view(chunk)
+        # the drafter reads every chunk's features (a prefilling request may draft), whatever the trees' rows do
+        layers = self.feature_layers
+        rounds, prompts = self.target.forward_segments(
+            [Segment(tree.trees.tokens, tree.positions, inp.slot, tree.write_pos, tree.visibility, None),
+             Segment(chunk.ids, positions, chunk.slots, positions, seen, chunk.last_index[:, None])],
+            self.target_cache, kernels=self.kernels, hidden_layers=layers)
+        if self.drafter is not None:
+            self.drafter.append_context(prompts.hidden, positions, self.drafter_cache, chunk.slots, positions,
+                                        kernels=self.kernels)
+        work.verify = VerifyStage(hidden=rounds.hidden if self._round_feature_layers(inp) else None,
+                                  normed=rounds.normed, prompt_normed=prompts.normed)
 
     def stage_choose(self, inp: RoundInputs, work: RoundWork) -> None:
         """The head's logits at every node (the same bits as a forward with its head), min_tokens' masking, and
@@ -286,6 +300,8 @@ class ModelRunner:
             verify.choices = speculative.sample_choices(chosen_from, inp.temperature, inp.top_p, inp.top_k, inp.seed,
                                                         depth_steps, any_filter=inp.shape.filtered)
         verify.logits = logits if inp.shape.logprobs else None
+        if verify.prompt_normed is not None:  # a mixed round: the target's logits at each chunk's last token
+            work.first_logits = self.target.head_logits(verify.prompt_normed, kernels=self.kernels)[:, 0]
 
     def stage_commit(self, inp: RoundInputs, work: RoundWork) -> None:
         max_depth = inp.shape.block_size - 1 if work.draft_hidden is not None else 0
@@ -316,11 +332,12 @@ class ModelRunner:
         return self.feature_layers if inp.shape.drafts else ()
 
     @torch.inference_mode()
-    def round(self, inp: RoundInputs, timer: StageTimer) -> Tensor:
+    def round(self, inp: RoundInputs, timer: StageTimer, work: RoundWork | None = None) -> Tensor:
         """Draft, build trees, verify, walk and commit for every row (eager). Returns the device tensor
         ``[R, 1 + L + 1]``: per row the number of tokens committed this round (bonus included), then the
-        committed tokens (``walk_trees``' ``new_tokens``; entries past that number are padding)."""
-        work = RoundWork()
+        committed tokens (``walk_trees``' ``new_tokens``; entries past that number are padding). ``work``: the
+        caller's record of the stages' outputs (a mixed round's caller reads its ``first_logits``)."""
+        work = RoundWork() if work is None else work
         for name, stage in self.stages():
             with timer.stage(name):
                 stage(inp, work)

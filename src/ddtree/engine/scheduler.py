@@ -8,8 +8,12 @@ and owns every request's state; other threads reach it only through the inbox (:
                      -> emit round n's chunks (on_chunk callbacks) while n + 1 runs
 
 Scheduling: requests wait in a bounded FIFO queue until a KV slot is free; a newcomer's prompt is written in
-chunks of ``prefill_chunk`` tokens, one prefill step between decode rounds, so running requests keep decoding
-while long prompts load. A slot is freed the moment its request finishes or is cancelled.
+chunks, so running requests keep decoding while long prompts load. While some request decodes, the prompts of
+newcomers ride in the decode round's own verify forward (a mixed round, ``EngineConfig.mixed_chunk`` prompt tokens
+a round, in admission order): the round reads the target's weights once for both, and a decoding request waits for
+at most that many extra tokens of forward per round. With nobody decoding (or ``mixed_chunk`` 0, or a request that
+asked for log-probs) a prompt is written by prefill steps of ``prefill_chunk`` tokens between rounds. A slot is
+freed the moment its request finishes or is cancelled.
 
 Fault isolation: if a round raises, the scheduler reruns each of its rows alone (the round only writes cache
 positions past each row's committed length, so a rerun is safe); rows that fail alone are finished with
@@ -36,8 +40,16 @@ from ddtree.engine.cost_measure import fallback_curve
 from ddtree.engine.cuda_graphs import bucket_nodes, bucket_rows, eager_chunk_dims
 from ddtree.engine.logprobs import bits_to_floats, device_logprobs, host_entries, unpack_logprobs
 from ddtree.engine.request_state import Phase, RequestState
-from ddtree.engine.round import NO_WINDOW, PackedRows, RoundInputs, RoundShape, RowInputs
-from ddtree.engine.runner import HostCopy, PrefillInputs, StageTimer, to_host
+from ddtree.engine.round import (
+    NO_WINDOW,
+    PackedRows,
+    PrefillInputs,
+    RoundInputs,
+    RoundShape,
+    RoundWork,
+    RowInputs,
+)
+from ddtree.engine.runner import HostCopy, StageTimer, to_host
 
 log = logging.getLogger("ddtree.engine")
 
@@ -56,6 +68,8 @@ class _Counters:
     verify_rounds_total: int = 0
     accept_hist: list[int] = field(default_factory=list)
     stage_seconds_total: dict[str, float] = field(default_factory=dict)
+    mixed_rounds_total: int = 0  # rounds that carried prompt chunks in their verify forward
+    mixed_prompt_tokens_total: int = 0  # prompt tokens those rounds carried
 
 
 @dataclass
@@ -85,6 +99,7 @@ class _Flight:
     shape: RoundShape
     timer: StageTimer
     explores: bool = False  # budget auto ran a size above its best to observe it (AutoChooser.choose)
+    riders: list[RequestState] = field(default_factory=list)  # a mixed round's prefilling requests (_launch)
 
 
 class Scheduler:
@@ -139,8 +154,10 @@ class Scheduler:
             self._admit()
             worked = self._read_first_tokens()
             prefilling = [s for s in self._active.values() if s.phase is Phase.PREFILL]
-            if prefilling:
-                self._guarded(self._prefill_step, prefilling)
+            riders = self._riders(prefilling)  # their chunks ride in this iteration's round
+            separate = [s for s in prefilling if not _holds(riders, s)]
+            if separate:
+                self._guarded(self._prefill_step, separate)
                 worked = True
             results: list[RowResult] = []
             follow_up: _Flight | None = None
@@ -161,17 +178,21 @@ class Scheduler:
                         if s.phase is Phase.DECODE and not s.ends_by_token(pending.get(s.request_id, ()))]
             if follow_up is None and decoding:
                 try:
-                    flight = self._launch(decoding, pending)
+                    flight = self._launch(decoding, pending, riders)
                 except Exception:
                     # Emit first so every state is exact, then isolate the fault row by row, synchronously (rows
-                    # whose first token is unread join once it is read).
+                    # whose first token is unread join once it is read; riders prefill in steps of their own).
                     self._emit_results(results)
                     results = []
                     for state in decoding:
                         if state.phase is Phase.DECODE and not _holds(first, state):
                             self._guarded(self._decode_round, [state])
+                    self._prefill_alone(riders)
                 worked = True
             self._emit_results(results)
+            if riders and flight is None:  # every decoding row finished on the tokens just read: no round to ride
+                self._prefill_alone(riders)
+                worked = True
             if not worked:
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
@@ -219,6 +240,22 @@ class Scheduler:
             with self._lock:
                 self._active[state.slot] = state
 
+    def _riders(self, prefilling: list[RequestState]) -> list[RequestState]:
+        """The prefilling requests whose next chunk rides in this iteration's decode round (a mixed round): all of
+        them while some request decodes and ``EngineConfig.mixed_chunk`` is on, except those that asked for
+        log-probs (their prompt's, or their first token's, which a prefill step reads with its logits)."""
+        if self.config.mixed_chunk <= 0 or not prefilling:
+            return []
+        if not any(s.phase is Phase.DECODE for s in self._active.values()):
+            return []
+        return [s for s in prefilling if s.sampling.prompt_logprobs is None and s.sampling.logprobs is None]
+
+    def _prefill_alone(self, states: list[RequestState]) -> None:
+        """A prefill step for those of ``states`` still prefilling (riders whose round did not run)."""
+        left = [s for s in states if s.phase is Phase.PREFILL]
+        if left:
+            self._guarded(self._prefill_step, left)
+
     def _guarded(self, step: Callable[[list[RequestState]], None], states: list[RequestState]) -> None:
         """Run a batched step; on failure rerun each request alone and fail only those that fail alone."""
         try:
@@ -233,8 +270,9 @@ class Scheduler:
                     self._guarded(step, [state])
 
     # ---- prefill ---------------------------------------------------------------------------------------------
-    def _prefill_step(self, states: list[RequestState]) -> None:
-        budget = self.config.prefill_chunk
+    @staticmethod
+    def _chunk_rows(states: list[RequestState], budget: int) -> list[tuple[RequestState, int]]:
+        """(state, prompt tokens it takes) for a chunk of at most ``budget`` tokens, in the states' order."""
         rows: list[tuple[RequestState, int]] = []
         for state in states:
             if budget <= 0:
@@ -242,11 +280,37 @@ class Scheduler:
             take = min(len(state.prompt_ids) - state.prefilled, budget)
             rows.append((state, take))
             budget -= take
-        t0 = time.perf_counter()
-        width = max(take for _, take in rows)
-        ids = torch.zeros((len(rows), width), dtype=torch.long)
+        return rows
+
+    @staticmethod
+    def _chunk_ids(rows: list[tuple[RequestState, int]]) -> torch.Tensor:
+        """The chunk's prompt tokens ``[R, widest take]`` (host, zero-padded)."""
+        ids = torch.zeros((len(rows), max(take for _, take in rows)), dtype=torch.long)
         for i, (state, take) in enumerate(rows):
             ids[i, :take] = torch.tensor(state.prompt_ids[state.prefilled : state.prefilled + take])
+        return ids
+
+    def _eager_chunk(self, rows: list[tuple[RequestState, int]], ids: torch.Tensor) -> PrefillInputs:
+        """The device inputs of an eager chunk: width padded to a multiple of 16, key length bucketed (kernel
+        variants the warm-up planned: cuda_graphs.eager_chunk_dims)."""
+        start = [s.prefilled for s, _ in rows]
+        takes = [t for _, t in rows]
+        padded, kv_len = eager_chunk_dims(ids.shape[1], start, self.runner.target_cache.max_len)
+        up = self._upload
+        return PrefillInputs(
+            ids=up(torch.nn.functional.pad(ids, (0, padded - ids.shape[1]))),
+            slots=up(torch.tensor([s.slot for s, _ in rows])),
+            start=up(torch.tensor(start)),
+            valid_len=up(torch.tensor(takes)),
+            last_index=up(torch.tensor([t - 1 for t in takes])),
+            kv_len=kv_len,
+        )
+
+    def _prefill_step(self, states: list[RequestState]) -> None:
+        rows = self._chunk_rows(states, self.config.prefill_chunk)
+        t0 = time.perf_counter()
+        ids = self._chunk_ids(rows)
+        width = ids.shape[1]
         start = [s.prefilled for s, _ in rows]
         takes = [t for _, t in rows]
         logits = None
@@ -261,17 +325,7 @@ class Scheduler:
                 log.exception("prefill CUDA graph failed; prefilling eagerly from now on")
                 self.prefill_graphs = None
         if logits is None:
-            # width padded to a multiple of 16, key length bucketed: kernel variants the warm-up planned
-            padded, kv_len = eager_chunk_dims(width, start, self.runner.target_cache.max_len)
-            up = self._upload
-            inp = PrefillInputs(
-                ids=up(torch.nn.functional.pad(ids, (0, padded - width))),
-                slots=up(torch.tensor([s.slot for s, _ in rows])),
-                start=up(torch.tensor(start)),
-                valid_len=up(torch.tensor(takes)),
-                last_index=up(torch.tensor([t - 1 for t in takes])),
-                kv_len=kv_len,
-            )
+            inp = self._eager_chunk(rows, ids)
             if prompt_lp:
                 every = self.runner.prefill(inp, every_position=True)[:, :width]  # [R, T, V]
                 logits = torch.gather(every, 1, inp.last_index[:, None, None].expand(-1, 1, every.shape[-1]))[:, 0]
@@ -286,15 +340,7 @@ class Scheduler:
         if done:
             finished = [rows[i][0] for i in done]
             last = logits if len(done) == len(rows) else logits[self._upload(torch.tensor(done))]  # [D, V]
-            temp, top_p, top_k, seed = self._sampling_tensors(finished)
-            greedy = all(s.sampling.greedy for s in finished)
-            ban = None
-            if any(s.banned_ids for s in finished):  # min_tokens: the first token (output index 0) is masked too
-                ids = [list(s.banned_ids) + [-1] * (MAX_STOP_IDS - len(s.banned_ids)) for s in finished]
-                ban = (self._upload(torch.tensor(ids, dtype=torch.long).T.contiguous()),
-                       self._upload(torch.tensor([s.sampling.min_tokens for s in finished], dtype=torch.long)))
-            chosen = self.runner.sample_first(last, temp, top_p, top_k, seed, greedy, _any_filter(finished),
-                                              min_tokens=ban)
+            chosen = self._sample_first(finished, last)
             if any(s.sampling.logprobs is not None for s in finished):
                 # the first token's log-probs: the prefill's last logits, in the same host read as the token
                 first, chosen_lp, top_lp, top_ids = to_host(chosen, *device_logprobs(last, chosen))
@@ -316,6 +362,43 @@ class Scheduler:
             return
         for j, (i, tok) in enumerate(zip(done, first, strict=False)):
             self._first_token(rows[i][0], tok, [first_lp[j]] if first_lp and first_lp[j] is not None else None)
+
+    def _sample_first(self, finished: list[RequestState], last: torch.Tensor) -> torch.Tensor:
+        """The first completion token ``[D]`` (device) of each request whose prompt ``last`` [D, V] ends."""
+        temp, top_p, top_k, seed = self._sampling_tensors(finished)
+        greedy = all(s.sampling.greedy for s in finished)
+        ban = None
+        if any(s.banned_ids for s in finished):  # min_tokens: the first token (output index 0) is masked too
+            ids = [list(s.banned_ids) + [-1] * (MAX_STOP_IDS - len(s.banned_ids)) for s in finished]
+            ban = (self._upload(torch.tensor(ids, dtype=torch.long).T.contiguous()),
+                   self._upload(torch.tensor([s.sampling.min_tokens for s in finished], dtype=torch.long)))
+        return self.runner.sample_first(last, temp, top_p, top_k, seed, greedy, _any_filter(finished), min_tokens=ban)
+
+    def _ride(self, riders: list[RequestState], work: RoundWork, t0: float) -> None:
+        """Account for the chunks a mixed round carries (queued, not read): the riders' prompts move on, and those
+        whose prompt it ends get their first token sampled on the device from ``work.first_logits``, read with
+        any prefill step's at the top of the next loop iteration (:class:`_FirstTokens`); they decode from the
+        round after."""
+        rows = self._ride_rows(riders)
+        for state, take in rows:
+            state.prefilled += take
+        done = [i for i, (s, _) in enumerate(rows) if s.prefilled == len(s.prompt_ids)]
+        if not done:
+            return
+        finished = [rows[i][0] for i in done]
+        logits = work.first_logits
+        last = logits if len(done) == len(rows) else logits[self._upload(torch.tensor(done))]  # [D, V]
+        chosen = self._sample_first(finished, last)
+        for state in finished:
+            state.phase = Phase.DECODE
+        if self._first is not None:  # a prefill step's, unread: one read for both
+            finished, chosen = self._first.states + finished, torch.cat([self._first.tokens, chosen])
+            t0 = self._first.started
+        self._first = _FirstTokens(states=finished, tokens=chosen, copy=HostCopy(chosen), started=t0)
+
+    def _ride_rows(self, riders: list[RequestState]) -> list[tuple[RequestState, int]]:
+        """The chunk rows of a mixed round: ``EngineConfig.mixed_chunk`` prompt tokens among the riders, in order."""
+        return self._chunk_rows(riders, self.config.mixed_chunk)
 
     def _first_token(self, state: RequestState, token: int, logprobs: list[TokenLogprob] | None = None) -> None:
         """A request's first completion token, read: it decodes from now on (and may finish on it)."""
@@ -375,12 +458,15 @@ class Scheduler:
         """One round for ``states``, start to finish (the synchronous path: fault isolation reruns rows with it)."""
         self._emit_results(self._collect(self._launch(states, {})))
 
-    def _launch(self, states: list[RequestState], pending: dict[str, list[int]]) -> _Flight:
+    def _launch(self, states: list[RequestState], pending: dict[str, list[int]],
+                riders: list[RequestState] = ()) -> _Flight:
         """Queue one round for ``states`` on the device and return without waiting for it.
 
         ``pending``: tokens read from the previous round but not yet committed to their states (the loop emits
         them while this round runs); a row's root, position and step are taken as if they were committed, which
-        is exact for every row that does not finish on them (rows that do are dropped when this round is read)."""
+        is exact for every row that does not finish on them (rows that do are dropped when this round is read).
+        ``riders``: prefilling requests whose next chunk rides in the round's verify forward (a mixed round,
+        :meth:`_riders`)."""
         drafting = [s for s in states if s.tree.method != "ar"]
         block = max((int(s.tree.block_size) for s in drafting), default=1) if self.drafter is not None else 1
         auto = block > 1 and any(s.tree.auto for s in states)
@@ -424,7 +510,8 @@ class Scheduler:
             auto_width=auto_width,
         )
         # One host tensor per dtype: one copy each to the device instead of one per field.
-        return self._queue(states, PackedRows.pack(rows), shape, self._root_patch(patch), explores=explores)
+        return self._queue(states, PackedRows.pack(rows), shape, self._root_patch(patch), explores=explores,
+                           riders=list(riders))
 
     def _root_patch(self, patch: list[tuple[int, int]]) -> Callable[[PackedRows], None] | None:
         """What writes the unread first tokens into their rows' roots on the device, after the inputs' copy and
@@ -442,20 +529,36 @@ class Scheduler:
         return apply
 
     def _queue(self, states: list[RequestState], rows: PackedRows, shape: RoundShape,
-               patch: Callable[[PackedRows], None] | None = None, *, explores: bool = False) -> _Flight:
+               patch: Callable[[PackedRows], None] | None = None, *, explores: bool = False,
+               riders: list[RequestState] = ()) -> _Flight:
         """Queue a round from packed inputs (host tensors, or device tensors for a follow-up round); ``patch``
-        edits the device inputs before the round runs (:meth:`_root_patch`)."""
+        edits the device inputs before the round runs (:meth:`_root_patch`); ``riders``: a mixed round's
+        prefilling requests (run eagerly: the round graphs hold no prompt chunk)."""
         timer = StageTimer(self.device)
-        if self.graphs is not None and self.graphs.can_run(len(states)):
+        t0 = time.perf_counter()
+        chunk = None
+        if riders:
+            ride = self._ride_rows(riders)
+            chunk = self._eager_chunk(ride, self._chunk_ids(ride))
+        if chunk is None and self.graphs is not None and self.graphs.can_run(len(states)):
             result, rows = self.graphs.run(rows, shape, timer, patch=patch)
         else:
             rows = rows.to(self.device)
             if patch is not None:
                 rows = PackedRows(rows.longs.clone(), rows.floats)  # .to() may return the caller's host tensor
                 patch(rows)
-            result = self.runner.round(RoundInputs.from_packed(rows, shape), timer)
+            work = RoundWork()
+            inp = RoundInputs.from_packed(rows, shape)
+            if chunk is not None:
+                inp = replace(inp, prefill=chunk)
+            result = self.runner.round(inp, timer, work)
+            if chunk is not None:
+                self._ride(list(riders), work, t0)
+                with self._lock:
+                    self._counters.mixed_rounds_total += 1
+                    self._counters.mixed_prompt_tokens_total += int(sum(t for _, t in ride))
         return _Flight(states=states, result=result, copy=HostCopy(result), rows=rows, shape=shape, timer=timer,
-                       explores=explores)
+                       explores=explores, riders=list(riders))
 
     def _follow_size(self, flight: _Flight) -> tuple[int, int] | None:
         """(The budget, budget auto's best size: the two differ when it explores) of the round that can be queued
@@ -522,6 +625,8 @@ class Scheduler:
             for name, secs in stages.items():
                 self._counters.stage_seconds_total[name] = self._counters.stage_seconds_total.get(name, 0.0) + secs
         out = []
+        for state in flight.riders:  # a mixed round's chunk took the whole round
+            state.stats.stage_s["prefill"] = state.stats.stage_s.get("prefill", 0.0) + sum(stages.values())
         for state, row in zip(flight.states, rows, strict=True):
             if state.phase is not Phase.DECODE:
                 continue
@@ -608,7 +713,7 @@ class Scheduler:
         except Exception:
             log.exception("a decode round failed on the device")
             error = _describe_current_exception()
-            for state in flight.states:
+            for state in flight.states + flight.riders:
                 self._finish(state, "error", error=error)
             return []
 

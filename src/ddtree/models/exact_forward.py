@@ -146,6 +146,15 @@ def forward(target, input_ids: Tensor, positions: Tensor, cache: KVCache, slots:
     tokens at ``start + t``; a node sees the prefix and its ancestors, one per depth); ``triton``: the Triton kernels
     (CUDA, or the interpreter in tests) or the torch path one row at a time; ``blas``: weight shapes that passed the
     engine's start-up check (``KernelSet.exact_blas``), multiplied by cuBLAS."""
+    attend = attender(target, cache, slots, write_pos, positions, visibility, triton=triton)
+    return run(target, input_ids, positions, attend, logits_at, hidden_layers, triton=triton, blas=blas, head=head)
+
+
+def attender(target, cache: KVCache, slots: Tensor, write_pos: Tensor, positions: Tensor,
+             visibility: TreeVisibility, *, triton: bool):
+    """Exact mode's attention for rows of ``slots`` under ``visibility`` (a TreeVisibility): ``attend(layer, q, k,
+    v)`` writes the new K/V at ``write_pos`` and attends with keys in position order, fixed tiles and splits. The
+    ancestor map and, with Triton, the tail table are built once here for every layer."""
     if not isinstance(visibility, TreeVisibility):
         raise ConfigError("exact mode attends from a TreeVisibility (start, new_vis, kv_len), not a dense mask; "
                           "pass the tree visibility (the engine does when KernelSet.exact is on)")
@@ -153,10 +162,10 @@ def forward(target, input_ids: Tensor, positions: Tensor, cache: KVCache, slots:
         raise ConfigError(f"exact mode's Triton attention takes head_dim in {bi.SUPPORTED_HEAD_DIMS} and at most "
                           f"{bi.ATTN_BLOCK_M} query heads per KV head; this target has head_dim "
                           f"{target.config.head_dim}, {target.config.num_heads // target.config.num_kv_heads}")
-    if not triton and input_ids.is_cuda:
+    if not triton and slots.is_cuda:
         raise ConfigError("exact mode on CUDA needs Triton (its one-row-at-a-time torch path reads indices on the "
                           "host, which CUDA graphs cannot capture); install Triton or turn exact mode off")
-    ops = _Ops(triton, frozenset(blas))
+    ops = _Ops(triton)
     start, kv_len = visibility.start, visibility.kv_len
     anc, chain = bi.ancestor_map(start, positions, visibility.new_vis)
     # which queries share a gathered tile above start: once here for every layer's attention (Triton only); a
@@ -172,6 +181,14 @@ def forward(target, input_ids: Tensor, positions: Tensor, cache: KVCache, slots:
         ops.write_kv(cache, layer, slots, write_pos, k, v)
         return ops.attention(q, cache.k[layer], cache.v[layer], slots, start, positions, anc, chain, tail, kv_len)
 
+    return attend
+
+
+def run(target, input_ids: Tensor, positions: Tensor, attend, logits_at: Tensor | None,
+        hidden_layers: tuple[int, ...], *, triton: bool, blas: tuple[tuple[int, int], ...] = (), head: bool = True):
+    """The target's layers in exact mode with ``attend`` as their attention (:func:`attender`, or a segmented
+    forward's, :meth:`ddtree.models.target.TargetModel.forward_segments`) -> its ``TargetOutput``."""
+    ops = _Ops(triton, frozenset(blas))
     weight = _head_weight(target)
     with exact_blas.pinned_blas(input_ids.device) if blas else contextlib.nullcontext():  # the library it checked
         return target.run_layers(input_ids, positions,

@@ -72,6 +72,18 @@ def attend_over_cache(cache: KVCache, layer: int, q: Tensor, k: Tensor, v: Tenso
     return masked_attention(q, k_all.to(q.dtype), v_all.to(q.dtype), attn_mask[:, None])
 
 
+class Segment(NamedTuple):
+    """One group of rows of a segmented forward (:meth:`TargetModel.forward_segments`), in
+    :meth:`TargetModel.forward`'s own terms: rows of one width, their own visibility (and so attention path)."""
+
+    input_ids: Tensor  # [R, T]
+    positions: Tensor  # [R, T] RoPE
+    slots: Tensor  # [R]
+    write_pos: Tensor  # [R, T]
+    visibility: Tensor | TreeVisibility  # a dense mask [R, T, S] or a TreeVisibility, as forward takes it
+    logits_at: Tensor | None  # [R, N] indices into T whose final-normed states come back; None = all T
+
+
 class TargetOutput(NamedTuple):
     logits: Tensor | None  # [R, N, V]
     hidden: Tensor | None  # [R, T, len(hidden_layers) * H]
@@ -163,6 +175,15 @@ class TargetModel(nn.Module):
         if kernels is not None and kernels.exact:  # exact mode: its own forward (ddtree.models.exact_forward)
             return exact_forward.forward(self, input_ids, positions, cache, slots, write_pos, visibility, logits_at,
                                          hidden_layers, triton=can_run(input_ids), blas=kernels.exact_blas, head=head)
+        attend = self._attender(cache, slots, write_pos, visibility)
+        fused = kernels is not None and kernels.fused_ops
+        with blas_for_rows(input_ids.numel(), input_ids.device, rule=kernels is None or kernels.blas_rule):
+            return self._run(input_ids, positions, attend, logits_at, hidden_layers, fused, head)
+
+    def _attender(self, cache: KVCache, slots: Tensor, write_pos: Tensor,
+                  visibility: Tensor | TreeVisibility) -> Callable[[int, Tensor, Tensor, Tensor], Tensor]:
+        """The layers' attention over ``cache`` for rows of ``slots`` (:func:`attend_over_cache`), its path picked
+        once from the visibility's type: the kernel's packed visibility, or the dense mask built here."""
         if isinstance(visibility, TreeVisibility):
             if self.supports_tree_attention():
                 visibility = visibility.with_packed()  # once here, not in each layer's kernel call
@@ -171,14 +192,60 @@ class TargetModel(nn.Module):
         elif not isinstance(visibility, Tensor):
             raise ShapeError(f"TargetModel.forward takes a dense mask tensor or a TreeVisibility as visibility, "
                              f"got {type(visibility).__name__}")
-        fused = kernels is not None and kernels.fused_ops
-        rule = kernels is None or kernels.blas_rule
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             return attend_over_cache(cache, layer, q, k, v, slots, write_pos, visibility)
 
-        with blas_for_rows(input_ids.numel(), input_ids.device, rule=rule):
-            return self._run(input_ids, positions, attend, logits_at, hidden_layers, fused, head)
+        return attend
+
+    def forward_segments(self, segments: list[Segment], cache: KVCache, *, kernels: KernelSet | None = None,
+                         hidden_layers: tuple[int, ...] = ()) -> list[TargetOutput]:
+        """One forward over several groups of rows of different widths: per segment, ``hidden`` [R, T, F] and the
+        final-normed states at its ``logits_at`` as ``normed`` [R, N, H] (:meth:`head_logits` gives the logits).
+
+        Why: a verify round's trees (R rows of N nodes) and a prompt chunk (a row of hundreds of tokens) share the
+        target's weights; padding both to one width would multiply the trees' rows, two forwards read the weights
+        twice. Here every token-wise op (embedding, norms, the five linears, RoPE) runs once over all the segments'
+        tokens, flattened to one row ``[1, sum R x T]``, and attention runs per segment over its own rows and
+        visibility (each writes its K/V before it attends, as :meth:`forward` does; the segments' rows must be
+        different requests, whose cache slots they alone touch). In exact mode the token-wise ops compute a row the
+        same way whatever else is in the call, so every segment gets the bits :meth:`forward` gives it alone."""
+        self._check_hidden_layers(hidden_layers)
+        if not segments:
+            raise ShapeError("forward_segments needs at least one segment")
+        exact = kernels is not None and kernels.exact
+        ids = torch.cat([s.input_ids.reshape(1, -1) for s in segments], 1)
+        positions = torch.cat([s.positions.reshape(1, -1) for s in segments], 1)
+        dims = [tuple(s.input_ids.shape) for s in segments]
+        if exact:
+            triton = can_run(ids)
+            attends = [exact_forward.attender(self, cache, s.slots, s.write_pos, s.positions, s.visibility,
+                                              triton=triton) for s in segments]
+        else:
+            attends = [self._attender(cache, s.slots, s.write_pos, s.visibility) for s in segments]
+        index, offset = [], 0  # each segment's logits_at as indices into the flat row
+        for s, (r, t) in zip(segments, dims, strict=True):
+            at = s.logits_at if s.logits_at is not None else torch.arange(t, device=ids.device).expand(r, t)
+            index.append((at + offset + torch.arange(r, device=ids.device)[:, None] * t).reshape(1, -1))
+            offset += r * t
+        logits_at = torch.cat(index, 1)
+        attend = _segmented_attend(attends, dims)
+        if exact:
+            out = exact_forward.run(self, ids, positions, attend, logits_at, hidden_layers, triton=triton,
+                                    blas=kernels.exact_blas, head=False)
+        else:
+            with blas_for_rows(ids.numel(), ids.device, rule=kernels is None or kernels.blas_rule):
+                out = self._run(ids, positions, attend, logits_at, hidden_layers,
+                                kernels is not None and kernels.fused_ops, head=False)
+        outs, offset, at_offset = [], 0, 0
+        for s, (r, t) in zip(segments, dims, strict=True):
+            n = t if s.logits_at is None else s.logits_at.shape[1]
+            hidden = None if out.hidden is None else out.hidden[0, offset : offset + r * t].view(r, t, -1)
+            normed = out.normed[0, at_offset : at_offset + r * n].view(r, n, -1)
+            outs.append(TargetOutput(None, hidden, normed))
+            offset += r * t
+            at_offset += r * n
+        return outs
 
     def head_logits(self, normed: Tensor, *, kernels: KernelSet | None = None) -> Tensor:
         """The logits ``[R, N, V]`` of a ``head=False`` forward's ``normed [R, N, H]``: bit for bit what that forward
@@ -239,3 +306,23 @@ class TargetModel(nn.Module):
         if head is None:
             return TargetOutput(None, hidden, normed)
         return TargetOutput(head(normed), hidden)
+
+
+def _segmented_attend(attends: list[Callable[[int, Tensor, Tensor, Tensor], Tensor]],
+                      dims: list[tuple[int, int]]) -> Callable[[int, Tensor, Tensor, Tensor], Tensor]:
+    """The attention of a flat forward over segments (:meth:`TargetModel.forward_segments`): q [1, H, sum R x T, D]
+    (k, v with KV heads) cut into each segment's [R, H, T, D], attended by that segment's ``attends`` entry, and put
+    back as [1, H, sum R x T, D] (a transposed view of [1, tokens, H, D] memory, as the layers' own attention returns)."""
+
+    def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        outs, offset = [], 0
+        for fn, (r, t) in zip(attends, dims, strict=True):
+            # [1, heads, tokens, D] -> this segment's [R, heads, T, D]
+            q_, k_, v_ = (x[0, :, offset : offset + r * t].unflatten(1, (r, t)).transpose(0, 1).contiguous()
+                          for x in (q, k, v))
+            out = fn(layer, q_, k_, v_)  # [R, H, T, D]
+            outs.append(out.transpose(1, 2).reshape(1, r * t, *out.shape[1:2], out.shape[-1]))
+            offset += r * t
+        return torch.cat(outs, 1).transpose(1, 2)
+
+    return attend

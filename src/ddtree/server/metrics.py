@@ -155,6 +155,10 @@ class _EngineCollector(Collector):
         yield counter("prompt_tokens", "Prompt tokens of admitted requests.", get("prompt_tokens_total"))
         yield counter("generation_tokens", "Completion tokens generated.", get("generation_tokens_total"))
         yield counter("spec_verify_calls", "Verify rounds (one target pass each).", get("verify_rounds_total"))
+        yield counter("mixed_rounds", "Decode rounds whose verify forward carried prompt chunks (mixed_chunk).",
+                      get("mixed_rounds_total"))
+        yield counter("mixed_prompt_tokens", "Prompt tokens prefilled inside decode rounds.",
+                      get("mixed_prompt_tokens_total"))
 
         hist = [] if snap is None else list(snap.accept_hist)
         rounds = sum(hist)

@@ -1,0 +1,208 @@
+"""Mixed rounds (EngineConfig.mixed_chunk): newcomers' prompt chunks ride in the decode round's verify forward.
+
+References: the plain full-recompute decoder (greedy, fp32), the same engine with mixing off (seeded sampling),
+and a spy on the runner that records every target forward: what it carried and whether anyone was decoding.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from ddtree.engine import EngineConfig, GenerationRequest, SamplingParams, TreeSettings
+from ddtree.engine.runner import ModelRunner
+from ddtree.errors import ConfigError
+
+# prompts of different lengths: the long one takes several chunks of 16 tokens
+PROMPTS = [
+    "def fibonacci(n):\n    ",
+    "import os\nimport sys\n\n\nclass Config:\n    def __init__(self, path, mode='r', *, strict=True):\n        ",
+    "x",
+    "    return '\\n'.join(lines)\n\n\ndef wrap(text, width=70, **kwargs):\n",
+]
+TREES = [TreeSettings(method="ddtree", budget=6), TreeSettings(method="dflash"), TreeSettings(method="ar"),
+         TreeSettings(method="ddtree", budget=12, topk=3)]
+N = 24
+
+
+def _plain(target, ids: list[int], n: int) -> list[int]:
+    ids = list(ids)
+    with torch.inference_mode():
+        for _ in range(n):
+            ids.append(int(target.forward_train(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[-n:]
+
+
+@pytest.fixture(scope="module")
+def references(tiny_pair, tiny_tokenizer):
+    return {p: _plain(tiny_pair[0], tiny_tokenizer.encode(p), N) for p in PROMPTS}
+
+
+class _Spy:
+    """Every target forward the runner runs: ("round", rows, prompt tokens it carried) or ("prefill", rows, tokens),
+    and whether some request was decoding at that moment."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.calls: list[tuple[str, int, int, bool]] = []
+        self.engine = None
+        real_round, real_prefill = ModelRunner.round, ModelRunner.prefill
+        spy = self
+
+        def round_(runner, inp, timer, work=None):
+            carried = 0 if inp.prefill is None else int(inp.prefill.valid_len.sum())
+            spy.calls.append(("round", inp.shape.rows, carried, True))
+            return real_round(runner, inp, timer, work)
+
+        def prefill(runner, inp, **kw):
+            spy.calls.append(("prefill", inp.ids.shape[0], int(inp.valid_len.sum()), spy._decoding()))
+            return real_prefill(runner, inp, **kw)
+
+        monkeypatch.setattr(ModelRunner, "round", round_)
+        monkeypatch.setattr(ModelRunner, "prefill", prefill)
+
+    def _decoding(self) -> bool:
+        from ddtree.engine.request_state import Phase
+
+        engine = self.engine  # None during the engine's start-up warm-up
+        return engine is not None and any(s.phase is Phase.DECODE for s in engine._active.values())
+
+
+def _staggered(engine, requests, gap: float = 0.03) -> list[list[int]]:
+    """Submit ``requests`` one by one, ``gap`` seconds apart (each arrives while the earlier ones decode)."""
+    results: dict[int, list[int]] = {}
+    done = threading.Event()
+    for i, req in enumerate(requests):
+        toks: list[int] = []
+
+        def on_chunk(ch, i=i, toks=toks):
+            toks.extend(ch.token_ids)
+            if ch.finished:
+                assert ch.finish_reason == "length", ch.error
+                results[i] = toks
+                if len(results) == len(requests):
+                    done.set()
+
+        engine.submit(req, on_chunk)
+        time.sleep(gap)
+    assert done.wait(120)
+    return [results[i] for i in range(len(requests))]
+
+
+def _greedy(prompts, trees):
+    return [GenerationRequest(prompt=p, tree=t, sampling=SamplingParams(max_tokens=N, ignore_eos=True))
+            for p, t in zip(prompts, trees, strict=True)]
+
+
+def test_mixed_rounds_give_the_plain_decoders_tokens_within_the_chunk_bound(tiny_engine_factory, references,
+                                                                            monkeypatch):
+    """Staggered arrivals with mixed rounds of 16 prompt tokens: every output equals the plain decoder's; while a
+    request decodes no prompt is prefilled by a step of its own, and no round carries more than 16 prompt tokens;
+    prompts longer than one chunk ride in several rounds, and prompts really ride (the guard)."""
+    spy = _Spy(monkeypatch)
+    engine = tiny_engine_factory(oracle=True, max_batch=4, mixed_chunk=16)
+    spy.engine = engine
+    prompts, trees = PROMPTS * 2, TREES * 2
+    outs = _staggered(engine, _greedy(prompts, trees))
+    for out, p in zip(outs, prompts, strict=True):
+        assert out == references[p]
+    rides = [c for c in spy.calls if c[0] == "round" and c[2]]
+    assert len(rides) >= len(prompts) - 1, spy.calls  # all but the first request's prompt rode (at least once each)
+    assert max(c[2] for c in rides) <= 16
+    assert not [c for c in spy.calls if c[0] == "prefill" and c[3]], "a prefill step ran while requests decoded"
+    long = len(engine.tokenizer.encode(PROMPTS[1]))
+    assert long > 2 * 16 and sum(c[2] for c in rides) >= long  # the long prompt took several rides
+    snap = engine.snapshot()
+    assert snap.mixed_rounds_total == len(rides)
+    assert snap.mixed_prompt_tokens_total == sum(c[2] for c in rides)
+
+
+def test_mixing_off_prefills_in_steps_of_their_own(tiny_engine_factory, references, monkeypatch):
+    spy = _Spy(monkeypatch)
+    engine = tiny_engine_factory(oracle=True, max_batch=4, mixed_chunk=0)
+    spy.engine = engine
+    outs = _staggered(engine, _greedy(PROMPTS, TREES))
+    assert outs == [references[p] for p in PROMPTS]
+    assert not [c for c in spy.calls if c[0] == "round" and c[2]]
+    assert [c for c in spy.calls if c[0] == "prefill" and c[3]]  # the guard: steps did run beside decoding rows
+
+
+def test_sampled_outputs_are_the_same_with_and_without_mixing(tiny_engine_factory):
+    """Seeded sampling: a request's tokens depend on its seed and step only, not on how its prompt was written."""
+    reqs = [GenerationRequest(prompt=p, tree=t, sampling=SamplingParams(max_tokens=N, temperature=0.8, top_p=0.9,
+                                                                        seed=11 + i, ignore_eos=True))
+            for i, (p, t) in enumerate(zip(PROMPTS, TREES, strict=True))]
+    mixed = _staggered(tiny_engine_factory(oracle=True, max_batch=4, mixed_chunk=16), reqs)
+    steps = _staggered(tiny_engine_factory(oracle=True, max_batch=4, mixed_chunk=0), reqs)
+    assert mixed == steps
+
+
+def test_a_failing_mixed_round_loses_no_request(tiny_engine_factory, references, monkeypatch):
+    """A mixed round that raises at launch: the decoding rows rerun alone and the riders prefill in a step of
+    their own; every request still ends with the plain decoder's tokens."""
+    real_round = ModelRunner.round
+    failed = []
+
+    def round_(runner, inp, timer, work=None):
+        if inp.prefill is not None and not failed:
+            failed.append(True)
+            raise RuntimeError("injected fault in a mixed round")
+        return real_round(runner, inp, timer, work)
+
+    monkeypatch.setattr(ModelRunner, "round", round_)
+    engine = tiny_engine_factory(oracle=True, max_batch=4, mixed_chunk=16)
+    outs = _staggered(engine, _greedy(PROMPTS, TREES))
+    assert failed
+    assert outs == [references[p] for p in PROMPTS]
+
+
+def test_requests_that_ask_for_logprobs_prefill_in_steps_and_still_match(tiny_engine_factory, references,
+                                                                        monkeypatch):
+    spy = _Spy(monkeypatch)
+    engine = tiny_engine_factory(oracle=True, max_batch=4, mixed_chunk=16)
+    spy.engine = engine
+    reqs = _greedy(PROMPTS, TREES)
+    reqs[2] = GenerationRequest(prompt=PROMPTS[2], tree=TREES[2],
+                                sampling=SamplingParams(max_tokens=N, ignore_eos=True, logprobs=2))
+    outs = _staggered(engine, reqs)
+    assert outs == [references[p] for p in PROMPTS]
+    assert [c for c in spy.calls if c[0] == "prefill" and c[3]]  # its prompt took a step of its own
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True])
+def test_a_bad_mixed_chunk_is_refused(value):
+    with pytest.raises(ConfigError, match="mixed_chunk"):
+        EngineConfig(mixed_chunk=value).validated()
+
+
+@pytest.mark.gpu
+def test_gpu_exact_mixed_rounds_give_ar_bits():
+    """On CUDA in bf16 exact mode (Triton kernels, graphed rounds beside eager mixed ones): with staggered arrivals
+    every request's prompt but the first rides in decode rounds, and every output equals AR alone bit for bit."""
+    from ddtree.assets import demo_drafter_path, demo_target_path
+    from ddtree.engine import Engine
+    from ddtree.models import load_drafter, load_target, load_tokenizer
+
+    tokenizer = load_tokenizer(demo_target_path())
+    target = load_target(demo_target_path(), dtype=torch.bfloat16, device="cuda")
+    drafter = load_drafter(demo_drafter_path(), dtype=torch.bfloat16, device="cuda")
+    config = EngineConfig(device="cuda", dtype="bfloat16", max_batch=8, max_len=1024, max_budget=16, exact=True,
+                          mixed_chunk=64, warmup="none")
+    engine = Engine.from_models(target, drafter, tokenizer, config, model_name="demo")
+    engine.start()
+    try:
+        long = "def fib(n):\n    " + "a, b = b, a + b\n    " * 30
+        prompts = [PROMPTS[0], long, PROMPTS[1], PROMPTS[3], long + "# end\n", PROMPTS[0] * 3]
+        def req(p, tree):
+            return GenerationRequest(prompt=p, tree=tree, sampling=SamplingParams(max_tokens=48, ignore_eos=True))
+        ar = {p: engine.generate([req(p, TreeSettings(method="ar"))])[0].token_ids for p in prompts}
+        trees = [TreeSettings(method="ddtree", budget=b) for b in (4, 8, 16)] + [TreeSettings(method="dflash")]
+        reqs = [req(p, trees[i % len(trees)]) for i, p in enumerate(prompts)]
+        outs = _staggered(engine, reqs, gap=0.02)
+        assert engine.snapshot().mixed_rounds_total > 0
+    finally:
+        engine.shutdown()
+    for r, out in zip(reqs, outs, strict=True):
+        assert out == ar[r.prompt], f"{r.tree} differs from AR on {r.prompt[:30]!r}"
