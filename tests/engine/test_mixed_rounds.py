@@ -179,7 +179,7 @@ def test_a_bad_mixed_chunk_is_refused(value):
 
 @pytest.mark.gpu
 def test_gpu_exact_mixed_rounds_give_ar_bits():
-    """On CUDA in bf16 exact mode (Triton kernels, graphed rounds beside eager mixed ones): with staggered arrivals
+    """On CUDA in bf16 exact mode (Triton kernels, graphed rounds and graphed mixed rounds): with staggered arrivals
     every request's prompt but the first rides in decode rounds, and every output equals AR alone bit for bit."""
     from ddtree.assets import demo_drafter_path, demo_target_path
     from ddtree.engine import Engine
@@ -202,7 +202,10 @@ def test_gpu_exact_mixed_rounds_give_ar_bits():
         reqs = [req(p, trees[i % len(trees)]) for i, p in enumerate(prompts)]
         outs = _staggered(engine, reqs, gap=0.02)
         assert engine.snapshot().mixed_rounds_total > 0
+        # the graphed path (RoundGraphs.run_mixed) ran: chunk layers graphs were captured
+        assert sum(len(c.mixed) for c in engine.graphs.graphs.values()) > 0
     finally:
         engine.shutdown()
     for r, out in zip(reqs, outs, strict=True):
         assert out == ar[r.prompt], f"{r.tree} differs from AR on {r.prompt[:30]!r}"
+

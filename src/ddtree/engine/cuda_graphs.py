@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 import torch
@@ -36,7 +36,9 @@ from torch import Tensor
 
 from ddtree.engine.graph_capture import Recorder
 from ddtree.engine.round import (
+    ChunkRows,
     PackedRows,
+    PrefillInputs,
     RoundInputs,
     RoundShape,
     RoundWork,
@@ -44,7 +46,7 @@ from ddtree.engine.round import (
     TreeStage,
     VerifyStage,
 )
-from ddtree.engine.runner import STAGE_SHAPE_FIELDS, ModelRunner, PrefillInputs, StageTimer
+from ddtree.engine.runner import STAGE_SHAPE_FIELDS, ModelRunner, StageTimer
 
 
 def bucket_rows(rows: int, max_rows: int) -> int:
@@ -210,6 +212,34 @@ class _Tree:
     valid_at: int = 0  # RoundGraphs.generation when its outputs were last written
 
 
+@dataclass(frozen=True)
+class ChunkKey:
+    """The bucket of a mixed round's prompt chunk (:meth:`RoundGraphs.run_mixed`): rows, width, key length."""
+
+    rows: int  # riders bucket (powers of two)
+    width: int  # tokens per row: a power of two >= 16, at most the engine's mixed_chunk rounded up to 16
+    kv_len: int  # bucket_length of the furthest row's start + width
+
+
+def chunk_key(chunk: ChunkRows, *, max_rows: int, max_width: int, cache_len: int) -> ChunkKey:
+    """The key of ``chunk``; ``max_width``: EngineConfig.mixed_chunk rounded up to 16 (the cache's headroom)."""
+    take = chunk.ids.shape[1]
+    width = min(max(16, 1 << (take - 1).bit_length()), max(max_width, -(-take // 16) * 16))
+    return ChunkKey(rows=bucket_rows(len(chunk.slots), max_rows), width=width,
+                    kv_len=bucket_length(max(chunk.start) + width, cache_len))
+
+
+@dataclass
+class _Mixed:
+    """A round key's verify layers with a prompt chunk riding in them (one :class:`ChunkKey`): the graph, its static
+    chunk buffer and its output."""
+
+    packed: Tensor  # [rows * width + 3 * rows] long device: the ids row by row, then slots, starts, valid lengths
+    host: Tensor  # its pinned staging copy
+    graph: torch.cuda.CUDAGraph
+    work: RoundWork  # its output: work.verify.prompt_normed [rows, 1, H], the states at each chunk row's last token
+
+
 @dataclass
 class _Captured:
     static: RoundInputs  # per-row fields are views of front.packed
@@ -219,6 +249,7 @@ class _Captured:
     # per timed stage (ModelRunner.STAGES): the graphs it replays in order (none: the stage does nothing); the
     # verify replays the shared layers' graph, then the key's own head-and-choice graph
     graphs: tuple[tuple[torch.cuda.CUDAGraph, ...], ...]
+    mixed: dict[ChunkKey, _Mixed] = field(default_factory=dict)  # its mixed-round layers, by chunk key
 
 
 def stage_key(shape: RoundShape, stage: str) -> tuple:
@@ -241,9 +272,12 @@ class RoundGraphs:
     """
 
     def __init__(self, runner: ModelRunner, *, max_rows: int, cache_len: int, max_graphs: int = 96,
-                 attention: AttentionDims | None = None, recorder: Recorder | None = None) -> None:
+                 attention: AttentionDims | None = None, recorder: Recorder | None = None,
+                 max_chunk_width: int = 16) -> None:
         """attention: the launches' dimensions (:meth:`AttentionDims.of`): keys that launch alike share graphs.
-        recorder: how captures run (:class:`~ddtree.engine.graph_capture.Recorder`: an eager pass per new signature)."""
+        recorder: how captures run (:class:`~ddtree.engine.graph_capture.Recorder`: an eager pass per new signature).
+        max_chunk_width: the widest chunk row of a mixed round (EngineConfig.mixed_chunk rounded up to 16: inside
+        the cache's headroom)."""
         self.runner = runner
         self.attention = attention
         self.max_rows = max_rows
@@ -261,6 +295,9 @@ class RoundGraphs:
         # warm-up replays nothing but the graphs it just captured, which cannot overlap older live outputs).
         self.generation = 0
         self._pad = PackedRows.pack([RowInputs.padding(self.scratch)])  # [F, 1] host
+        self.max_chunk_width = max_chunk_width
+        self.max_mixed = 48  # mixed-round layer graphs held, least recently used dropped first
+        self._mixed_order: OrderedDict[tuple[RoundShape, ChunkKey], None] = OrderedDict()
 
     def can_run(self, rows: int) -> bool:
         return self.runner.device.type == "cuda" and rows <= self.max_rows
@@ -285,7 +322,55 @@ class RoundGraphs:
         Returns the device result ``[R, 2 + L]`` as :meth:`ModelRunner.round` does and the device inputs of the
         real rows, all views of the capture's buffers: the next replay of the same graph overwrites them, so
         anything that reads them must be queued before it."""
+        key, cap, rows_in = self._captured(shape, rows_in)
+        self._load(key, cap, rows_in, patch)
+        for name, graphs in zip(ModelRunner.STAGES, cap.graphs, strict=True):
+            with timer.stage(name):
+                for graph in graphs:
+                    graph.replay()
         rows = rows_in.rows
+        return cap.work.result[:rows], PackedRows(cap.front.packed.longs[:, :rows], cap.front.packed.floats[:, :rows])
+
+    @torch.inference_mode()
+    def run_mixed(self, rows_in: PackedRows, shape: RoundShape, timer: StageTimer, chunk: ChunkRows,
+                  patch: Callable[[PackedRows], None] | None = None) -> tuple[Tensor, PackedRows, Tensor]:
+        """:meth:`run` for a mixed round: ``chunk``'s rows ride in the verify's layers (the key's layers graph
+        swapped for one of the round key and the chunk's :class:`ChunkKey`, captured on first use). Returns also
+        the final-normed states ``[P, 1, H]`` at each chunk row's last token (a copy: ``head_logits`` gives the
+        first tokens' logits)."""
+        key, cap, rows_in = self._captured(shape, rows_in)
+        ckey = chunk_key(chunk, max_rows=self.max_rows, max_width=self.max_chunk_width, cache_len=self.cache_len)
+        mixed = cap.mixed.get(ckey)
+        if mixed is None:
+            mixed = self._capture_mixed(key, cap, ckey)
+        self._mixed_order.pop((key, ckey), None)
+        self._mixed_order[(key, ckey)] = None
+        p, w = chunk.ids.shape
+        host = self._chunk_padding(ckey)
+        ids, slots, start, valid = self._chunk_views(host, ckey)
+        ids[:p, :w] = chunk.ids
+        slots[:p] = torch.tensor(chunk.slots, dtype=torch.long)
+        start[:p] = torch.tensor(chunk.start, dtype=torch.long)
+        valid[:p] = torch.tensor(chunk.valid_len, dtype=torch.long)
+        mixed.host.copy_(host)
+        mixed.packed.copy_(mixed.host, non_blocking=True)
+        self._load(key, cap, rows_in, patch)
+        prompt = None
+        for name, graphs in zip(ModelRunner.STAGES, cap.graphs, strict=True):
+            if name == "verify":  # the chunk's layers graph in place of the shared layers graph, then the choice
+                graphs = (mixed.graph, *graphs[1:])
+            with timer.stage(name):
+                for graph in graphs:
+                    graph.replay()
+                    if graph is mixed.graph:  # copied out before the next graph, whose scratch may lie under it
+                        prompt = mixed.work.verify.prompt_normed[:p].clone()
+        rows = rows_in.rows
+        return (cap.work.result[:rows], PackedRows(cap.front.packed.longs[:, :rows], cap.front.packed.floats[:, :rows]),
+                prompt)
+
+    def _captured(self, shape: RoundShape, rows_in: PackedRows) -> tuple[RoundShape, _Captured, PackedRows]:
+        """The key of ``shape`` and its capture (made now if new); ``rows_in`` cloned when a capture would reset
+        the buffers it is a view of."""
         self.generation += 1
         key = self.key_for(shape)
         cap = self.graphs.get(key)
@@ -295,6 +380,12 @@ class RoundGraphs:
             cap = self._capture(key)
         else:
             self.graphs.move_to_end(key)
+        return key, cap, rows_in
+
+    def _load(self, key: RoundShape, cap: _Captured, rows_in: PackedRows,
+              patch: Callable[[PackedRows], None] | None) -> None:
+        """Copy ``rows_in`` and padding rows into the key's static inputs, then ``patch`` the real rows."""
+        rows = rows_in.rows
         packed, host, pad = cap.front.packed, cap.front.host, cap.front.pad
         if rows_in.longs.is_cuda:  # inputs already on the device (a round advanced there from the previous one)
             packed.longs[:, :rows].copy_(rows_in.longs)
@@ -311,11 +402,63 @@ class RoundGraphs:
             packed.floats.copy_(host.floats, non_blocking=True)
         if patch is not None:
             patch(PackedRows(packed.longs[:, :rows], packed.floats[:, :rows]))
-        for name, graphs in zip(ModelRunner.STAGES, cap.graphs, strict=True):
-            with timer.stage(name):
-                for graph in graphs:
-                    graph.replay()
-        return cap.work.result[:rows], PackedRows(packed.longs[:, :rows], packed.floats[:, :rows])
+
+    @staticmethod
+    def _chunk_views(packed: Tensor, key: ChunkKey) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """ids [rows, width], slots, starts, valid lengths [rows]: contiguous views of one flat buffer."""
+        n, r = key.rows * key.width, key.rows
+        return (packed[:n].view(r, key.width), packed[n : n + r], packed[n + r : n + 2 * r],
+                packed[n + 2 * r : n + 3 * r])
+
+    def _chunk_padding(self, key: ChunkKey) -> Tensor:
+        """Host buffer of an all-padding chunk: token 0 at position 0 of the scratch slot, one valid token a row."""
+        host = torch.zeros(key.rows * key.width + 3 * key.rows, dtype=torch.long)
+        _, slots, _, valid = self._chunk_views(host, key)
+        slots.fill_(self.scratch)
+        valid.fill_(1)
+        return host
+
+    def _capture_mixed(self, key: RoundShape, cap: _Captured, ckey: ChunkKey) -> _Mixed:
+        """Capture ``key``'s verify layers with a chunk of ``ckey`` riding in them. They read the key's tree stage
+        outputs and write the shared layers' outputs (hidden, normed) that the key's choice graph reads. The eager
+        passes and the recording run on padding rows (the front reset, its draft and tree stages replayed on them),
+        as every capture does, so no live slot's cache is written."""
+        runner = self.runner
+        self.recorder.make_room()
+        front, tree = cap.front, cap.tree
+        front.packed.longs.copy_(front.pad.longs)
+        front.packed.floats.copy_(front.pad.floats)
+        if front.draft is not None:
+            front.draft.replay()
+        tree.graph.replay()
+        self.generation += 1
+        front.valid_at = tree.valid_at = self.generation
+        host = self._chunk_padding(ckey)
+        packed = host.to(runner.device)
+        ids, slots, start, valid = self._chunk_views(packed, ckey)
+        # last_index is derived inside, so a replay sees the new valid lengths
+        static = replace(cap.static, prefill=PrefillInputs(ids=ids, slots=slots, start=start, valid_len=valid,
+                                                           last_index=valid - 1, kv_len=ckey.kv_len))
+
+        work = RoundWork(draft_hidden=front.draft_hidden, tree=tree.tree)
+
+        def layers() -> None:
+            runner.stage_forward(static, work)
+            tree.verify.normed.copy_(work.verify.normed)
+            if tree.verify.hidden is not None:
+                tree.verify.hidden.copy_(work.verify.hidden)
+
+        sig = ("mixed", key.rows, key.block_size, key.max_budget, key.auto_width, ckey.rows, ckey.width)
+        self.recorder.warm_up(layers, sig)
+        graph, _ = self.recorder.record(layers, self.pool, stage="mixed", signature=sig)
+        mixed = _Mixed(packed=packed, host=host.pin_memory(), graph=graph, work=work)
+        cap.mixed[ckey] = mixed
+        while len(self._mixed_order) >= self.max_mixed:  # the least recently used go first
+            old_key, old_ckey = self._mixed_order.popitem(last=False)[0]
+            old = self.graphs.get(old_key)
+            if old is not None:
+                old.mixed.pop(old_ckey, None)
+        return mixed
 
     def capture(self, key: RoundShape) -> None:
         """Capture the graphs of ``key`` (a graph key) now unless they (or its shared key's) exist: the warm-up's

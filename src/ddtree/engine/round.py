@@ -165,6 +165,17 @@ class PrefillInputs:
 
 
 @dataclass(frozen=True)
+class ChunkRows:
+    """A mixed round's prompt chunk on the host, before it becomes :class:`PrefillInputs` on the device (eagerly,
+    or in a CUDA graph's static buffers: :meth:`ddtree.engine.cuda_graphs.RoundGraphs.run_mixed`)."""
+
+    ids: Tensor  # [P, W] long host, each row's tokens then zeros
+    slots: tuple[int, ...]  # [P]
+    start: tuple[int, ...]  # [P] prompt tokens already in the cache
+    valid_len: tuple[int, ...]  # [P] real tokens of each row
+
+
+@dataclass(frozen=True)
 class RoundInputs:
     """A round as the runner's stages read it: the shape and one ``[R]`` device tensor per :class:`RowInputs`
     field (same names), views of a :class:`PackedRows`."""

@@ -301,7 +301,12 @@ class ModelRunner:
                                                         depth_steps, any_filter=inp.shape.filtered)
         verify.logits = logits if inp.shape.logprobs else None
         if verify.prompt_normed is not None:  # a mixed round: the target's logits at each chunk's last token
-            work.first_logits = self.target.head_logits(verify.prompt_normed, kernels=self.kernels)[:, 0]
+            work.first_logits = self.chunk_logits(verify.prompt_normed)
+
+    def chunk_logits(self, prompt_normed: Tensor) -> Tensor:
+        """A mixed round's logits ``[P, V]`` at each chunk row's last token from its final-normed states
+        ``[P, 1, H]`` (the same head as a prefill step's)."""
+        return self.target.head_logits(prompt_normed, kernels=self.kernels)[:, 0]
 
     def stage_commit(self, inp: RoundInputs, work: RoundWork) -> None:
         max_depth = inp.shape.block_size - 1 if work.draft_hidden is not None else 0

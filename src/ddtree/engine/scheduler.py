@@ -42,6 +42,7 @@ from ddtree.engine.logprobs import bits_to_floats, device_logprobs, host_entries
 from ddtree.engine.request_state import Phase, RequestState
 from ddtree.engine.round import (
     NO_WINDOW,
+    ChunkRows,
     PackedRows,
     PrefillInputs,
     RoundInputs,
@@ -374,19 +375,17 @@ class Scheduler:
                    self._upload(torch.tensor([s.sampling.min_tokens for s in finished], dtype=torch.long)))
         return self.runner.sample_first(last, temp, top_p, top_k, seed, greedy, _any_filter(finished), min_tokens=ban)
 
-    def _ride(self, riders: list[RequestState], work: RoundWork, t0: float) -> None:
-        """Account for the chunks a mixed round carries (queued, not read): the riders' prompts move on, and those
-        whose prompt it ends get their first token sampled on the device from ``work.first_logits``, read with
-        any prefill step's at the top of the next loop iteration (:class:`_FirstTokens`); they decode from the
-        round after."""
-        rows = self._ride_rows(riders)
+    def _ride(self, rows: list[tuple[RequestState, int]], logits: torch.Tensor, t0: float) -> None:
+        """Account for the chunk rows a mixed round carries (queued, not read): the riders' prompts move on, and
+        those whose prompt it ends get their first token sampled on the device from ``logits`` [P, V] (each row's
+        last token), read with any prefill step's at the top of the next loop iteration (:class:`_FirstTokens`);
+        they decode from the round after."""
         for state, take in rows:
             state.prefilled += take
         done = [i for i, (s, _) in enumerate(rows) if s.prefilled == len(s.prompt_ids)]
         if not done:
             return
         finished = [rows[i][0] for i in done]
-        logits = work.first_logits
         last = logits if len(done) == len(rows) else logits[self._upload(torch.tensor(done))]  # [D, V]
         chosen = self._sample_first(finished, last)
         for state in finished:
@@ -533,14 +532,19 @@ class Scheduler:
                riders: list[RequestState] = ()) -> _Flight:
         """Queue a round from packed inputs (host tensors, or device tensors for a follow-up round); ``patch``
         edits the device inputs before the round runs (:meth:`_root_patch`); ``riders``: a mixed round's
-        prefilling requests (run eagerly: the round graphs hold no prompt chunk)."""
+        prefilling requests (their chunk's layers graph per round key and chunk bucket: RoundGraphs.run_mixed)."""
         timer = StageTimer(self.device)
         t0 = time.perf_counter()
-        chunk = None
-        if riders:
-            ride = self._ride_rows(riders)
-            chunk = self._eager_chunk(ride, self._chunk_ids(ride))
-        if chunk is None and self.graphs is not None and self.graphs.can_run(len(states)):
+        ride = self._ride_rows(riders) if riders else []
+        first_logits = None
+        graphed = self.graphs is not None and self.graphs.can_run(len(states))
+        if ride and graphed:
+            ids = self._chunk_ids(ride)
+            chunk = ChunkRows(ids=ids, slots=tuple(s.slot for s, _ in ride), start=tuple(s.prefilled for s, _ in ride),
+                              valid_len=tuple(t for _, t in ride))
+            result, rows, prompt = self.graphs.run_mixed(rows, shape, timer, chunk, patch=patch)
+            first_logits = self.runner.chunk_logits(prompt)
+        elif graphed:
             result, rows = self.graphs.run(rows, shape, timer, patch=patch)
         else:
             rows = rows.to(self.device)
@@ -549,14 +553,15 @@ class Scheduler:
                 patch(rows)
             work = RoundWork()
             inp = RoundInputs.from_packed(rows, shape)
-            if chunk is not None:
-                inp = replace(inp, prefill=chunk)
+            if ride:
+                inp = replace(inp, prefill=self._eager_chunk(ride, self._chunk_ids(ride)))
             result = self.runner.round(inp, timer, work)
-            if chunk is not None:
-                self._ride(list(riders), work, t0)
-                with self._lock:
-                    self._counters.mixed_rounds_total += 1
-                    self._counters.mixed_prompt_tokens_total += int(sum(t for _, t in ride))
+            first_logits = work.first_logits
+        if ride:
+            self._ride(ride, first_logits, t0)
+            with self._lock:
+                self._counters.mixed_rounds_total += 1
+                self._counters.mixed_prompt_tokens_total += int(sum(t for _, t in ride))
         return _Flight(states=states, result=result, copy=HostCopy(result), rows=rows, shape=shape, timer=timer,
                        explores=explores, riders=list(riders))
 
