@@ -73,6 +73,7 @@ class _Spy:
 def _staggered(engine, requests, gap: float = 0.03) -> list[list[int]]:
     """Submit ``requests`` one by one, ``gap`` seconds apart (each arrives while the earlier ones decode)."""
     results: dict[int, list[int]] = {}
+    reasons: dict[int, tuple] = {}
     done = threading.Event()
     for i, req in enumerate(requests):
         toks: list[int] = []
@@ -80,14 +81,15 @@ def _staggered(engine, requests, gap: float = 0.03) -> list[list[int]]:
         def on_chunk(ch, i=i, toks=toks):
             toks.extend(ch.token_ids)
             if ch.finished:
-                assert ch.finish_reason == "length", ch.error
                 results[i] = toks
+                reasons[i] = (ch.finish_reason, ch.error)
                 if len(results) == len(requests):
                     done.set()
 
         engine.submit(req, on_chunk)
         time.sleep(gap)
     assert done.wait(120)
+    assert all(r == ("length", None) for r in reasons.values()), reasons
     return [results[i] for i in range(len(requests))]
 
 

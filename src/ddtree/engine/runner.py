@@ -303,6 +303,7 @@ class ModelRunner:
         if verify.prompt_normed is not None:  # a mixed round: the target's logits at each chunk's last token
             work.first_logits = self.chunk_logits(verify.prompt_normed)
 
+    @torch.inference_mode()
     def chunk_logits(self, prompt_normed: Tensor) -> Tensor:
         """A mixed round's logits ``[P, V]`` at each chunk row's last token from its final-normed states
         ``[P, 1, H]`` (the same head as a prefill step's)."""

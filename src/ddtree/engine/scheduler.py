@@ -135,6 +135,7 @@ class Scheduler:
         self._auto = auto_budget.AutoChooser(parts.config.max_budget)
         self._cost_waiters: list[threading.Event] = []  # prepare_auto calls waiting for the loop to measure
         self._first: _FirstTokens | None = None  # the last prefill step's first tokens, until read
+        self._mixing = True  # mixed rounds allowed (off for good once one fails in its graphs)
 
     # ---- the inbox (any thread) --------------------------------------------------------------------------------
     def _enqueue(self, state: RequestState) -> None:
@@ -245,7 +246,7 @@ class Scheduler:
         """The prefilling requests whose next chunk rides in this iteration's decode round (a mixed round): all of
         them while some request decodes and ``EngineConfig.mixed_chunk`` is on, except those that asked for
         log-probs (their prompt's, or their first token's, which a prefill step reads with its logits)."""
-        if self.config.mixed_chunk <= 0 or not prefilling:
+        if self.config.mixed_chunk <= 0 or not prefilling or not self._mixing:
             return []
         if not any(s.phase is Phase.DECODE for s in self._active.values()):
             return []
@@ -542,8 +543,14 @@ class Scheduler:
             ids = self._chunk_ids(ride)
             chunk = ChunkRows(ids=ids, slots=tuple(s.slot for s, _ in ride), start=tuple(s.prefilled for s, _ in ride),
                               valid_len=tuple(t for _, t in ride))
-            result, rows, prompt = self.graphs.run_mixed(rows, shape, timer, chunk, patch=patch)
-            first_logits = self.runner.chunk_logits(prompt)
+            try:
+                result, rows, prompt = self.graphs.run_mixed(rows, shape, timer, chunk, patch=patch)
+                first_logits = self.runner.chunk_logits(prompt)
+            except Exception:  # the loop reruns the rows alone and prefills the riders in a step of their own
+                log.exception("a mixed round failed in its CUDA graphs; prompts are prefilled in steps of their "
+                              "own from now on")
+                self._mixing = False
+                raise
         elif graphed:
             result, rows = self.graphs.run(rows, shape, timer, patch=patch)
         else:
