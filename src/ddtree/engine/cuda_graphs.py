@@ -436,13 +436,14 @@ class RoundGraphs:
         host = self._chunk_padding(ckey)
         packed = host.to(runner.device)
         ids, slots, start, valid = self._chunk_views(packed, ckey)
-        # last_index is derived inside, so a replay sees the new valid lengths
-        static = replace(cap.static, prefill=PrefillInputs(ids=ids, slots=slots, start=start, valid_len=valid,
-                                                           last_index=valid - 1, kv_len=ckey.kv_len))
-
         work = RoundWork(draft_hidden=front.draft_hidden, tree=tree.tree)
 
         def layers() -> None:
+            # Everything the graph reads is made inside it or held by the capture: last_index derived here sees a
+            # replay's valid lengths, and a tensor made outside and held by nothing would be freed and its memory
+            # reused while the graph still reads it (a device assert in the head's gather, H200).
+            static = replace(cap.static, prefill=PrefillInputs(ids=ids, slots=slots, start=start, valid_len=valid,
+                                                               last_index=valid - 1, kv_len=ckey.kv_len))
             runner.stage_forward(static, work)
             tree.verify.normed.copy_(work.verify.normed)
             if tree.verify.hidden is not None:
