@@ -34,8 +34,9 @@ def exact_engine(request, tiny_pair, tiny_tokenizer):
     oracle_cls = next(p.OracleDrafter for p in request.config.pluginmanager.get_plugins() if hasattr(p, "OracleDrafter"))
     target, drafter = (copy.deepcopy(m).to(torch.bfloat16) for m in tiny_pair)
     oracle = oracle_cls(drafter, target, noise=2.0)
-    engine = Engine(target, oracle, tiny_tokenizer, EngineConfig(max_batch=8, max_len=256, max_budget=32, exact=True),
-                    model_name="tiny")
+    # mixed rounds on (EngineConfig.mixed_chunk): staggered arrivals ride in rounds (the last test)
+    engine = Engine(target, oracle, tiny_tokenizer, EngineConfig(max_batch=8, max_len=256, max_budget=32, exact=True,
+                                                                 mixed_chunk=32), model_name="tiny")
     oracle.attach(engine)
     engine.start()
     yield engine

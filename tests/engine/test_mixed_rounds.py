@@ -6,6 +6,7 @@ and a spy on the runner that records every target forward: what it carried and w
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -211,3 +212,89 @@ def test_gpu_exact_mixed_rounds_give_ar_bits():
     for r, out in zip(reqs, outs, strict=True):
         assert out == ar[r.prompt], f"{r.tree} differs from AR on {r.prompt[:30]!r}"
 
+
+
+def _copy_into(old, new) -> None:
+    """Write ``new``'s tensors into ``old``'s (same structure): what a CUDA graph's replay does to its outputs."""
+    if isinstance(old, torch.Tensor):
+        assert isinstance(new, torch.Tensor) and old.shape == new.shape
+        old.copy_(new)
+    elif dataclasses.is_dataclass(old):
+        for f in dataclasses.fields(old):
+            _copy_into(getattr(old, f.name), getattr(new, f.name))
+    elif isinstance(old, tuple):
+        for a, b in zip(old, new, strict=True):
+            _copy_into(a, b)
+    else:
+        assert old == new, (old, new)
+
+
+class _Replays:
+    """CUDA graphs on a CPU: a "graph" reruns the function it recorded, and while it replays, a stage output it
+    assigns (a RoundWork, TreeStage or VerifyStage field already holding one) is copied into the tensors it held
+    at the recording instead, as a real replay writes into the memory it captured. What this cannot show is the
+    device's memory (a tensor the graph reads that nothing keeps alive; the GPU test covers that)."""
+
+    def __init__(self, monkeypatch) -> None:
+        from ddtree.engine import round as rnd
+
+        self.replaying = False
+        for cls in (rnd.RoundWork, rnd.TreeStage, rnd.VerifyStage):
+            monkeypatch.setattr(cls, "__setattr__", self._setter())
+
+    def _setter(self):
+        def setattr_(obj, name, value):
+            current = obj.__dict__.get(name)
+            if self.replaying and current is not None and value is not None:
+                _copy_into(current, value)
+            else:
+                object.__setattr__(obj, name, value)
+
+        return setattr_
+
+    def make_room(self) -> None:
+        pass
+
+    def warm_up(self, fn, signature=None) -> bool:
+        fn()
+        return True
+
+    def record(self, fn, pool, *, stage: str = "graph", signature=None):
+        recorder = self
+
+        class Graph:
+            def replay(self) -> None:
+                recorder.replaying = True
+                try:
+                    fn()
+                finally:
+                    recorder.replaying = False
+
+        return Graph(), fn()
+
+    def record_stages(self, eager, stages, pool, *, signature):
+        eager()
+        return [self.record(fn, pool, stage=stage) for stage, fn in stages]
+
+
+@pytest.mark.parametrize("mixed_chunk", [16, 0])
+def test_graphed_mixed_rounds_give_the_plain_decoders_tokens(mixed_chunk, tiny_engine_factory, references,
+                                                             monkeypatch):
+    """The graphed path of mixed rounds (RoundGraphs.run_mixed: the chunk's layers graph per round key and chunk
+    bucket in place of the shared layers graph) with replays emulated on the CPU (:class:`_Replays`): a value the
+    capture fixed (the chunk's last token), an output not written where the key's choice graph reads it, or a
+    wrong copy of the first tokens' states changes tokens. Several chunk keys must really be captured."""
+    from ddtree.engine.cuda_graphs import RoundGraphs
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    monkeypatch.setattr(RoundGraphs, "can_run", lambda self, rows: rows <= self.max_rows)
+    engine = tiny_engine_factory(oracle=True, max_batch=4, mixed_chunk=mixed_chunk)
+    engine.graphs = RoundGraphs(engine.runner, max_rows=4, cache_len=engine.cache_len,
+                                recorder=_Replays(monkeypatch), max_chunk_width=16)
+    prompts, trees = PROMPTS * 2, TREES * 2
+    outs = _staggered(engine, _greedy(prompts, trees))
+    for out, p in zip(outs, prompts, strict=True):
+        assert out == references[p]
+    chunk_keys = sum(len(c.mixed) for c in engine.graphs.graphs.values())
+    assert chunk_keys >= 2 if mixed_chunk else chunk_keys == 0

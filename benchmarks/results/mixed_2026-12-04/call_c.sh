@@ -1,5 +1,5 @@
 #!/bin/bash
-# One device call (2026-12-04): call B's graphed mixed rounds again after the mend of git <this commit> (the first
+# One device call (2026-12-04): call B's graphed mixed rounds again after the mend of git 0688788 (the first
 # tokens' head ran outside inference mode and failed every graphed mixed round, whose reruns then met a device
 # assert). The exact-mode mixed-round GPU test first, with CUDA_LAUNCH_BLOCKING=1 so a device assert names its
 # kernel; then C = 64 at 60 and 1k with mixed rounds of 256 tokens (call B has the same cells with mixed_chunk 0).

@@ -1,5 +1,5 @@
 #!/bin/bash
-# One device call (2026-12-04): graphed mixed rounds after the mend of git <next commit> (a chunk's last_index was
+# One device call (2026-12-04): graphed mixed rounds after the mend of git f7978e4 (a chunk's last_index was
 # made outside its graph and held by nothing, so the graph read freed memory: call C's device assert). The
 # exact-mode mixed-round GPU test, then C = 64 at 1k (AR, chain, b7; call B has the same cells without mixing).
 set -u

@@ -27,8 +27,11 @@ class EngineConfig:
     prefill_chunk: int = 512  # prompt tokens prefilled per engine step (long prompts are chunked)
     # Prompt tokens a decode round carries in its verify forward for requests still prefilling (a mixed round;
     # ddtree.engine.scheduler): the bound on the extra forward a decoding request waits for per round. 0 = prompts
-    # are prefilled only in steps of their own (prefill_chunk tokens) between rounds.
-    mixed_chunk: int = 256
+    # are prefilled only in steps of their own (prefill_chunk tokens) between rounds. Off by default: on the H200
+    # stand-in at 64 in flight and 1k prompts, 256 tokens a round kept rounds within 10-21 % of their device stages
+    # and sped each request's decoding up to 2.4x, but admitted prompts slower, 20-32 % fewer tok/s in all
+    # (docs/benchmarks.md, "Mixed rounds").
+    mixed_chunk: int = 0
     kv_memory_fraction: float | None = None  # size max_batch from free device memory instead
     cuda_graphs: bool = True  # capture decode rounds as CUDA graphs (CUDA devices only)
     prefill_graphs: bool = True  # with cuda_graphs: also prefill chunks that start a prompt (up to 1024 tokens)

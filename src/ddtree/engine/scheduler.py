@@ -8,12 +8,13 @@ and owns every request's state; other threads reach it only through the inbox (:
                      -> emit round n's chunks (on_chunk callbacks) while n + 1 runs
 
 Scheduling: requests wait in a bounded FIFO queue until a KV slot is free; a newcomer's prompt is written in
-chunks, so running requests keep decoding while long prompts load. While some request decodes, the prompts of
-newcomers ride in the decode round's own verify forward (a mixed round, ``EngineConfig.mixed_chunk`` prompt tokens
-a round, in admission order): the round reads the target's weights once for both, and a decoding request waits for
-at most that many extra tokens of forward per round. With nobody decoding (or ``mixed_chunk`` 0, or a request that
-asked for log-probs) a prompt is written by prefill steps of ``prefill_chunk`` tokens between rounds. A slot is
-freed the moment its request finishes or is cancelled.
+chunks, so running requests keep decoding while long prompts load: by prefill steps of ``prefill_chunk`` tokens
+between rounds, or, with ``EngineConfig.mixed_chunk`` above 0 and some request decoding, inside the decode round's
+own verify forward (a mixed round: ``mixed_chunk`` prompt tokens a round, in admission order; requests that asked
+for log-probs still take prefill steps). A mixed round reads the target's weights once for both, and a decoding
+request waits for at most ``mixed_chunk`` extra tokens of forward per round; prompts are admitted at that rate,
+which is why it is off by default (docs/benchmarks.md, "Mixed rounds"). A slot is freed the moment its request
+finishes or is cancelled.
 
 Fault isolation: if a round raises, the scheduler reruns each of its rows alone (the round only writes cache
 positions past each row's committed length, so a rerun is safe); rows that fail alone are finished with
