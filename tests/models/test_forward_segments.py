@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from ddtree import speculative
+from ddtree import speculative, triton_runtime
 from ddtree.engine.kernels import KernelSet
 from ddtree.errors import ShapeError
 from ddtree.models.target import Segment
@@ -92,6 +92,21 @@ def test_exact_segments_are_bit_identical_to_separate_forwards(tiny_pair):
         assert torch.equal(t.normed, a.normed)
         assert torch.equal(t.hidden, a.hidden)
         assert torch.equal(target.head_logits(t.normed, kernels=kernels), target.head_logits(a.normed, kernels=kernels))
+    assert torch.equal(cache.k, alone_cache.k) and torch.equal(cache.v, alone_cache.v)
+
+
+@pytest.mark.skipif(not triton_runtime.INTERPRETED, reason="needs Triton's interpreter")
+def test_exact_segments_are_bit_identical_through_the_triton_kernels(triton_kernels_on_cpu):
+    """The same through exact mode's Triton kernels (the interpreter, fp32, a head dim the kernels take): the
+    segments' matmuls then run over all the rows at once, and must still give each row its own bits."""
+    pytest.importorskip("triton")
+    from model_helpers import random_target
+
+    kernels = replace(KernelSet.torch(), exact=True, tree_attention=True, exact_blas=())
+    target, alone, together, alone_cache, cache = _run(random_target(seed=5, head_dim=16, num_layers=2), kernels,
+                                                       torch.float32)
+    for a, t in zip(alone, together, strict=True):
+        assert torch.equal(t.normed, a.normed) and torch.equal(t.hidden, a.hidden)
     assert torch.equal(cache.k, alone_cache.k) and torch.equal(cache.v, alone_cache.v)
 
 
