@@ -89,25 +89,12 @@ def test_prompts_written_inside_decode_rounds_give_ar_bits(exact_engine):
     """Mixed rounds in exact mode: a newcomer's prompt chunk rides in the verify forward of the requests already
     decoding (EngineConfig.mixed_chunk), and every request still equals AR alone bit for bit (the chunk's K/V and
     first-token logits are computed as a prefill step computes them)."""
-    import threading
-    import time
+    from engine_helpers import submit_staggered
 
     ar = {p: exact_engine.generate([_req(p, TreeSettings(method="ar"))])[0].token_ids for p in PROMPTS}
     before = exact_engine.snapshot().mixed_rounds_total
     reqs = [_req(p, tree) for tree, p in zip(SETTINGS[1:] * 2, PROMPTS * 2, strict=False)]
-    outs: dict[int, list[int]] = {}
-    done = threading.Event()
-    for i, req in enumerate(reqs):
-        def on_chunk(ch, i=i, toks=[]):  # noqa: B006 (one list per request, bound at definition)
-            toks.extend(ch.token_ids)
-            if ch.finished:
-                outs[i] = toks
-                if len(outs) == len(reqs):
-                    done.set()
-
-        exact_engine.submit(req, on_chunk)
-        time.sleep(0.05)
-    assert done.wait(300)
-    for i, req in enumerate(reqs):
-        assert outs[i] == ar[req.prompt], f"{req.tree} with staggered arrivals differs from AR on {req.prompt!r}"
+    outs = submit_staggered(exact_engine, reqs, 0.05, timeout=300)
+    for out, req in zip(outs, reqs, strict=True):
+        assert out == ar[req.prompt], f"{req.tree} with staggered arrivals differs from AR on {req.prompt!r}"
     assert exact_engine.snapshot().mixed_rounds_total > before  # prompts really rode in rounds

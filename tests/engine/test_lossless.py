@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_helpers import submit_staggered
 
 from ddtree.engine import GenerationRequest, SamplingParams, TreeSettings
 
@@ -77,32 +78,13 @@ def test_oracle_drafter_really_exercises_deep_trees(tiny_engine_factory, tiny_to
 
 def test_mixed_batch_with_staggered_arrivals_matches_each_alone(tiny_engine_factory, tiny_tokenizer, references):
     """Different methods, budgets, block sizes and prompt lengths share rounds; arrivals are staggered."""
-    import threading
 
     engine = tiny_engine_factory(oracle=True, max_batch=4)
     trees = [SETTINGS[i % len(SETTINGS)] for i in range(8)] + [TreeSettings(method="ar")] * 2
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(trees))]
-    results: dict[int, list[int]] = {}
-    done = threading.Event()
-
-    def submit(i):
-        req = GenerationRequest(prompt=prompts[i], tree=trees[i],
-                                sampling=SamplingParams(max_tokens=20 + 2 * i, ignore_eos=True))
-        toks: list[int] = []
-
-        def on_chunk(ch):
-            toks.extend(ch.token_ids)
-            if ch.finished:
-                results[i] = toks
-                if len(results) == len(trees):
-                    done.set()
-        engine.submit(req, on_chunk)
-
-    import time
-    for i in range(len(trees)):
-        submit(i)
-        time.sleep(0.01 * (i % 3))
-    assert done.wait(120)
+    reqs = [GenerationRequest(prompt=prompts[i], tree=trees[i],
+                              sampling=SamplingParams(max_tokens=20 + 2 * i, ignore_eos=True)) for i in range(len(trees))]
+    results = submit_staggered(engine, reqs, lambda i: 0.01 * (i % 3))
     for i, p in enumerate(prompts):
         assert results[i] == references[p][: 20 + 2 * i], f"request {i} ({trees[i]}) differs in a mixed batch"
 
@@ -140,8 +122,6 @@ def test_newcomers_join_the_next_round_with_their_first_token_still_on_the_devic
     not), and such rounds must really have held other rows too. Mixed rounds off: with them a newcomer's prompt
     beside decoding rows rides in a round, whose first tokens are read with the round
     (tests/engine/test_mixed_rounds.py)."""
-    import threading
-    import time
 
     from ddtree.engine.engine import Engine
 
@@ -163,23 +143,10 @@ def test_newcomers_join_the_next_round_with_their_first_token_still_on_the_devic
     monkeypatch.setattr(Engine, "_root_patch", root_patch)
     monkeypatch.setattr(Engine, "_last_patch", 0, raising=False)
     engine = tiny_engine_factory(oracle=True, max_batch=4, mixed_chunk=0)
-    results: dict[int, list[int]] = {}
-    done = threading.Event()
     tree = TreeSettings(method="ddtree", budget=6)
-    for i, prompt in enumerate(PROMPTS * 2):
-        toks: list[int] = []
-
-        def on_chunk(ch, i=i, toks=toks):
-            toks.extend(ch.token_ids)
-            if ch.finished:
-                results[i] = toks
-                if len(results) == 2 * len(PROMPTS):
-                    done.set()
-
-        engine.submit(GenerationRequest(prompt=prompt, tree=tree,
-                                        sampling=SamplingParams(max_tokens=16 + 3 * i, ignore_eos=True)), on_chunk)
-        time.sleep(0.02)
-    assert done.wait(120)
+    results = submit_staggered(engine, [GenerationRequest(prompt=prompt, tree=tree,
+                                                          sampling=SamplingParams(max_tokens=16 + 3 * i, ignore_eos=True))
+                                        for i, prompt in enumerate(PROMPTS * 2)], 0.02)
     for i, prompt in enumerate(PROMPTS * 2):
         assert results[i] == references[prompt][: 16 + 3 * i], f"request {i} differs"
     assert patched and any(rows > late for rows, late in patched), patched

@@ -7,11 +7,10 @@ and a spy on the runner that records every target forward: what it carried and w
 from __future__ import annotations
 
 import dataclasses
-import threading
-import time
 
 import pytest
 import torch
+from engine_helpers import submit_staggered
 
 from ddtree.engine import EngineConfig, GenerationRequest, SamplingParams, TreeSettings
 from ddtree.engine.runner import ModelRunner
@@ -73,25 +72,7 @@ class _Spy:
 
 def _staggered(engine, requests, gap: float = 0.03) -> list[list[int]]:
     """Submit ``requests`` one by one, ``gap`` seconds apart (each arrives while the earlier ones decode)."""
-    results: dict[int, list[int]] = {}
-    reasons: dict[int, tuple] = {}
-    done = threading.Event()
-    for i, req in enumerate(requests):
-        toks: list[int] = []
-
-        def on_chunk(ch, i=i, toks=toks):
-            toks.extend(ch.token_ids)
-            if ch.finished:
-                results[i] = toks
-                reasons[i] = (ch.finish_reason, ch.error)
-                if len(results) == len(requests):
-                    done.set()
-
-        engine.submit(req, on_chunk)
-        time.sleep(gap)
-    assert done.wait(120)
-    assert all(r == ("length", None) for r in reasons.values()), reasons
-    return [results[i] for i in range(len(requests))]
+    return submit_staggered(engine, requests, gap)
 
 
 def _greedy(prompts, trees):
