@@ -449,9 +449,10 @@ class RoundGraphs:
             if tree.verify.hidden is not None:
                 tree.verify.hidden.copy_(work.verify.hidden)
 
+        # eager passes for a new signature, and one retry after them for a first use it did not foresee (a key
+        # length's attention variant), as the round keys' captures have
         sig = ("mixed", key.rows, key.block_size, key.max_budget, key.auto_width, ckey.rows, ckey.width)
-        self.recorder.warm_up(layers, sig)
-        graph, _ = self.recorder.record(layers, self.pool, stage="mixed", signature=sig)
+        [(graph, _)] = self.recorder.record_stages(layers, [("mixed", layers)], self.pool, signature=sig)
         mixed = _Mixed(packed=packed, host=host.pin_memory(), graph=graph, work=work)
         cap.mixed[ckey] = mixed
         while len(self._mixed_order) >= self.max_mixed:  # the least recently used go first
