@@ -406,17 +406,12 @@ class RoundGraphs:
     @staticmethod
     def _chunk_views(packed: Tensor, key: ChunkKey) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """ids [rows, width], slots, starts, valid lengths [rows]: contiguous views of one flat buffer."""
-        n, r = key.rows * key.width, key.rows
-        return (packed[:n].view(r, key.width), packed[n : n + r], packed[n + r : n + 2 * r],
-                packed[n + 2 * r : n + 3 * r])
+        ids, slots, start, valid = _row_views(packed, key.rows, key.width, 3)
+        return ids, slots, start, valid
 
     def _chunk_padding(self, key: ChunkKey) -> Tensor:
         """Host buffer of an all-padding chunk: token 0 at position 0 of the scratch slot, one valid token a row."""
-        host = torch.zeros(key.rows * key.width + 3 * key.rows, dtype=torch.long)
-        _, slots, _, valid = self._chunk_views(host, key)
-        slots.fill_(self.scratch)
-        valid.fill_(1)
-        return host
+        return _padding_rows(key.rows, key.width, 3, self.scratch)
 
     def _capture_mixed(self, key: RoundShape, cap: _Captured, ckey: ChunkKey) -> _Mixed:
         """Capture ``key``'s verify layers with a chunk of ``ckey`` riding in them. They read the key's tree stage
@@ -425,14 +420,10 @@ class RoundGraphs:
         as every capture does, so no live slot's cache is written."""
         runner = self.runner
         self.recorder.make_room()
-        front, tree = cap.front, cap.tree
-        front.packed.longs.copy_(front.pad.longs)
-        front.packed.floats.copy_(front.pad.floats)
-        if front.draft is not None:
-            front.draft.replay()
-        tree.graph.replay()
-        self.generation += 1
-        front.valid_at = tree.valid_at = self.generation
+        # padding rows in the front's inputs and valid outputs in its shared stages, refreshed as for any capture
+        # that reuses them (the key's own: a live key's shared stages stay in the tables)
+        front = self._front(key)
+        tree = self._tree(key, cap.static, front)
         host = self._chunk_padding(ckey)
         packed = host.to(runner.device)
         ids, slots, start, valid = self._chunk_views(packed, ckey)
@@ -691,16 +682,13 @@ class PrefillGraphs:
     def _views(packed: Tensor, key: PrefillKey) -> tuple[Tensor, Tensor, Tensor]:
         """ids [rows, width], slots [rows], valid lengths [rows]: contiguous views of one flat buffer (one copy
         moves them all; every consumer may assume unit strides)."""
-        n = key.rows * key.width
-        return packed[:n].view(key.rows, key.width), packed[n : n + key.rows], packed[n + key.rows :]
+        ids, slots, valid = _row_views(packed, key.rows, key.width, 2)
+        return ids, slots, valid
 
     def _padding(self, key: PrefillKey) -> Tensor:
         """Host inputs of an all-padding chunk: token 0, the scratch slot, one valid token."""
-        host = torch.zeros(key.rows * key.width + 2 * key.rows, dtype=torch.long)
-        _, slots, valid = self._views(host, key)
-        slots.fill_(self.runner.target_cache.scratch_slot)
-        valid.fill_(1)
-        return host
+        return _padding_rows(key.rows, key.width, 2, self.runner.target_cache.scratch_slot)
+
 
     def _capture(self, key: PrefillKey) -> _CapturedPrefill:
         runner = self.runner
@@ -738,3 +726,20 @@ def warm_up(fn: Callable[[], object]) -> None:
         for _ in range(2):
             fn()
     torch.cuda.current_stream().wait_stream(side)
+
+
+def _row_views(packed: Tensor, rows: int, width: int, fields: int) -> tuple[Tensor, ...]:
+    """The views of a chunk's flat long buffer ``[rows * width + fields * rows]``: ids ``[rows, width]``, then
+    ``fields`` per-row fields ``[rows]`` (slots first, valid lengths last), all contiguous."""
+    n = rows * width
+    return (packed[:n].view(rows, width), *(packed[n + i * rows : n + (i + 1) * rows] for i in range(fields)))
+
+
+def _padding_rows(rows: int, width: int, fields: int, scratch: int) -> Tensor:
+    """A host chunk buffer (:func:`_row_views`) of padding rows: token 0 at position 0 of the scratch slot, one valid
+    token a row (the other fields 0)."""
+    host = torch.zeros(rows * width + fields * rows, dtype=torch.long)
+    views = _row_views(host, rows, width, fields)
+    views[1].fill_(scratch)
+    views[-1].fill_(1)
+    return host
