@@ -195,6 +195,9 @@ def _run(args: argparse.Namespace, compiles: CompileLog, listening: bool) -> Non
     report["compiles_total"] = compiles.between(t_start, time.perf_counter())
     report["graph_captures"] = engine.graphs.captures if engine.graphs is not None else 0
     report["prefill_graph_captures"] = engine.prefill_graphs.captures if engine.prefill_graphs is not None else 0
+    if engine.graphs is not None:  # mixed rounds' layer graphs, captured lazily inside the cells
+        report["mixed_graph_captures"] = engine.graphs.mixed_captures
+        report["mixed_graph_capture_s"] = round(engine.graphs.mixed_capture_s, 3)
     engine.shutdown(drain_timeout=0)
     del engine
     import gc

@@ -279,3 +279,4 @@ def test_graphed_mixed_rounds_give_the_plain_decoders_tokens(mixed_chunk, tiny_e
         assert out == references[p]
     chunk_keys = sum(len(c.mixed) for c in engine.graphs.graphs.values())
     assert chunk_keys >= 2 if mixed_chunk else chunk_keys == 0
+    assert engine.graphs.mixed_captures == chunk_keys  # none dropped (max_mixed), each counted once

@@ -102,7 +102,7 @@ def test_state_machine_counts_steps_and_drops_a_failing_one(caplog):
     assert "warm-up step b failed" in caplog.text
     info = warmup.info()
     assert info["graphs_planned"] == 3 and info["misses"] == {"round_graphs": 0, "prefill_graphs": 0,
-                                                               "triton_compiles": 0}
+                                                               "mixed_graphs": 0, "triton_compiles": 0}
     warmup.run()  # idempotent
     assert seen == ["a", "c", "eager"]
 

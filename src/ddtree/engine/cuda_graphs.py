@@ -26,6 +26,7 @@ ready; ``max_graphs`` is then sized to hold the plan.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -298,6 +299,8 @@ class RoundGraphs:
         self.max_chunk_width = max_chunk_width
         self.max_mixed = 48  # mixed-round layer graphs held, least recently used dropped first
         self._mixed_order: OrderedDict[tuple[RoundShape, ChunkKey], None] = OrderedDict()
+        self.mixed_captures = 0  # mixed-round layer graphs captured (lazily: a chunk's key is known only when it rides)
+        self.mixed_capture_s = 0.0  # and the wall time they took
 
     def can_run(self, rows: int) -> bool:
         return self.runner.device.type == "cuda" and rows <= self.max_rows
@@ -419,6 +422,7 @@ class RoundGraphs:
         passes and the recording run on padding rows (the front reset, its draft and tree stages replayed on them),
         as every capture does, so no live slot's cache is written."""
         runner = self.runner
+        t0 = time.perf_counter()
         self.recorder.make_room()
         # padding rows in the front's inputs and valid outputs in its shared stages, refreshed as for any capture
         # that reuses them (the key's own: a live key's shared stages stay in the tables)
@@ -446,6 +450,8 @@ class RoundGraphs:
         [(graph, _)] = self.recorder.record_stages(layers, [("mixed", layers)], self.pool, signature=sig)
         mixed = _Mixed(packed=packed, host=host.pin_memory(), graph=graph, work=work)
         cap.mixed[ckey] = mixed
+        self.mixed_captures += 1
+        self.mixed_capture_s += time.perf_counter() - t0
         while len(self._mixed_order) >= self.max_mixed:  # the least recently used go first
             old_key, old_ckey = self._mixed_order.popitem(last=False)[0]
             old = self.graphs.get(old_key)

@@ -488,6 +488,8 @@ class Warmup:
             rounds, prefills = self._captures()
             out["misses"] = {"round_graphs": rounds - self._captures_after[0],
                              "prefill_graphs": prefills - self._captures_after[1],
+                             # mixed rounds' layer graphs: never planned (a chunk's key exists only when it rides)
+                             "mixed_graphs": 0 if self.graphs is None else self.graphs.mixed_captures,
                              "triton_compiles": self.compiles.total - self._compiles_after}
         return out
 

@@ -98,8 +98,10 @@ class CompileLog:
 
 
 def graph_captures(engine: Any) -> int:
-    """Round and prefill graphs captured so far (a capture inside a timed cell is a first-use cost too)."""
-    return sum(g.captures for g in (engine.graphs, engine.prefill_graphs) if g is not None)
+    """Round, prefill and mixed-round graphs captured so far (a capture inside a timed cell is a first-use cost
+    too)."""
+    mixed = engine.graphs.mixed_captures if engine.graphs is not None else 0
+    return mixed + sum(g.captures for g in (engine.graphs, engine.prefill_graphs) if g is not None)
 
 
 def warm_up_lengths(concurrency: int, longest: int) -> list[int]:
