@@ -165,7 +165,7 @@ class Scheduler:
             results: list[RowResult] = []
             follow_up: _Flight | None = None
             if flight is not None:
-                follow = self._follow_size(flight)  # (size, best)
+                follow = None if riders else self._follow_size(flight)  # (size, best, joiners)
                 if follow is not None:
                     follow_up = self._follow_up(flight, *follow)
                 results = self._collect_guarded(flight)
@@ -468,8 +468,7 @@ class Scheduler:
         is exact for every row that does not finish on them (rows that do are dropped when this round is read).
         ``riders``: prefilling requests whose next chunk rides in the round's verify forward (a mixed round,
         :meth:`_riders`)."""
-        drafting = [s for s in states if s.tree.method != "ar"]
-        block = max((int(s.tree.block_size) for s in drafting), default=1) if self.drafter is not None else 1
+        block = self._block_size(states)
         auto = block > 1 and any(s.tree.auto for s in states)
         explores = False
         if auto:  # every auto row takes the round's whole budget: the verify is padded to it anyway
@@ -480,6 +479,30 @@ class Scheduler:
                 s.auto_budget = chosen
         max_budget = max(s.budget for s in states) if block > 1 else 0
         auto_width = auto_budget.curve_width(bucket_nodes(max_budget), self._auto.candidates) if auto else 0
+        rows, patch = self._row_inputs(states, pending)
+        reach = max(r.start for r in rows)
+        shape = RoundShape(
+            rows=len(rows),
+            max_budget=max_budget,
+            block_size=block,
+            kv_len=reach + max_budget + 1,
+            draft_kv_len=max(1, reach),
+            **_row_flags(states),
+            auto_width=auto_width,
+        )
+        # One host tensor per dtype: one copy each to the device instead of one per field.
+        return self._queue(states, PackedRows.pack(rows), shape, self._root_patch(patch), explores=explores,
+                           riders=list(riders))
+
+    def _block_size(self, states: list[RequestState]) -> int:
+        """The draft block of a round of ``states``: the largest of its drafting rows' (1: no row drafts)."""
+        drafting = [s for s in states if s.tree.method != "ar"]
+        return max((int(s.tree.block_size) for s in drafting), default=1) if self.drafter is not None else 1
+
+    def _row_inputs(self, states: list[RequestState], pending: dict[str, list[int]],
+                    first_row: int = 0) -> tuple[list[RowInputs], list[tuple[int, int]]]:
+        """The host inputs of ``states``' rows (the round's rows ``first_row`` on) and the roots to patch on the
+        device: (row, index into the unread first tokens) for each state whose first token is unread."""
         rows = []
         late = self._first.states if self._first is not None else []
         patch: list[tuple[int, int]] = []  # (row, index into self._first.tokens): roots taken on the device
@@ -489,30 +512,14 @@ class Scheduler:
             root = extra[-1] if extra else s.root_token
             if j is not None:  # its first token is unread: one token past the prompt, the root patched on the device
                 extra, root = [UNREAD], 0
-                patch.append((len(rows), j))
+                patch.append((first_row + len(rows), j))
             rows.append(RowInputs(
                 slot=s.slot, root_token=root, start=s.root_position + len(extra),
                 budget=s.budget, topk=s.topk, depth_limit=s.depth_limit, window=s.tree.draft_window or NO_WINDOW,
                 top_k=int(s.sampling.top_k), seed=s.seed, step=len(s.output_ids) + len(extra),
                 min_tokens=s.sampling.min_tokens, temperature=float(s.sampling.temperature),
                 top_p=float(s.sampling.top_p), auto=int(s.tree.auto), banned=s.banned_ids))
-        reach = max(r.start for r in rows)
-        shape = RoundShape(
-            rows=len(rows),
-            max_budget=max_budget,
-            block_size=block,
-            kv_len=reach + max_budget + 1,
-            draft_kv_len=max(1, reach),
-            greedy=all(s.sampling.greedy for s in states),
-            filtered=_any_filter(states),
-            contiguous=all(s.tree.method != "ddtree" for s in states),
-            logprobs=any(s.sampling.logprobs is not None for s in states),
-            min_tokens=any(s.banned_ids for s in states),
-            auto_width=auto_width,
-        )
-        # One host tensor per dtype: one copy each to the device instead of one per field.
-        return self._queue(states, PackedRows.pack(rows), shape, self._root_patch(patch), explores=explores,
-                           riders=list(riders))
+        return rows, patch
 
     def _root_patch(self, patch: list[tuple[int, int]]) -> Callable[[PackedRows], None] | None:
         """What writes the unread first tokens into their rows' roots on the device, after the inputs' copy and
@@ -573,55 +580,103 @@ class Scheduler:
         return _Flight(states=states, result=result, copy=HostCopy(result), rows=rows, shape=shape, timer=timer,
                        explores=explores, riders=list(riders))
 
-    def _follow_size(self, flight: _Flight) -> tuple[int, int] | None:
-        """(The budget, budget auto's best size: the two differ when it explores) of the round that can be queued
-        before ``flight`` is read, or None when the next round must be launched from the host once it is.
+    def _follow_size(self, flight: _Flight) -> tuple[int, int, list[RequestState]] | None:
+        """(The budget, budget auto's best size (the two differ when it explores), the requests that join) of the
+        round that can be queued before ``flight`` is read, or None when the next round must be launched from the
+        host once it is.
 
-        A follow-up needs the same rows (every one still decoding, nobody else decoding, prefilling or able to take
-        a free slot) and writes that stay inside the cache whatever ``flight`` accepts; rows that finish on
-        ``flight``'s tokens only waste their place in it. Its budget is ``flight``'s, or for an auto round budget
-        auto's next choice, made on the evidence of the rounds read so far (one round behind a host launch's): a
-        change of size costs another graph, not a break in the overlap of rounds (the host launch it needed before
-        left the device idle while the flight was read and the next round packed and uploaded)."""
+        A follow-up takes ``flight``'s rows (every one still decoding) and the joiners (:meth:`_joiners`: newcomers
+        whose first token is sampled, read or not) while prompts are still being prefilled beside them, and writes
+        that stay inside the cache whatever ``flight`` accepts; rows that finish on ``flight``'s tokens only waste
+        their place in it. Its budget is ``flight``'s, or for an auto round budget auto's next choice, made on the
+        evidence of the rounds read so far (one round behind a host launch's): a change of size costs another
+        graph, not a break in the overlap of rounds. Why joiners: at 64 requests in flight one finishes and one
+        arrives almost every round, and a host launch after each read left the device idle while the flight was
+        read and the next round packed and uploaded (docs/benchmarks.md, "Rounds that take in newcomers")."""
         if not self._overlap or self._waiting and self._free_slots or self._cost_waiters:
             return None
         if any(s.phase is not Phase.DECODE for s in flight.states):
             return None
-        decoding = sum(1 for s in self._active.values() if s.phase is not Phase.DONE)
-        if decoding != len(flight.states):
+        joiners = self._joiners(flight)
+        if joiners is None:
             return None
+        states = flight.states + joiners
         size = best = flight.shape.max_budget
         if flight.shape.auto_width:
             if self._known_curve() is None:  # measuring it replays the round graphs whose buffers hold the result
                 return None
             # an exploring flight's evidence is not read yet: its follow-up must not explore the same size again
-            size, best = self._auto_choice(flight.states, {}, explore=not flight.explores)
-        # The next round's roots lie at most a block past the states' positions; from there it writes its tree
-        # (nodes) into the target cache and its block into the drafter's.
+            size, best = self._auto_choice(states, self._unread(joiners), explore=not flight.explores)
+        elif joiners and flight.shape.block_size > 1:
+            size = best = max(size, *(s.budget for s in joiners))
+        # The next round's roots lie at most a block past the states' positions (a joiner's: its first token's);
+        # from there it writes its tree (nodes) into the target cache and its block into the drafter's.
         block = flight.shape.block_size
-        fits = max(s.root_position for s in flight.states) + block + max(size + 1, block) + 1 <= self.cache_len
-        return (size, best) if fits else None
+        fits = self._follow_reach(flight, joiners) + max(size + 1, block) + 1 <= self.cache_len
+        return (size, best, joiners) if fits else None
 
-    def _follow_up(self, flight: _Flight, size: int, best: int | None = None) -> _Flight | None:
+    def _joiners(self, flight: _Flight) -> list[RequestState] | None:
+        """The decoding requests outside ``flight`` that its follow-up takes in, or None when one needs a round of
+        another kind (block size, sampling flags, budget auto or not). A newcomer that finishes on its unread first
+        token (``max_tokens`` 1) is left out, as a host launch leaves it out."""
+        held = {id(s) for s in flight.states}
+        unread = self._unread([s for s in self._active.values() if id(s) not in held])
+        joiners = [s for s in self._active.values() if s.phase is Phase.DECODE and id(s) not in held
+                   and not s.ends_by_token(unread.get(s.request_id, ()))]
+        if not joiners:
+            return joiners
+        states = flight.states + joiners
+        shape = flight.shape
+        auto = shape.block_size > 1 and any(s.tree.auto for s in states)
+        same = (self._block_size(states) == shape.block_size and auto == (shape.auto_width > 0)
+                and _row_flags(states) == {name: getattr(shape, name) for name in _ROW_FLAGS})
+        return joiners if same else None
+
+    def _unread(self, states: list[RequestState]) -> dict[str, list[int]]:
+        """The first token still on the device (one token, not yet read) of each of ``states`` that has one."""
+        late = self._first.states if self._first is not None else []
+        return {s.request_id: [UNREAD] for s in states if _holds(late, s)}
+
+    @staticmethod
+    def _follow_reach(flight: _Flight, joiners: list[RequestState]) -> int:
+        """The furthest root a follow-up of ``flight`` taking ``joiners`` can start from."""
+        reach = max(s.root_position for s in flight.states) + flight.shape.block_size
+        return max([reach] + [s.root_position + 1 for s in joiners])
+
+    def _follow_up(self, flight: _Flight, size: int, best: int | None = None,
+                   joiners: list[RequestState] = ()) -> _Flight | None:
         """Queue the round after ``flight`` with inputs advanced on the device from its result: each row's root is
         the last token it commits, its position and step counter move by the tokens it commits, and with budget
         auto its auto rows take ``size`` (:meth:`_follow_size`; ``best`` its best size, None: ``size``), which becomes
-        the hysteresis' previous once the round is queued. The states hold every round before ``flight``, so their
-        positions plus one block bound this round's cache reads."""
+        the hysteresis' previous once the round is queued. ``joiners`` (:meth:`_joiners`) take rows after
+        ``flight``'s, packed on the host as a launch packs them (a first token still unread: its root patched on
+        the device). The states hold every round before ``flight``, so their positions plus one block bound this
+        round's cache reads."""
         try:
-            reach = max(s.root_position for s in flight.states) + flight.shape.block_size
+            joiners = list(joiners)
+            states = flight.states + joiners
+            reach = self._follow_reach(flight, joiners)
             shape, auto = flight.shape, flight.shape.auto_width > 0
             if auto:
-                for s in flight.states:
+                for s in states:
                     if s.tree.auto:
                         s.auto_budget = size
-                nodes = max(s.budget for s in flight.states)  # = size: the options are never below a fixed row's
+                nodes = max(s.budget for s in states)  # = size: the options are never below a fixed row's
                 shape = replace(shape, max_budget=nodes,
                                 auto_width=auto_budget.curve_width(bucket_nodes(nodes), self._auto.candidates))
+            elif shape.block_size > 1:
+                shape = replace(shape, max_budget=size)
             rows = flight.rows.advanced(flight.result, auto_budget=size if auto else None)
-            shape = replace(shape, kv_len=reach + shape.max_budget + 1, draft_kv_len=max(1, reach))
+            patch = None
+            if joiners:
+                joined, late = self._row_inputs(joiners, {}, first_row=rows.rows)
+                host = PackedRows.pack(joined)
+                rows = PackedRows(torch.cat([rows.longs, self._upload(host.longs.contiguous())], 1),
+                                  torch.cat([rows.floats, self._upload(host.floats.contiguous())], 1))
+                patch = self._root_patch(late)
+            shape = replace(shape, rows=len(states), kv_len=reach + shape.max_budget + 1, draft_kv_len=max(1, reach))
             best = size if best is None else best
-            follow_up = self._queue(flight.states, rows, shape, explores=size != best)
+            follow_up = self._queue(states, rows, shape, patch, explores=size != best)
             if auto:
                 self._auto.previous = best
             return follow_up
@@ -819,6 +874,18 @@ class Scheduler:
 def _holds(states: list[RequestState], state: RequestState) -> bool:
     """Whether ``state`` itself is in ``states`` (identity: states are dataclasses, and equality compares fields)."""
     return any(s is state for s in states)
+
+
+# The fields of a RoundShape that its rows' settings decide (_row_flags): a follow-up's joiners must keep them.
+_ROW_FLAGS = ("greedy", "filtered", "contiguous", "logprobs", "min_tokens")
+
+
+def _row_flags(states: list[RequestState]) -> dict[str, bool]:
+    """The :data:`_ROW_FLAGS` of a round of ``states``."""
+    return {"greedy": all(s.sampling.greedy for s in states), "filtered": _any_filter(states),
+            "contiguous": all(s.tree.method != "ddtree" for s in states),
+            "logprobs": any(s.sampling.logprobs is not None for s in states),
+            "min_tokens": any(bool(s.banned_ids) for s in states)}
 
 
 def _any_filter(states: list[RequestState]) -> bool:
