@@ -157,3 +157,36 @@ def test_a_newcomer_that_ends_on_its_first_token_is_left_out(tiny_engine_factory
         if i != 2:
             assert out == references[r.prompt]
     assert any(j > 0 for _, j, _, _ in joins)  # the others did join queued rounds
+
+
+@pytest.mark.gpu
+def test_gpu_exact_joiners_give_ar_bits(joins):
+    """On CUDA in bf16 exact mode (Triton kernels, graphed rounds): with staggered arrivals newcomers join graphed
+    rounds queued before the flight is read (their first token patched on the device), and every output equals AR
+    alone bit for bit."""
+    from ddtree.assets import demo_drafter_path, demo_target_path
+    from ddtree.engine import EngineConfig
+    from ddtree.models import load_drafter, load_target, load_tokenizer
+
+    tokenizer = load_tokenizer(demo_target_path())
+    target = load_target(demo_target_path(), dtype=torch.bfloat16, device="cuda")
+    drafter = load_drafter(demo_drafter_path(), dtype=torch.bfloat16, device="cuda")
+    config = EngineConfig(device="cuda", dtype="bfloat16", max_batch=8, max_len=1024, max_budget=16, exact=True,
+                          warmup="none")
+    engine = Engine.from_models(target, drafter, tokenizer, config, model_name="demo")
+    engine.start()
+    try:
+        prompts = [*PROMPTS, LONG, PROMPTS[0] * 3, PROMPTS[1] + PROMPTS[3]]
+
+        def req(p, tree):
+            return GenerationRequest(prompt=p, tree=tree, sampling=SamplingParams(max_tokens=48, ignore_eos=True))
+
+        ar = {p: engine.generate([req(p, TreeSettings(method="ar"))])[0].token_ids for p in prompts}
+        joins.clear()
+        for tree in (TreeSettings(method="ddtree", budget=7), TreeSettings(method="ddtree", budget="auto")):
+            outs = submit_staggered(engine, [req(p, tree) for p in prompts], 0.01)
+            for p, out in zip(prompts, outs, strict=True):
+                assert out == ar[p], f"{tree} differs from AR on {p[:30]!r}"
+        assert any(j > 0 for _, j, _, _ in joins), joins
+    finally:
+        engine.shutdown()
