@@ -15,6 +15,7 @@ import torch
 from engine_helpers import submit_staggered
 
 from ddtree.engine import Engine, GenerationRequest, SamplingParams, TreeSettings
+from ddtree.engine.request_state import Phase
 
 PROMPTS = [
     "def fibonacci(n):\n    ",
@@ -25,6 +26,7 @@ PROMPTS = [
 # a prompt longer than a short row's reach a few rounds in: a newcomer's own position must bound the keys it reads
 LONG = "def step(state, action):\n" + "    state = update(state, action)  # apply\n" * 12
 N = 24
+DROPPED: list[int] = []  # rows of finished requests each follow-up dropped (the joins fixture fills it)
 
 
 def _plain(target, ids: list[int], n: int) -> list[int]:
@@ -55,6 +57,8 @@ def joins(monkeypatch) -> list[tuple[int, int, bool, bool]]:
     kept the flight's kind of round: block size and row flags) of every follow-up; a refusal of _joiners (a
     newcomer that needs another kind) appends (0, -1, False, True)."""
     seen: list[tuple[int, int, bool, bool]] = []
+    dropped = DROPPED
+    dropped.clear()
     kind = ("block_size", "greedy", "filtered", "contiguous", "logprobs", "min_tokens")
     real_follow, real_joiners = Engine._follow_up, Engine._joiners
 
@@ -62,7 +66,9 @@ def joins(monkeypatch) -> list[tuple[int, int, bool, bool]]:
         unread = self._unread(list(joiners))
         out = real_follow(self, flight, size, best, joiners)
         same = out is None or all(getattr(out.shape, k) == getattr(flight.shape, k) for k in kind)
-        seen.append((len(flight.states), len(joiners), bool(unread), same))
+        live = sum(s.phase is Phase.DECODE for s in flight.states)
+        seen.append((live, len(joiners), bool(unread), same))
+        dropped.append(len(flight.states) - live)
         return out
 
     def joiners_(self, flight):
@@ -109,6 +115,22 @@ def test_a_long_newcomer_joining_short_rows_reads_all_its_keys(tiny_engine_facto
     for out, r in zip(outs, reqs, strict=True):
         assert out == references[r.prompt]
     assert any(j > 0 for _, j, _, _ in joins), joins
+
+
+def test_rows_that_finished_are_dropped_from_queued_rounds(tiny_engine_factory, references, joins):
+    """Requests of different lengths: one finishes on the round just read while the next round is queued from the
+    device; that round drops its row on the device (a newcomer may hold the slot already) and takes the newcomers;
+    every output is the plain decoder's prefix of its length."""
+    engine = tiny_engine_factory(oracle=True, max_batch=3)
+    tree = TreeSettings(method="ddtree", budget=6)
+    lengths = [N, 5, N, 9, 13, N, 3, N]
+    reqs = [GenerationRequest(prompt=PROMPTS[i % len(PROMPTS)], tree=tree,
+                              sampling=SamplingParams(max_tokens=n, ignore_eos=True)) for i, n in enumerate(lengths)]
+    outs = submit_staggered(engine, reqs, 0.02)
+    for out, r, n in zip(outs, reqs, lengths, strict=True):
+        assert out == references[r.prompt][:n]
+    assert any(DROPPED), (DROPPED, joins)  # the guard: a queued round did drop a finished row
+    assert any(j > 0 for _, j, _, _ in joins)
 
 
 def test_a_newcomer_that_needs_another_kind_of_round_waits_for_a_host_launch(tiny_engine_factory, references,

@@ -116,7 +116,7 @@ def test_rounds_queued_before_the_previous_is_read_change_nothing(tiny_engine_fa
 
 def test_newcomers_join_the_next_round_with_their_first_token_still_on_the_device(tiny_engine_factory, references,
                                                                                    monkeypatch):
-    """A prefill step does not read its first tokens: the newcomers join the round launched right after it, beside
+    """A prefill step does not read its first tokens: the newcomers join the round queued right after it, beside
     the rows already decoding, with their roots written on the device (Scheduler._root_patch), and the tokens are
     emitted at the next iteration. Outputs must equal the plain decoder's (a root left at its host stand-in would
     not), and such rounds must really have held other rows too. Mixed rounds off: with them a newcomer's prompt
@@ -126,10 +126,10 @@ def test_newcomers_join_the_next_round_with_their_first_token_still_on_the_devic
     from ddtree.engine.engine import Engine
 
     patched: list[tuple[int, int]] = []  # (rows in the round, rows patched)
-    real_launch, real_patch = Engine._launch, Engine._root_patch
+    real_queue, real_patch = Engine._queue, Engine._root_patch
 
-    def launch(self, states, pending, riders=()):
-        out = real_launch(self, states, pending, riders)
+    def queue(self, states, *args, **kw):  # a host launch's round, or a follow-up's that newcomers joined
+        out = real_queue(self, states, *args, **kw)
         if self._last_patch:
             patched.append((len(states), self._last_patch))
         self._last_patch = 0
@@ -139,7 +139,7 @@ def test_newcomers_join_the_next_round_with_their_first_token_still_on_the_devic
         self._last_patch = len(patch)
         return real_patch(self, patch)
 
-    monkeypatch.setattr(Engine, "_launch", launch)
+    monkeypatch.setattr(Engine, "_queue", queue)
     monkeypatch.setattr(Engine, "_root_patch", root_patch)
     monkeypatch.setattr(Engine, "_last_patch", 0, raising=False)
     engine = tiny_engine_factory(oracle=True, max_batch=4, mixed_chunk=0)

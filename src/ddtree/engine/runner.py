@@ -373,7 +373,7 @@ def to_host(*tensors: Tensor) -> list[list]:
 class HostCopy:
     """A device tensor's copy to the host, started now and read later (the engine starts it right after queuing a
     round and reads it when it needs the tokens, possibly after queuing the next round, whose replay overwrites the
-    device tensor: the copy is ordered before that on the stream). On a CPU it is the tensor itself."""
+    device tensor: the copy is ordered before that on the stream). On a CPU it is a clone."""
 
     def __init__(self, tensor: Tensor) -> None:
         self._event = None
@@ -382,8 +382,8 @@ class HostCopy:
             self._host.copy_(tensor, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
-        else:  # CPU ops are synchronous and every round returns a fresh tensor: nothing to copy or wait for
-            self._host = tensor
+        else:  # CPU ops are synchronous: nothing to wait for; a clone, as the tensor may be a buffer that the next
+            self._host = tensor.clone()  # queued round writes (CUDA graphs emulated on a CPU, in the tests)
 
     def get(self) -> list:
         """The values as nested lists (waits for the copy: the round's one host sync)."""

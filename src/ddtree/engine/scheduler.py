@@ -585,7 +585,8 @@ class Scheduler:
         round that can be queued before ``flight`` is read, or None when the next round must be launched from the
         host once it is.
 
-        A follow-up takes ``flight``'s rows (every one still decoding) and the joiners (:meth:`_joiners`: newcomers
+        A follow-up takes ``flight``'s rows still decoding (those whose request finished on the round read before,
+        or was cancelled, are dropped on the device: a newcomer may hold their slot already) and the joiners (:meth:`_joiners`: newcomers
         whose first token is sampled, read or not) while prompts are still being prefilled beside them, and writes
         that stay inside the cache whatever ``flight`` accepts; rows that finish on ``flight``'s tokens only waste
         their place in it. Its budget is ``flight``'s, or for an auto round budget auto's next choice, made on the
@@ -595,12 +596,13 @@ class Scheduler:
         read and the next round packed and uploaded (docs/benchmarks.md, "Rounds that take in newcomers")."""
         if not self._overlap or self._waiting and self._free_slots or self._cost_waiters:
             return None
-        if any(s.phase is not Phase.DECODE for s in flight.states):
+        live = _live(flight)
+        if not live:
             return None
         joiners = self._joiners(flight)
         if joiners is None:
             return None
-        states = flight.states + joiners
+        states = live + joiners
         size = best = flight.shape.max_budget
         if flight.shape.auto_width:
             if self._known_curve() is None:  # measuring it replays the round graphs whose buffers hold the result
@@ -612,20 +614,19 @@ class Scheduler:
         # The next round's roots lie at most a block past the states' positions (a joiner's: its first token's);
         # from there it writes its tree (nodes) into the target cache and its block into the drafter's.
         block = flight.shape.block_size
-        fits = self._follow_reach(flight, joiners) + max(size + 1, block) + 1 <= self.cache_len
+        fits = self._follow_reach(live, block, joiners) + max(size + 1, block) + 1 <= self.cache_len
         return (size, best, joiners) if fits else None
 
     def _joiners(self, flight: _Flight) -> list[RequestState] | None:
-        """The decoding requests outside ``flight`` that its follow-up takes in, or None when one needs a round of
-        another kind (block size, sampling flags, budget auto or not). A newcomer that finishes on its unread first
+        """The decoding requests outside ``flight`` that its follow-up takes in, or None when the follow-up's rows
+        (``flight``'s still decoding and these) need a round of another kind than ``flight``'s (block size, sampling
+        flags, budget auto or not): a host launch makes that one. A newcomer that finishes on its unread first
         token (``max_tokens`` 1) is left out, as a host launch leaves it out."""
         held = {id(s) for s in flight.states}
         unread = self._unread([s for s in self._active.values() if id(s) not in held])
         joiners = [s for s in self._active.values() if s.phase is Phase.DECODE and id(s) not in held
                    and not s.ends_by_token(unread.get(s.request_id, ()))]
-        if not joiners:
-            return joiners
-        states = flight.states + joiners
+        states = _live(flight) + joiners
         shape = flight.shape
         auto = shape.block_size > 1 and any(s.tree.auto for s in states)
         same = (self._block_size(states) == shape.block_size and auto == (shape.auto_width > 0)
@@ -638,9 +639,10 @@ class Scheduler:
         return {s.request_id: [UNREAD] for s in states if _holds(late, s)}
 
     @staticmethod
-    def _follow_reach(flight: _Flight, joiners: list[RequestState]) -> int:
-        """The furthest root a follow-up of ``flight`` taking ``joiners`` can start from."""
-        reach = max(s.root_position for s in flight.states) + flight.shape.block_size
+    def _follow_reach(live: list[RequestState], block: int, joiners: list[RequestState]) -> int:
+        """The furthest root a follow-up of the flight's ``live`` rows (draft block ``block``) taking ``joiners``
+        can start from."""
+        reach = max(s.root_position for s in live) + block
         return max([reach] + [s.root_position + 1 for s in joiners])
 
     def _follow_up(self, flight: _Flight, size: int, best: int | None = None,
@@ -648,14 +650,14 @@ class Scheduler:
         """Queue the round after ``flight`` with inputs advanced on the device from its result: each row's root is
         the last token it commits, its position and step counter move by the tokens it commits, and with budget
         auto its auto rows take ``size`` (:meth:`_follow_size`; ``best`` its best size, None: ``size``), which becomes
-        the hysteresis' previous once the round is queued. ``joiners`` (:meth:`_joiners`) take rows after
-        ``flight``'s, packed on the host as a launch packs them (a first token still unread: its root patched on
-        the device). The states hold every round before ``flight``, so their positions plus one block bound this
+        the hysteresis' previous once the round is queued. The rows of requests that finished since ``flight`` was
+        queued are dropped; ``joiners`` (:meth:`_joiners`) take rows after the others, packed on the host as a
+        launch packs them (a first token still unread: its root patched on the device). The states hold every round before ``flight``, so their positions plus one block bound this
         round's cache reads."""
         try:
-            joiners = list(joiners)
-            states = flight.states + joiners
-            reach = self._follow_reach(flight, joiners)
+            joiners, live = list(joiners), _live(flight)
+            states = live + joiners
+            reach = self._follow_reach(live, flight.shape.block_size, joiners)
             shape, auto = flight.shape, flight.shape.auto_width > 0
             if auto:
                 for s in states:
@@ -667,6 +669,9 @@ class Scheduler:
             elif shape.block_size > 1:
                 shape = replace(shape, max_budget=size)
             rows = flight.rows.advanced(flight.result, auto_budget=size if auto else None)
+            if len(live) < len(flight.states):  # drop the finished rows (a device gather, the index through pinned memory)
+                keep = self._upload(torch.tensor([i for i, s in enumerate(flight.states) if _holds(live, s)]))
+                rows = PackedRows(rows.longs.index_select(1, keep), rows.floats.index_select(1, keep))
             patch = None
             if joiners:
                 joined, late = self._row_inputs(joiners, {}, first_row=rows.rows)
@@ -869,6 +874,12 @@ class Scheduler:
             log.warning("request %s: the consumer raised; cancelling it", state.request_id, exc_info=True)
             if not final:
                 self._finish(state, "cancelled")
+
+
+def _live(flight: _Flight) -> list[RequestState]:
+    """The rows of ``flight`` whose requests still decode, in order (the others finished or were cancelled since it
+    was queued)."""
+    return [s for s in flight.states if s.phase is Phase.DECODE]
 
 
 def _holds(states: list[RequestState], state: RequestState) -> bool:
