@@ -6,6 +6,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+import torch
+
 from ddtree.engine import GenerationRequest
 
 
@@ -34,3 +36,12 @@ def submit_staggered(engine, requests: Sequence[GenerationRequest], gap: float |
     assert done.wait(timeout), f"{len(results)} of {len(requests)} requests finished"
     assert all(r == ("length", None) for r in reasons.values()), reasons
     return [results[i] for i in range(len(requests))]
+
+
+def plain_greedy(target, prompt_ids: list[int], n: int) -> list[int]:
+    """The engine's reference: full recompute with ``forward_train`` at every step, argmax (no cache, no trees)."""
+    ids = list(prompt_ids)
+    with torch.inference_mode():
+        for _ in range(n):
+            ids.append(int(target.forward_train(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt_ids):]

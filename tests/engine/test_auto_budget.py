@@ -13,6 +13,7 @@ import random
 
 import pytest
 import torch
+from engine_helpers import plain_greedy
 
 from ddtree import speculative
 from ddtree.engine import GenerationRequest, SamplingParams, TreeSettings
@@ -144,15 +145,6 @@ def test_budget_auto_is_validated():
 
 PROMPTS = ["def fibonacci(n):\n    ", "import os\nimport sys\n\n\nclass Config:\n    def __init__(self", "x",
            "    return '\\n'.join(lines)\n\n\ndef wrap(text, width=70, **kwargs):\n"]
-
-
-def plain_greedy(target, prompt_ids: list[int], n: int) -> list[int]:
-    """Full recompute with forward_train at every step, argmax (no cache, no trees)."""
-    ids = list(prompt_ids)
-    with torch.inference_mode():
-        for _ in range(n):
-            ids.append(int(target.forward_train(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt_ids):]
 
 
 def hand_curve(max_batch: int, per_node: float):

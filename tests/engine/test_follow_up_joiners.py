@@ -12,7 +12,7 @@ import logging
 
 import pytest
 import torch
-from engine_helpers import submit_staggered
+from engine_helpers import plain_greedy, submit_staggered
 
 from ddtree.engine import Engine, GenerationRequest, SamplingParams, TreeSettings
 from ddtree.engine.request_state import Phase
@@ -29,17 +29,9 @@ N = 24
 DROPPED: list[int] = []  # rows of finished requests each follow-up dropped (the joins fixture fills it)
 
 
-def _plain(target, ids: list[int], n: int) -> list[int]:
-    ids = list(ids)
-    with torch.inference_mode():
-        for _ in range(n):
-            ids.append(int(target.forward_train(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[-n:]
-
-
 @pytest.fixture(scope="module")
 def references(tiny_pair, tiny_tokenizer):
-    return {p: _plain(tiny_pair[0], tiny_tokenizer.encode(p), N) for p in [*PROMPTS, LONG]}
+    return {p: plain_greedy(tiny_pair[0], tiny_tokenizer.encode(p), N) for p in [*PROMPTS, LONG]}
 
 
 @pytest.fixture(autouse=True)

@@ -7,8 +7,7 @@ every step (no KV cache, no trees, no masks built by the engine), taking the arg
 from __future__ import annotations
 
 import pytest
-import torch
-from engine_helpers import submit_staggered
+from engine_helpers import plain_greedy, submit_staggered
 
 from ddtree.engine import GenerationRequest, SamplingParams, TreeSettings
 
@@ -28,15 +27,6 @@ SETTINGS = [
     TreeSettings(method="ddtree", budget=32, topk=4, block_size=6),
     TreeSettings(method="ddtree", budget=24, draft_window=8),
 ]
-
-
-def plain_greedy(target, prompt_ids: list[int], n: int) -> list[int]:
-    ids = list(prompt_ids)
-    with torch.inference_mode():
-        for _ in range(n):
-            logits = target.forward_train(torch.tensor([ids])).logits[0, -1]
-            ids.append(int(logits.argmax()))
-    return ids[len(prompt_ids):]
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 import torch
-from engine_helpers import submit_staggered
+from engine_helpers import plain_greedy, submit_staggered
 
 from ddtree.engine import EngineConfig, GenerationRequest, SamplingParams, TreeSettings
 from ddtree.engine.runner import ModelRunner
@@ -28,17 +28,9 @@ TREES = [TreeSettings(method="ddtree", budget=6), TreeSettings(method="dflash"),
 N = 24
 
 
-def _plain(target, ids: list[int], n: int) -> list[int]:
-    ids = list(ids)
-    with torch.inference_mode():
-        for _ in range(n):
-            ids.append(int(target.forward_train(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[-n:]
-
-
 @pytest.fixture(scope="module")
 def references(tiny_pair, tiny_tokenizer):
-    return {p: _plain(tiny_pair[0], tiny_tokenizer.encode(p), N) for p in PROMPTS}
+    return {p: plain_greedy(tiny_pair[0], tiny_tokenizer.encode(p), N) for p in PROMPTS}
 
 
 class _Spy:
