@@ -7,6 +7,10 @@ and owns every request's state; other threads reach it only through the inbox (:
     inbox  ->  loop: admit -> one prefill step -> read round n -> launch round n + 1
                      -> emit round n's chunks (on_chunk callbacks) while n + 1 runs
 
+With ``overlap_rounds`` (CUDA) round n + 1 is queued on the device before round n is read, its rows advanced there
+from round n's result, finished rows dropped and newcomers appended (:meth:`Scheduler._follow_size`); only a change
+of the round's kind, a mixed round's riders or a cost curve to measure wait for a host launch.
+
 Scheduling: requests wait in a bounded FIFO queue until a KV slot is free; a newcomer's prompt is written in
 chunks, so running requests keep decoding while long prompts load: by prefill steps of ``prefill_chunk`` tokens
 between rounds, or, with ``EngineConfig.mixed_chunk`` above 0 and some request decoding, inside the decode round's
@@ -586,8 +590,9 @@ class Scheduler:
         host once it is.
 
         A follow-up takes ``flight``'s rows still decoding (those whose request finished on the round read before,
-        or was cancelled, are dropped on the device: a newcomer may hold their slot already) and the joiners (:meth:`_joiners`: newcomers
-        whose first token is sampled, read or not) while prompts are still being prefilled beside them, and writes
+        or was cancelled, are dropped on the device: a newcomer may hold their slot already) and the joiners
+        (:meth:`_joiners`: newcomers whose first token is sampled, read or not) while prompts are still being
+        prefilled beside them, and writes
         that stay inside the cache whatever ``flight`` accepts; rows that finish on ``flight``'s tokens only waste
         their place in it. Its budget is ``flight``'s, or for an auto round budget auto's next choice, made on the
         evidence of the rounds read so far (one round behind a host launch's): a change of size costs another
@@ -652,8 +657,8 @@ class Scheduler:
         auto its auto rows take ``size`` (:meth:`_follow_size`; ``best`` its best size, None: ``size``), which becomes
         the hysteresis' previous once the round is queued. The rows of requests that finished since ``flight`` was
         queued are dropped; ``joiners`` (:meth:`_joiners`) take rows after the others, packed on the host as a
-        launch packs them (a first token still unread: its root patched on the device). The states hold every round before ``flight``, so their positions plus one block bound this
-        round's cache reads."""
+        launch packs them (a first token still unread: its root patched on the device). The states hold every
+        round before ``flight``, so their positions plus one block bound this round's cache reads."""
         try:
             joiners, live = list(joiners), _live(flight)
             states = live + joiners
@@ -669,8 +674,8 @@ class Scheduler:
             elif shape.block_size > 1:
                 shape = replace(shape, max_budget=size)
             rows = flight.rows.advanced(flight.result, auto_budget=size if auto else None)
-            if len(live) < len(flight.states):  # drop the finished rows (a device gather, the index through pinned memory)
-                keep = self._upload(torch.tensor([i for i, s in enumerate(flight.states) if _holds(live, s)]))
+            if len(live) < len(flight.states):  # drop finished rows: a device gather, its index through pinned memory
+                keep = self._upload(torch.tensor([i for i, s in enumerate(flight.states) if s.phase is Phase.DECODE]))
                 rows = PackedRows(rows.longs.index_select(1, keep), rows.floats.index_select(1, keep))
             patch = None
             if joiners:
