@@ -54,9 +54,9 @@ def joins(monkeypatch) -> list[tuple[int, int, bool, bool]]:
     kind = ("block_size", "greedy", "filtered", "contiguous", "logprobs", "min_tokens")
     real_follow, real_joiners = Engine._follow_up, Engine._joiners
 
-    def follow_up(self, flight, size, best=None, joiners=()):
+    def follow_up(self, flight, size, best=None, joiners=(), riders=()):
         unread = self._unread(list(joiners))
-        out = real_follow(self, flight, size, best, joiners)
+        out = real_follow(self, flight, size, best, joiners, riders)
         same = out is None or all(getattr(out.shape, k) == getattr(flight.shape, k) for k in kind)
         live = sum(s.phase is Phase.DECODE for s in flight.states)
         seen.append((live, len(joiners), bool(unread), same))

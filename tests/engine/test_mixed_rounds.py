@@ -7,6 +7,7 @@ and a spy on the runner that records every target forward: what it carried and w
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -62,6 +63,24 @@ class _Spy:
         return engine is not None and any(s.phase is Phase.DECODE for s in engine._active.values())
 
 
+@pytest.fixture
+def queued_rides(monkeypatch) -> list[tuple[int, bool]]:
+    """(riders offered, whether the queued round carried them) of every round queued before the one in flight was
+    read (Scheduler._follow_up); None rounds (refused) carry nothing."""
+    from ddtree.engine.engine import Engine
+
+    seen: list[tuple[int, bool]] = []
+    real = Engine._follow_up
+
+    def follow_up(self, flight, size, best=None, joiners=(), riders=()):
+        out = real(self, flight, size, best, joiners, riders)
+        seen.append((len(riders), out is not None and bool(out.riders)))
+        return out
+
+    monkeypatch.setattr(Engine, "_follow_up", follow_up)
+    return seen
+
+
 def _staggered(engine, requests, gap: float = 0.03) -> list[list[int]]:
     """Submit ``requests`` one by one, ``gap`` seconds apart (each arrives while the earlier ones decode)."""
     return submit_staggered(engine, requests, gap)
@@ -93,6 +112,21 @@ def test_mixed_rounds_give_the_plain_decoders_tokens_within_the_chunk_bound(tiny
     snap = engine.snapshot()
     assert snap.mixed_rounds_total == len(rides)
     assert snap.mixed_prompt_tokens_total == sum(c[2] for c in rides)
+
+
+def test_rounds_queued_before_the_flight_is_read_carry_riders(tiny_engine_factory, references, queued_rides):
+    """With rounds overlapped, a round queued from the device (a follow-up) takes the arriving prompts' chunks as a
+    host launch does (their first tokens read once that round is read, their rows joining the round after with
+    the tokens patched on the device): outputs still equal the plain decoder's, and follow-ups really carried
+    riders (before, any rider sent the next round to a host launch)."""
+    engine = tiny_engine_factory(oracle=True, max_batch=4, mixed_chunk=16)
+    assert engine.config.overlap_rounds
+    prompts = PROMPTS * 2
+    outs = _staggered(engine, _greedy(prompts, [TreeSettings(method="ddtree", budget=6)] * len(prompts)))
+    for out, p in zip(outs, prompts, strict=True):
+        assert out == references[p]
+    assert any(carried for _, carried in queued_rides), queued_rides
+    assert all(carried for offered, carried in queued_rides if offered), queued_rides  # none refused for riders
 
 
 def test_mixing_off_prefills_in_steps_of_their_own(tiny_engine_factory, references, monkeypatch):
@@ -142,9 +176,17 @@ def test_requests_that_ask_for_logprobs_prefill_in_steps_and_still_match(tiny_en
     reqs = _greedy(PROMPTS, TREES)
     reqs[2] = GenerationRequest(prompt=PROMPTS[2], tree=TREES[2],
                                 sampling=SamplingParams(max_tokens=N, ignore_eos=True, logprobs=2))
-    outs = _staggered(engine, reqs)
+    outs = submit_staggered(engine, reqs, lambda i: _until_decoding(spy))  # each arrives while one decodes
     assert outs == [references[p] for p in PROMPTS]
-    assert [c for c in spy.calls if c[0] == "prefill" and c[3]]  # its prompt took a step of its own
+    assert [c for c in spy.calls if c[0] == "prefill" and c[3]], spy.calls  # its prompt took a step of its own
+
+
+def _until_decoding(spy: _Spy, timeout: float = 10.0) -> float:
+    """Wait until some request of the spied engine decodes (the next one then arrives beside it); sleep no more."""
+    end = time.monotonic() + timeout
+    while not spy._decoding() and time.monotonic() < end:
+        time.sleep(0.001)
+    return 0.0
 
 
 @pytest.mark.parametrize("value", [-1, 1.5, True])
@@ -252,11 +294,12 @@ class _Replays:
 
 @pytest.mark.parametrize("mixed_chunk", [16, 0])
 def test_graphed_mixed_rounds_give_the_plain_decoders_tokens(mixed_chunk, tiny_engine_factory, references,
-                                                             monkeypatch):
+                                                             monkeypatch, queued_rides):
     """The graphed path of mixed rounds (RoundGraphs.run_mixed: the chunk's layers graph per round key and chunk
     bucket in place of the shared layers graph) with replays emulated on the CPU (:class:`_Replays`): a value the
     capture fixed (the chunk's last token), an output not written where the key's choice graph reads it, or a
-    wrong copy of the first tokens' states changes tokens. Several chunk keys must really be captured."""
+    wrong copy of the first tokens' states changes tokens. Several chunk keys must really be captured, and rounds
+    queued from the device must carry chunks too."""
     from ddtree.engine.cuda_graphs import RoundGraphs
 
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
@@ -272,3 +315,4 @@ def test_graphed_mixed_rounds_give_the_plain_decoders_tokens(mixed_chunk, tiny_e
     chunk_keys = sum(len(c.mixed) for c in engine.graphs.graphs.values())
     assert chunk_keys >= 2 if mixed_chunk else chunk_keys == 0
     assert engine.graphs.mixed_captures == chunk_keys  # none dropped (max_mixed), each counted once
+    assert any(carried for _, carried in queued_rides) == bool(mixed_chunk), queued_rides

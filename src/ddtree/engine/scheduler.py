@@ -8,8 +8,8 @@ and owns every request's state; other threads reach it only through the inbox (:
                      -> emit round n's chunks (on_chunk callbacks) while n + 1 runs
 
 With ``overlap_rounds`` (CUDA) round n + 1 is queued on the device before round n is read, its rows advanced there
-from round n's result, finished rows dropped and newcomers appended (:meth:`Scheduler._follow_size`); only a change
-of the round's kind, a mixed round's riders or a cost curve to measure wait for a host launch.
+from round n's result, finished rows dropped and newcomers appended (:meth:`Scheduler._follow_size`), prompt chunks
+riding in it (a mixed round); only a change of the round's kind or a cost curve to measure waits for a host launch.
 
 Scheduling: requests wait in a bounded FIFO queue until a KV slot is free; a newcomer's prompt is written in
 chunks, so running requests keep decoding while long prompts load: by prefill steps of ``prefill_chunk`` tokens
@@ -92,6 +92,10 @@ class _FirstTokens:
     tokens: torch.Tensor  # [D] long, device
     copy: HostCopy  # ``tokens``' copy to the host, started when they were sampled
     started: float  # perf_counter at the start of the prefill step (the rows' prefill stage time ends at the read)
+    # the queued round (_Flight.seq) whose prompt chunk sampled them (a mixed round), None: a prefill step's. Those
+    # of the round in flight are read once it is read, not at the top of the next iteration (which would make the
+    # host wait for that round before queuing the next one)
+    round_seq: int | None = None
 
 
 @dataclass
@@ -106,6 +110,7 @@ class _Flight:
     timer: StageTimer
     explores: bool = False  # budget auto ran a size above its best to observe it (AutoChooser.choose)
     riders: list[RequestState] = field(default_factory=list)  # a mixed round's prefilling requests (_launch)
+    seq: int = 0  # the round's number (Scheduler._rounds_queued when it was queued)
 
 
 class Scheduler:
@@ -141,6 +146,7 @@ class Scheduler:
         self._cost_waiters: list[threading.Event] = []  # prepare_auto calls waiting for the loop to measure
         self._first: _FirstTokens | None = None  # the last prefill step's first tokens, until read
         self._mixing = True  # mixed rounds allowed (off for good once one fails in its graphs)
+        self._rounds_queued = 0  # _Flight.seq
 
     # ---- the inbox (any thread) --------------------------------------------------------------------------------
     def _enqueue(self, state: RequestState) -> None:
@@ -159,7 +165,7 @@ class Scheduler:
         while not self._stopping:
             self._drain_inbox()
             self._admit()
-            worked = self._read_first_tokens()
+            worked = self._read_first_tokens(in_flight=flight.seq if flight is not None else None)
             prefilling = [s for s in self._active.values() if s.phase is Phase.PREFILL]
             riders = self._riders(prefilling)  # their chunks ride in this iteration's round
             separate = [s for s in prefilling if not _holds(riders, s)]
@@ -169,9 +175,9 @@ class Scheduler:
             results: list[RowResult] = []
             follow_up: _Flight | None = None
             if flight is not None:
-                follow = None if riders else self._follow_size(flight)  # (size, best, joiners)
+                follow = self._follow_size(flight)  # (size, best, joiners)
                 if follow is not None:
-                    follow_up = self._follow_up(flight, *follow)
+                    follow_up = self._follow_up(flight, *follow, riders)
                 results = self._collect_guarded(flight)
                 flight = follow_up
                 worked = True
@@ -381,11 +387,11 @@ class Scheduler:
                    self._upload(torch.tensor([s.sampling.min_tokens for s in finished], dtype=torch.long)))
         return self.runner.sample_first(last, temp, top_p, top_k, seed, greedy, _any_filter(finished), min_tokens=ban)
 
-    def _ride(self, rows: list[tuple[RequestState, int]], logits: torch.Tensor, t0: float) -> None:
-        """Account for the chunk rows a mixed round carries (queued, not read): the riders' prompts move on, and
-        those whose prompt it ends get their first token sampled on the device from ``logits`` [P, V] (each row's
-        last token), read with any prefill step's at the top of the next loop iteration (:class:`_FirstTokens`);
-        they decode from the round after."""
+    def _ride(self, rows: list[tuple[RequestState, int]], logits: torch.Tensor, t0: float, seq: int) -> None:
+        """Account for the chunk rows a mixed round (number ``seq``) carries (queued, not read): the riders' prompts
+        move on, and those whose prompt it ends get their first token sampled on the device from ``logits`` [P, V]
+        (each row's last token), read once the round is (:class:`_FirstTokens`); they decode from the round after,
+        which may be queued before this one is read (their roots patched on the device)."""
         for state, take in rows:
             state.prefilled += take
         done = [i for i, (s, _) in enumerate(rows) if s.prefilled == len(s.prompt_ids)]
@@ -396,10 +402,10 @@ class Scheduler:
         chosen = self._sample_first(finished, last)
         for state in finished:
             state.phase = Phase.DECODE
-        if self._first is not None:  # a prefill step's, unread: one read for both
-            finished, chosen = self._first.states + finished, torch.cat([self._first.tokens, chosen])
-            t0 = self._first.started
-        self._first = _FirstTokens(states=finished, tokens=chosen, copy=HostCopy(chosen), started=t0)
+        # One batch of unread first tokens at a time: those unread so far (a prefill step's, or the round before's
+        # riders') are read now. This round is queued already, so the device keeps working while the host waits.
+        self._read_first_tokens()
+        self._first = _FirstTokens(states=finished, tokens=chosen, copy=HostCopy(chosen), started=t0, round_seq=seq)
 
     def _ride_rows(self, riders: list[RequestState]) -> list[tuple[RequestState, int]]:
         """The chunk rows of a mixed round: ``EngineConfig.mixed_chunk`` prompt tokens among the riders, in order."""
@@ -414,13 +420,16 @@ class Scheduler:
                 self._counters.prompt_tokens_total += len(state.prompt_ids)
         self._emit(state, [token], logprobs)
 
-    def _read_first_tokens(self) -> bool:
-        """Read and emit the last prefill step's first tokens (:class:`_FirstTokens`), if any; waits only for that
-        prefill (the round launched after it is still running). Rows cancelled meanwhile are skipped; a read that
-        fails (a device fault surfaces at the sync) fails its rows."""
-        first, self._first = self._first, None
-        if first is None:
+    def _read_first_tokens(self, in_flight: int | None = None) -> bool:
+        """Read and emit the unread first tokens (:class:`_FirstTokens`), if any: a prefill step's waits only for
+        that prefill (the round launched after it is still running); those a mixed round sampled are left unread
+        while that round is the one in flight (``in_flight``: its ``_Flight.seq``), so the host does not wait for
+        it before queuing the next. Rows cancelled meanwhile are skipped; a read that fails (a device fault
+        surfaces at the sync) fails its rows."""
+        first = self._first
+        if first is None or in_flight is not None and first.round_seq == in_flight:
             return False
+        self._first = None
         try:
             tokens = first.copy.get()
         except Exception:
@@ -548,6 +557,10 @@ class Scheduler:
         prefilling requests (their chunk's layers graph per round key and chunk bucket: RoundGraphs.run_mixed)."""
         timer = StageTimer(self.device)
         t0 = time.perf_counter()
+        if not self._mixing:  # a mixed round failed in its graphs since the riders were chosen: they prefill later
+            riders = []
+        self._rounds_queued += 1
+        seq = self._rounds_queued
         ride = self._ride_rows(riders) if riders else []
         first_logits = None
         graphed = self.graphs is not None and self.graphs.can_run(len(states))
@@ -577,12 +590,12 @@ class Scheduler:
             result = self.runner.round(inp, timer, work)
             first_logits = work.first_logits
         if ride:
-            self._ride(ride, first_logits, t0)
+            self._ride(ride, first_logits, t0, seq)
             with self._lock:
                 self._counters.mixed_rounds_total += 1
                 self._counters.mixed_prompt_tokens_total += int(sum(t for _, t in ride))
         return _Flight(states=states, result=result, copy=HostCopy(result), rows=rows, shape=shape, timer=timer,
-                       explores=explores, riders=list(riders))
+                       explores=explores, riders=list(riders), seq=seq)
 
     def _follow_size(self, flight: _Flight) -> tuple[int, int, list[RequestState]] | None:
         """(The budget, budget auto's best size (the two differ when it explores), the requests that join) of the
@@ -650,15 +663,17 @@ class Scheduler:
         reach = max(s.root_position for s in live) + block
         return max([reach] + [s.root_position + 1 for s in joiners])
 
-    def _follow_up(self, flight: _Flight, size: int, best: int | None = None,
-                   joiners: list[RequestState] = ()) -> _Flight | None:
+    def _follow_up(self, flight: _Flight, size: int, best: int | None = None, joiners: list[RequestState] = (),
+                   riders: list[RequestState] = ()) -> _Flight | None:
         """Queue the round after ``flight`` with inputs advanced on the device from its result: each row's root is
         the last token it commits, its position and step counter move by the tokens it commits, and with budget
         auto its auto rows take ``size`` (:meth:`_follow_size`; ``best`` its best size, None: ``size``), which becomes
         the hysteresis' previous once the round is queued. The rows of requests that finished since ``flight`` was
         queued are dropped; ``joiners`` (:meth:`_joiners`) take rows after the others, packed on the host as a
-        launch packs them (a first token still unread: its root patched on the device). The states hold every
-        round before ``flight``, so their positions plus one block bound this round's cache reads."""
+        launch packs them (a first token still unread: its root patched on the device); ``riders``: prefilling
+        requests whose next chunk rides in its verify (a mixed round: the prompt tokens are on the host, so a
+        follow-up carries them as a launch does). The states hold every round before ``flight``, so their positions
+        plus one block bound this round's cache reads."""
         try:
             joiners, live = list(joiners), _live(flight)
             states = live + joiners
@@ -686,7 +701,7 @@ class Scheduler:
                 patch = self._root_patch(late)
             shape = replace(shape, rows=len(states), kv_len=reach + shape.max_budget + 1, draft_kv_len=max(1, reach))
             best = size if best is None else best
-            follow_up = self._queue(states, rows, shape, patch, explores=size != best)
+            follow_up = self._queue(states, rows, shape, patch, explores=size != best, riders=riders)
             if auto:
                 self._auto.previous = best
             return follow_up
