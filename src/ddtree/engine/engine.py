@@ -3,7 +3,8 @@
 Three modules make an engine, each changed for its own reasons:
 
 - :mod:`ddtree.engine.build`: loading, fusing, fp8, KV sizing and CUDA-graph set-up (once, before serving);
-- :mod:`ddtree.engine.scheduler`: the loop on the engine thread (admit, prefill, launch, collect, overlap, emit);
+- :mod:`ddtree.engine.scheduler`: the loop on the engine thread (admit, prefill, launch, collect, overlap, emit;
+  its prefill steps in :mod:`ddtree.engine.prefill_steps`, its queued rounds in :mod:`ddtree.engine.follow_ups`);
 - this module: the thread and the public, thread-safe API (``submit`` / ``stream`` / ``cancel`` / ``generate`` /
   ``snapshot`` / ``info``) the server and the lab speak.
 

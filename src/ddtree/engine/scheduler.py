@@ -20,6 +20,10 @@ request waits for at most ``mixed_chunk`` extra tokens of forward per round; pro
 which is why it is off by default (docs/benchmarks.md, "Mixed rounds"). A slot is freed the moment its request
 finishes or is cancelled.
 
+Where the rest lives: prefill steps, mixed rounds' riders and first tokens in :mod:`ddtree.engine.prefill_steps`,
+rounds queued before the flight is read in :mod:`ddtree.engine.follow_ups` (both mixins of :class:`Scheduler`),
+the loop's in-between state (a round in flight, unread first tokens) in :mod:`ddtree.engine.flights`.
+
 Fault isolation: if a round raises, the scheduler reruns each of its rows alone (the round only writes cache
 positions past each row's committed length, so a rerun is safe); rows that fail alone are finished with
 ``finish_reason="error"`` and the others continue.
@@ -38,33 +42,37 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ddtree.engine import auto_budget
-from ddtree.engine.api import MAX_LOGPROBS, MAX_STOP_IDS, StreamChunk, TokenLogprob
+from ddtree.engine.api import MAX_LOGPROBS, StreamChunk, TokenLogprob
 from ddtree.engine.build import EngineParts
 from ddtree.engine.cost_curve import CostCurve
 from ddtree.engine.cost_measure import fallback_curve
-from ddtree.engine.cuda_graphs import bucket_nodes, bucket_rows, eager_chunk_dims
-from ddtree.engine.logprobs import bits_to_floats, device_logprobs, host_entries, unpack_logprobs
+from ddtree.engine.cuda_graphs import bucket_nodes, bucket_rows
+from ddtree.engine.flights import (
+    UNREAD,
+    FirstTokens,
+    Flight,
+    RowResult,
+    describe_current_exception,
+    holds,
+    row_flags,
+)
+from ddtree.engine.follow_ups import FollowUps
+from ddtree.engine.logprobs import bits_to_floats, unpack_logprobs
+from ddtree.engine.prefill_steps import PrefillSteps
 from ddtree.engine.request_state import Phase, RequestState
 from ddtree.engine.round import (
     NO_WINDOW,
     ChunkRows,
     PackedRows,
-    PrefillInputs,
     RoundInputs,
     RoundShape,
     RoundWork,
     RowInputs,
 )
-from ddtree.engine.runner import HostCopy, StageTimer, to_host
+from ddtree.engine.runner import HostCopy, StageTimer
 
 log = logging.getLogger("ddtree.engine")
 
-# The host's stand-in for a first token still on the device (_FirstTokens), in the tokens a launch takes as read but
-# not committed: never a token id, so no stop rule matches it (its row's root is patched on the device).
-UNREAD = -1
-
-# One row's share of a round read on the host: its state, the tokens it commits, their log-probs (None unless asked).
-RowResult = tuple["RequestState", list[int], "list[TokenLogprob] | None"]
 
 @dataclass
 class _Counters:
@@ -78,42 +86,7 @@ class _Counters:
     mixed_prompt_tokens_total: int = 0  # prompt tokens those rounds carried
 
 
-@dataclass
-class _FirstTokens:
-    """First completion tokens sampled on the device by a prefill step and not read on the host yet: the rows join
-    the next round at once, their roots patched on the device (:meth:`Scheduler._launch`), and the tokens are read
-    and emitted at the top of the next loop iteration, before that round is read.
-
-    Why: reading them in the prefill step made the host wait for the round in flight and the prefill, then build
-    the next round while the device idled; at 64 in flight requests arrive about every round (the H200 stand-in:
-    3.6 ms a round past the device stages for DDTree b4, 0.3 ms for AR, whose requests arrive once a wave)."""
-
-    states: list[RequestState]  # in the order of ``tokens``
-    tokens: torch.Tensor  # [D] long, device
-    copy: HostCopy  # ``tokens``' copy to the host, started when they were sampled
-    started: float  # perf_counter at the start of the prefill step (the rows' prefill stage time ends at the read)
-    # the queued round (_Flight.seq) whose prompt chunk sampled them (a mixed round), None: a prefill step's. Those
-    # of the round in flight are read once it is read, not at the top of the next iteration (which would make the
-    # host wait for that round before queuing the next one)
-    round_seq: int | None = None
-
-
-@dataclass
-class _Flight:
-    """A round queued on the device whose result the host has not read yet."""
-
-    states: list[RequestState]  # the rows, in order
-    result: torch.Tensor  # [R, 2 + L] device: tokens committed, then the tokens (ModelRunner.round)
-    copy: HostCopy  # the result's copy to the host, started when the round was queued
-    rows: PackedRows  # the round's device inputs (a follow-up round advances them)
-    shape: RoundShape
-    timer: StageTimer
-    explores: bool = False  # budget auto ran a size above its best to observe it (AutoChooser.choose)
-    riders: list[RequestState] = field(default_factory=list)  # a mixed round's prefilling requests (_launch)
-    seq: int = 0  # the round's number (Scheduler._rounds_queued when it was queued)
-
-
-class Scheduler:
+class Scheduler(PrefillSteps, FollowUps):
     """The engine loop over one built engine (:class:`~ddtree.engine.build.EngineParts`)."""
 
     def __init__(self, parts: EngineParts) -> None:
@@ -144,9 +117,9 @@ class Scheduler:
         self.cost_curve: CostCurve | None = None
         self._auto = auto_budget.AutoChooser(parts.config.max_budget)
         self._cost_waiters: list[threading.Event] = []  # prepare_auto calls waiting for the loop to measure
-        self._first: _FirstTokens | None = None  # the last prefill step's first tokens, until read
+        self._first: FirstTokens | None = None  # the last prefill step's first tokens, until read
         self._mixing = True  # mixed rounds allowed (off for good once one fails in its graphs)
-        self._rounds_queued = 0  # _Flight.seq
+        self._rounds_queued = 0  # Flight.seq
 
     # ---- the inbox (any thread) --------------------------------------------------------------------------------
     def _enqueue(self, state: RequestState) -> None:
@@ -161,19 +134,19 @@ class Scheduler:
     def _loop(self) -> None:
         """One iteration: admit, one prefill step, then read the round in flight, launch the next and only then
         emit what was read, so detokenizing, stop checks and callbacks overlap the device's next round."""
-        flight: _Flight | None = None
+        flight: Flight | None = None
         while not self._stopping:
             self._drain_inbox()
             self._admit()
             worked = self._read_first_tokens(in_flight=flight.seq if flight is not None else None)
             prefilling = [s for s in self._active.values() if s.phase is Phase.PREFILL]
             riders = self._riders(prefilling)  # their chunks ride in this iteration's round
-            separate = [s for s in prefilling if not _holds(riders, s)]
+            separate = [s for s in prefilling if not holds(riders, s)]
             if separate:
                 self._guarded(self._prefill_step, separate)
                 worked = True
             results: list[RowResult] = []
-            follow_up: _Flight | None = None
+            follow_up: Flight | None = None
             if flight is not None:
                 follow = self._follow_size(flight)  # (size, best, joiners)
                 if follow is not None:
@@ -198,7 +171,7 @@ class Scheduler:
                     self._emit_results(results)
                     results = []
                     for state in decoding:
-                        if state.phase is Phase.DECODE and not _holds(first, state):
+                        if state.phase is Phase.DECODE and not holds(first, state):
                             self._guarded(self._decode_round, [state])
                     self._prefill_alone(riders)
                 worked = True
@@ -253,22 +226,6 @@ class Scheduler:
             with self._lock:
                 self._active[state.slot] = state
 
-    def _riders(self, prefilling: list[RequestState]) -> list[RequestState]:
-        """The prefilling requests whose next chunk rides in this iteration's decode round (a mixed round): all of
-        them while some request decodes and ``EngineConfig.mixed_chunk`` is on, except those that asked for
-        log-probs (their prompt's, or their first token's, which a prefill step reads with its logits)."""
-        if self.config.mixed_chunk <= 0 or not prefilling or not self._mixing:
-            return []
-        if not any(s.phase is Phase.DECODE for s in self._active.values()):
-            return []
-        return [s for s in prefilling if s.sampling.prompt_logprobs is None and s.sampling.logprobs is None]
-
-    def _prefill_alone(self, states: list[RequestState]) -> None:
-        """A prefill step for those of ``states`` still prefilling (riders whose round did not run)."""
-        left = [s for s in states if s.phase is Phase.PREFILL]
-        if left:
-            self._guarded(self._prefill_step, left)
-
     def _guarded(self, step: Callable[[list[RequestState]], None], states: list[RequestState]) -> None:
         """Run a batched step; on failure rerun each request alone and fail only those that fail alone."""
         try:
@@ -276,196 +233,11 @@ class Scheduler:
         except Exception:
             if len(states) == 1:
                 log.exception("request %s failed", states[0].request_id)
-                self._finish(states[0], "error", error=_describe_current_exception())
+                self._finish(states[0], "error", error=describe_current_exception())
                 return
             for state in states:
                 if state.phase in (Phase.PREFILL, Phase.DECODE):
                     self._guarded(step, [state])
-
-    # ---- prefill ---------------------------------------------------------------------------------------------
-    @staticmethod
-    def _chunk_rows(states: list[RequestState], budget: int) -> list[tuple[RequestState, int]]:
-        """(state, prompt tokens it takes) for a chunk of at most ``budget`` tokens, in the states' order."""
-        rows: list[tuple[RequestState, int]] = []
-        for state in states:
-            if budget <= 0:
-                break
-            take = min(len(state.prompt_ids) - state.prefilled, budget)
-            rows.append((state, take))
-            budget -= take
-        return rows
-
-    @staticmethod
-    def _chunk_ids(rows: list[tuple[RequestState, int]]) -> torch.Tensor:
-        """The chunk's prompt tokens ``[R, widest take]`` (host, zero-padded)."""
-        ids = torch.zeros((len(rows), max(take for _, take in rows)), dtype=torch.long)
-        for i, (state, take) in enumerate(rows):
-            ids[i, :take] = torch.tensor(state.prompt_ids[state.prefilled : state.prefilled + take])
-        return ids
-
-    def _eager_chunk(self, rows: list[tuple[RequestState, int]], ids: torch.Tensor) -> PrefillInputs:
-        """The device inputs of an eager chunk: width padded to a multiple of 16, key length bucketed (kernel
-        variants the warm-up planned: cuda_graphs.eager_chunk_dims)."""
-        start = [s.prefilled for s, _ in rows]
-        takes = [t for _, t in rows]
-        padded, kv_len = eager_chunk_dims(ids.shape[1], start, self.runner.target_cache.max_len)
-        up = self._upload
-        return PrefillInputs(
-            ids=up(torch.nn.functional.pad(ids, (0, padded - ids.shape[1]))),
-            slots=up(torch.tensor([s.slot for s, _ in rows])),
-            start=up(torch.tensor(start)),
-            valid_len=up(torch.tensor(takes)),
-            last_index=up(torch.tensor([t - 1 for t in takes])),
-            kv_len=kv_len,
-        )
-
-    def _prefill_step(self, states: list[RequestState]) -> None:
-        rows = self._chunk_rows(states, self.config.prefill_chunk)
-        t0 = time.perf_counter()
-        ids = self._chunk_ids(rows)
-        width = ids.shape[1]
-        start = [s.prefilled for s, _ in rows]
-        takes = [t for _, t in rows]
-        logits = None
-        # Prompt log-probs need the logits at every position, which the prefill graphs do not keep: a chunk with a
-        # row that asked runs eagerly (and computes every row's; only the asking rows' are read).
-        prompt_lp = any(s.sampling.prompt_logprobs is not None for s, _ in rows)
-        every = None
-        if not prompt_lp and self.prefill_graphs is not None and self.prefill_graphs.can_run(len(rows), width, start):
-            try:
-                logits = self.prefill_graphs.run(ids, [s.slot for s, _ in rows], takes)
-            except Exception:  # a capture that fails (memory, an op graphs refuse) must not fail the requests
-                log.exception("prefill CUDA graph failed; prefilling eagerly from now on")
-                self.prefill_graphs = None
-        if logits is None:
-            inp = self._eager_chunk(rows, ids)
-            if prompt_lp:
-                every = self.runner.prefill(inp, every_position=True)[:, :width]  # [R, T, V]
-                logits = torch.gather(every, 1, inp.last_index[:, None, None].expand(-1, 1, every.shape[-1]))[:, 0]
-            else:
-                logits = self.runner.prefill(inp)
-        if every is not None:
-            self._prompt_logprobs(rows, ids, every)
-        done = [i for i, (s, take) in enumerate(rows) if s.prefilled + take == len(s.prompt_ids)]
-        first: list[int] = []
-        first_lp: list[TokenLogprob | None] = []
-        late: _FirstTokens | None = None
-        if done:
-            finished = [rows[i][0] for i in done]
-            last = logits if len(done) == len(rows) else logits[self._upload(torch.tensor(done))]  # [D, V]
-            chosen = self._sample_first(finished, last)
-            if any(s.sampling.logprobs is not None for s in finished):
-                # the first token's log-probs: the prefill's last logits, in the same host read as the token
-                first, chosen_lp, top_lp, top_ids = to_host(chosen, *device_logprobs(last, chosen))
-                first_lp = [None if s.sampling.logprobs is None else
-                            host_entries([chosen_lp[j]], [top_lp[j]], [top_ids[j]], [first[j]], s.sampling.logprobs)[0]
-                            for j, s in enumerate(finished)]
-            else:  # read at the top of the next iteration (_FirstTokens); the rows decode meanwhile
-                self._read_first_tokens()  # one step's tokens unread at a time (fault isolation reruns this step)
-                late = _FirstTokens(states=finished, tokens=chosen, copy=HostCopy(chosen), started=t0)
-        elapsed = time.perf_counter() - t0
-        for state, take in rows:
-            state.prefilled += take
-            if late is None or not _holds(late.states, state):
-                state.stats.stage_s["prefill"] = state.stats.stage_s.get("prefill", 0.0) + elapsed
-        if late is not None:
-            for state in late.states:
-                state.phase = Phase.DECODE
-            self._first = late
-            return
-        for j, (i, tok) in enumerate(zip(done, first, strict=False)):
-            self._first_token(rows[i][0], tok, [first_lp[j]] if first_lp and first_lp[j] is not None else None)
-
-    def _sample_first(self, finished: list[RequestState], last: torch.Tensor) -> torch.Tensor:
-        """The first completion token ``[D]`` (device) of each request whose prompt ``last`` [D, V] ends."""
-        temp, top_p, top_k, seed = self._sampling_tensors(finished)
-        greedy = all(s.sampling.greedy for s in finished)
-        ban = None
-        if any(s.banned_ids for s in finished):  # min_tokens: the first token (output index 0) is masked too
-            ids = [list(s.banned_ids) + [-1] * (MAX_STOP_IDS - len(s.banned_ids)) for s in finished]
-            ban = (self._upload(torch.tensor(ids, dtype=torch.long).T.contiguous()),
-                   self._upload(torch.tensor([s.sampling.min_tokens for s in finished], dtype=torch.long)))
-        return self.runner.sample_first(last, temp, top_p, top_k, seed, greedy, _any_filter(finished), min_tokens=ban)
-
-    def _ride(self, rows: list[tuple[RequestState, int]], logits: torch.Tensor, t0: float, seq: int) -> None:
-        """Account for the chunk rows a mixed round (number ``seq``) carries (queued, not read): the riders' prompts
-        move on, and those whose prompt it ends get their first token sampled on the device from ``logits`` [P, V]
-        (each row's last token), read once the round is (:class:`_FirstTokens`); they decode from the round after,
-        which may be queued before this one is read (their roots patched on the device)."""
-        for state, take in rows:
-            state.prefilled += take
-        done = [i for i, (s, _) in enumerate(rows) if s.prefilled == len(s.prompt_ids)]
-        if not done:
-            return
-        finished = [rows[i][0] for i in done]
-        last = logits if len(done) == len(rows) else logits[self._upload(torch.tensor(done))]  # [D, V]
-        chosen = self._sample_first(finished, last)
-        for state in finished:
-            state.phase = Phase.DECODE
-        # One batch of unread first tokens at a time: those unread so far (a prefill step's, or the round before's
-        # riders') are read now. This round is queued already, so the device keeps working while the host waits.
-        self._read_first_tokens()
-        self._first = _FirstTokens(states=finished, tokens=chosen, copy=HostCopy(chosen), started=t0, round_seq=seq)
-
-    def _ride_rows(self, riders: list[RequestState]) -> list[tuple[RequestState, int]]:
-        """The chunk rows of a mixed round: ``EngineConfig.mixed_chunk`` prompt tokens among the riders, in order."""
-        return self._chunk_rows(riders, self.config.mixed_chunk)
-
-    def _first_token(self, state: RequestState, token: int, logprobs: list[TokenLogprob] | None = None) -> None:
-        """A request's first completion token, read: it decodes from now on (and may finish on it)."""
-        state.phase = Phase.DECODE
-        state.stats.ttft_s = time.perf_counter() - state.arrival
-        with self._lock:
-            if state.counted:
-                self._counters.prompt_tokens_total += len(state.prompt_ids)
-        self._emit(state, [token], logprobs)
-
-    def _read_first_tokens(self, in_flight: int | None = None) -> bool:
-        """Read and emit the unread first tokens (:class:`_FirstTokens`), if any: a prefill step's waits only for
-        that prefill (the round launched after it is still running); those a mixed round sampled are left unread
-        while that round is the one in flight (``in_flight``: its ``_Flight.seq``), so the host does not wait for
-        it before queuing the next. Rows cancelled meanwhile are skipped; a read that fails (a device fault
-        surfaces at the sync) fails its rows."""
-        first = self._first
-        if first is None or in_flight is not None and first.round_seq == in_flight:
-            return False
-        self._first = None
-        try:
-            tokens = first.copy.get()
-        except Exception:
-            log.exception("reading the first tokens of a prefill step failed")
-            error = _describe_current_exception()
-            for state in first.states:
-                self._finish(state, "error", error=error)
-            return True
-        elapsed = time.perf_counter() - first.started
-        for state, token in zip(first.states, tokens, strict=True):
-            if state.phase is Phase.DECODE:
-                state.stats.stage_s["prefill"] = state.stats.stage_s.get("prefill", 0.0) + elapsed
-                self._first_token(state, token)
-            elif state.counted:  # cancelled after its prompt was prefilled: its prompt counts, as a read one's does
-                with self._lock:
-                    self._counters.prompt_tokens_total += len(state.prompt_ids)
-        return True
-
-    def _prompt_logprobs(self, rows: list[tuple[RequestState, int]], ids: torch.Tensor, every: torch.Tensor) -> None:
-        """Append this chunk's prompt log-probs to each asking row: column ``c`` (position ``s + c``) predicts the
-        prompt token at ``s + c + 1``; the chunk's last column predicts the next chunk's first token (or the first
-        completion token: not a prompt token, dropped). The first prompt token has none (None, as vLLM)."""
-        nxt = torch.zeros_like(ids)  # [R, T] host: the token each column predicts (0 past the prompt)
-        for i, (state, take) in enumerate(rows):
-            follow = state.prompt_ids[state.prefilled + 1 : state.prefilled + take + 1]
-            nxt[i, : len(follow)] = torch.tensor(follow, dtype=torch.long)
-        chosen_lp, top_lp, top_ids = to_host(*device_logprobs(every, nxt.to(self.device)))
-        for i, (state, take) in enumerate(rows):
-            n_top = state.sampling.prompt_logprobs
-            if n_top is None:
-                continue
-            # entries for positions 0 .. prefilled exist already; cutting there makes a rerun of the step (fault
-            # isolation) replace this chunk's entries instead of appending them twice
-            kept = (state.prompt_logprobs or [None])[: state.prefilled + 1]
-            follow = state.prompt_ids[state.prefilled + 1 : state.prefilled + take + 1]
-            state.prompt_logprobs = kept + host_entries(chosen_lp[i], top_lp[i], top_ids[i], follow, n_top)
 
     # ---- decode ----------------------------------------------------------------------------------------------
     def _decode_round(self, states: list[RequestState]) -> None:
@@ -473,7 +245,7 @@ class Scheduler:
         self._emit_results(self._collect(self._launch(states, {})))
 
     def _launch(self, states: list[RequestState], pending: dict[str, list[int]],
-                riders: list[RequestState] = ()) -> _Flight:
+                riders: list[RequestState] = ()) -> Flight:
         """Queue one round for ``states`` on the device and return without waiting for it.
 
         ``pending``: tokens read from the previous round but not yet committed to their states (the loop emits
@@ -500,7 +272,7 @@ class Scheduler:
             block_size=block,
             kv_len=reach + max_budget + 1,
             draft_kv_len=max(1, reach),
-            **_row_flags(states),
+            **row_flags(states),
             auto_width=auto_width,
         )
         # One host tensor per dtype: one copy each to the device instead of one per field.
@@ -551,7 +323,7 @@ class Scheduler:
 
     def _queue(self, states: list[RequestState], rows: PackedRows, shape: RoundShape,
                patch: Callable[[PackedRows], None] | None = None, *, explores: bool = False,
-               riders: list[RequestState] = ()) -> _Flight:
+               riders: list[RequestState] = ()) -> Flight:
         """Queue a round from packed inputs (host tensors, or device tensors for a follow-up round); ``patch``
         edits the device inputs before the round runs (:meth:`_root_patch`); ``riders``: a mixed round's
         prefilling requests (their chunk's layers graph per round key and chunk bucket: RoundGraphs.run_mixed)."""
@@ -594,122 +366,10 @@ class Scheduler:
             with self._lock:
                 self._counters.mixed_rounds_total += 1
                 self._counters.mixed_prompt_tokens_total += int(sum(t for _, t in ride))
-        return _Flight(states=states, result=result, copy=HostCopy(result), rows=rows, shape=shape, timer=timer,
+        return Flight(states=states, result=result, copy=HostCopy(result), rows=rows, shape=shape, timer=timer,
                        explores=explores, riders=list(riders), seq=seq)
 
-    def _follow_size(self, flight: _Flight) -> tuple[int, int, list[RequestState]] | None:
-        """(The budget, budget auto's best size (the two differ when it explores), the requests that join) of the
-        round that can be queued before ``flight`` is read, or None when the next round must be launched from the
-        host once it is.
-
-        A follow-up takes ``flight``'s rows still decoding (those whose request finished on the round read before,
-        or was cancelled, are dropped on the device: a newcomer may hold their slot already) and the joiners
-        (:meth:`_joiners`: newcomers whose first token is sampled, read or not) while prompts are still being
-        prefilled beside them, and writes
-        that stay inside the cache whatever ``flight`` accepts; rows that finish on ``flight``'s tokens only waste
-        their place in it. Its budget is ``flight``'s, or for an auto round budget auto's next choice, made on the
-        evidence of the rounds read so far (one round behind a host launch's): a change of size costs another
-        graph, not a break in the overlap of rounds. Why joiners: at 64 requests in flight one finishes and one
-        arrives almost every round, and a host launch after each read left the device idle while the flight was
-        read and the next round packed and uploaded (docs/benchmarks.md, "Rounds that take in newcomers")."""
-        if not self._overlap or self._waiting and self._free_slots or self._cost_waiters:
-            return None
-        live = _live(flight)
-        if not live:
-            return None
-        joiners = self._joiners(flight)
-        if joiners is None:
-            return None
-        states = live + joiners
-        size = best = flight.shape.max_budget
-        if flight.shape.auto_width:
-            if self._known_curve() is None:  # measuring it replays the round graphs whose buffers hold the result
-                return None
-            # an exploring flight's evidence is not read yet: its follow-up must not explore the same size again
-            size, best = self._auto_choice(states, self._unread(joiners), explore=not flight.explores)
-        elif joiners and flight.shape.block_size > 1:
-            size = best = max(size, *(s.budget for s in joiners))
-        # The next round's roots lie at most a block past the states' positions (a joiner's: its first token's);
-        # from there it writes its tree (nodes) into the target cache and its block into the drafter's.
-        block = flight.shape.block_size
-        fits = self._follow_reach(live, block, joiners) + max(size + 1, block) + 1 <= self.cache_len
-        return (size, best, joiners) if fits else None
-
-    def _joiners(self, flight: _Flight) -> list[RequestState] | None:
-        """The decoding requests outside ``flight`` that its follow-up takes in, or None when the follow-up's rows
-        (``flight``'s still decoding and these) need a round of another kind than ``flight``'s (block size, sampling
-        flags, budget auto or not): a host launch makes that one. A newcomer that finishes on its unread first
-        token (``max_tokens`` 1) is left out, as a host launch leaves it out."""
-        held = {id(s) for s in flight.states}
-        unread = self._unread([s for s in self._active.values() if id(s) not in held])
-        joiners = [s for s in self._active.values() if s.phase is Phase.DECODE and id(s) not in held
-                   and not s.ends_by_token(unread.get(s.request_id, ()))]
-        states = _live(flight) + joiners
-        shape = flight.shape
-        auto = shape.block_size > 1 and any(s.tree.auto for s in states)
-        same = (self._block_size(states) == shape.block_size and auto == (shape.auto_width > 0)
-                and _row_flags(states) == {name: getattr(shape, name) for name in _ROW_FLAGS})
-        return joiners if same else None
-
-    def _unread(self, states: list[RequestState]) -> dict[str, list[int]]:
-        """The first token still on the device (one token, not yet read) of each of ``states`` that has one."""
-        late = self._first.states if self._first is not None else []
-        return {s.request_id: [UNREAD] for s in states if _holds(late, s)}
-
-    @staticmethod
-    def _follow_reach(live: list[RequestState], block: int, joiners: list[RequestState]) -> int:
-        """The furthest root a follow-up of the flight's ``live`` rows (draft block ``block``) taking ``joiners``
-        can start from."""
-        reach = max(s.root_position for s in live) + block
-        return max([reach] + [s.root_position + 1 for s in joiners])
-
-    def _follow_up(self, flight: _Flight, size: int, best: int | None = None, joiners: list[RequestState] = (),
-                   riders: list[RequestState] = ()) -> _Flight | None:
-        """Queue the round after ``flight`` with inputs advanced on the device from its result: each row's root is
-        the last token it commits, its position and step counter move by the tokens it commits, and with budget
-        auto its auto rows take ``size`` (:meth:`_follow_size`; ``best`` its best size, None: ``size``), which becomes
-        the hysteresis' previous once the round is queued. The rows of requests that finished since ``flight`` was
-        queued are dropped; ``joiners`` (:meth:`_joiners`) take rows after the others, packed on the host as a
-        launch packs them (a first token still unread: its root patched on the device); ``riders``: prefilling
-        requests whose next chunk rides in its verify (a mixed round: the prompt tokens are on the host, so a
-        follow-up carries them as a launch does). The states hold every round before ``flight``, so their positions
-        plus one block bound this round's cache reads."""
-        try:
-            joiners, live = list(joiners), _live(flight)
-            states = live + joiners
-            reach = self._follow_reach(live, flight.shape.block_size, joiners)
-            shape, auto = flight.shape, flight.shape.auto_width > 0
-            if auto:
-                for s in states:
-                    if s.tree.auto:
-                        s.auto_budget = size
-                nodes = max(s.budget for s in states)  # = size: the options are never below a fixed row's
-                shape = replace(shape, max_budget=nodes,
-                                auto_width=auto_budget.curve_width(bucket_nodes(nodes), self._auto.candidates))
-            elif shape.block_size > 1:
-                shape = replace(shape, max_budget=size)
-            rows = flight.rows.advanced(flight.result, auto_budget=size if auto else None)
-            if len(live) < len(flight.states):  # drop finished rows: a device gather, its index through pinned memory
-                keep = self._upload(torch.tensor([i for i, s in enumerate(flight.states) if s.phase is Phase.DECODE]))
-                rows = PackedRows(rows.longs.index_select(1, keep), rows.floats.index_select(1, keep))
-            patch = None
-            if joiners:
-                joined, late = self._row_inputs(joiners, {}, first_row=rows.rows)
-                host = PackedRows.pack(joined)
-                rows = PackedRows(torch.cat([rows.longs, self._upload(host.longs.contiguous())], 1),
-                                  torch.cat([rows.floats, self._upload(host.floats.contiguous())], 1))
-                patch = self._root_patch(late)
-            shape = replace(shape, rows=len(states), kv_len=reach + shape.max_budget + 1, draft_kv_len=max(1, reach))
-            best = size if best is None else best
-            follow_up = self._queue(states, rows, shape, patch, explores=size != best, riders=riders)
-            if auto:
-                self._auto.previous = best
-            return follow_up
-        except Exception:  # the host path below will launch it (and isolate a faulty row if it fails again)
-            log.warning("queuing a follow-up round failed; launching from the host instead", exc_info=True)
-            return None
-
-    def _collect(self, flight: _Flight) -> list[RowResult]:
+    def _collect(self, flight: Flight) -> list[RowResult]:
         """Wait for a launched round and account for it; returns each still-decoding row's committed tokens and,
         for rows that asked, their log-probs (rows finished or cancelled while the round ran are dropped)."""
         rows = flight.copy.get()
@@ -799,13 +459,13 @@ class Scheduler:
             self.cost_curve = fallback_curve(self, self._auto.candidates)
         return self.cost_curve
 
-    def _collect_guarded(self, flight: _Flight) -> list[RowResult]:
+    def _collect_guarded(self, flight: Flight) -> list[RowResult]:
         """:meth:`_collect`; if reading the round fails (a device fault surfaces at the sync), its rows fail."""
         try:
             return self._collect(flight)
         except Exception:
             log.exception("a decode round failed on the device")
-            error = _describe_current_exception()
+            error = describe_current_exception()
             for state in flight.states + flight.riders:
                 self._finish(state, "error", error=error)
             return []
@@ -814,13 +474,6 @@ class Scheduler:
         for state, tokens, logprobs in results:
             if state.phase is Phase.DECODE:
                 self._emit(state, tokens, logprobs)
-
-    def _sampling_tensors(self, states: list[RequestState]):
-        """temperature, top_p [R] float and top_k, seed [R] long on the device, in two copies."""
-        floats = self._upload(torch.tensor([[float(s.sampling.temperature), float(s.sampling.top_p)] for s in states],
-                                           dtype=torch.float32).T.contiguous())
-        longs = self._upload(torch.tensor([[int(s.sampling.top_k), s.seed] for s in states], dtype=torch.long).T.contiguous())
-        return floats[0], floats[1], longs[0], longs[1]
 
     def _upload(self, host: torch.Tensor) -> torch.Tensor:
         """A host tensor on the engine's device without waiting: through pinned memory, non-blocking (torch's
@@ -838,7 +491,7 @@ class Scheduler:
             kept, text, reason = state.commit(tokens)
         except Exception:
             log.exception("request %s failed while committing tokens", state.request_id)
-            self._finish(state, "error", error=_describe_current_exception())
+            self._finish(state, "error", error=describe_current_exception())
             return
         state.stats.completion_tokens = len(state.output_ids)
         with self._lock:
@@ -894,38 +547,4 @@ class Scheduler:
             log.warning("request %s: the consumer raised; cancelling it", state.request_id, exc_info=True)
             if not final:
                 self._finish(state, "cancelled")
-
-
-def _live(flight: _Flight) -> list[RequestState]:
-    """The rows of ``flight`` whose requests still decode, in order (the others finished or were cancelled since it
-    was queued)."""
-    return [s for s in flight.states if s.phase is Phase.DECODE]
-
-
-def _holds(states: list[RequestState], state: RequestState) -> bool:
-    """Whether ``state`` itself is in ``states`` (identity: states are dataclasses, and equality compares fields)."""
-    return any(s is state for s in states)
-
-
-# The fields of a RoundShape that its rows' settings decide (_row_flags): a follow-up's joiners must keep them.
-_ROW_FLAGS = ("greedy", "filtered", "contiguous", "logprobs", "min_tokens")
-
-
-def _row_flags(states: list[RequestState]) -> dict[str, bool]:
-    """The :data:`_ROW_FLAGS` of a round of ``states``."""
-    return {"greedy": all(s.sampling.greedy for s in states), "filtered": _any_filter(states),
-            "contiguous": all(s.tree.method != "ddtree" for s in states),
-            "logprobs": any(s.sampling.logprobs is not None for s in states),
-            "min_tokens": any(bool(s.banned_ids) for s in states)}
-
-
-def _any_filter(states: list[RequestState]) -> bool:
-    return any(s.sampling.top_p < 1.0 or s.sampling.top_k > 0 for s in states if not s.sampling.greedy)
-
-
-def _describe_current_exception() -> str:
-    import sys
-
-    exc = sys.exc_info()[1]
-    return f"{type(exc).__name__}: {exc}"
 
