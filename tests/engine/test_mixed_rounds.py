@@ -129,6 +129,44 @@ def test_rounds_queued_before_the_flight_is_read_carry_riders(tiny_engine_factor
     assert all(carried for offered, carried in queued_rides if offered), queued_rides  # none refused for riders
 
 
+def test_a_riders_prefill_time_is_the_rounds_it_rode_in(tiny_engine_factory, references, monkeypatch):
+    """A request whose prompt only rode in mixed rounds has, as its prefill stage time, the stage time of those
+    rounds, counted once (its first token's read, one round later, adds nothing: it once added the time since the
+    round was queued on top)."""
+    from ddtree.engine.engine import Engine
+
+    rode: dict[int, list] = {}  # id(state) -> [state, seconds of the rounds it rode in]
+    stepped: set[int] = set()  # states that took a prefill step
+    real_collect, real_step = Engine._collect, Engine._prefill_step
+
+    def collect(self, flight):
+        timer_collect = flight.timer.collect
+
+        def timed():
+            stages = timer_collect()
+            for state in flight.riders:
+                rode.setdefault(id(state), [state, 0.0])[1] += sum(stages.values())
+            return stages
+
+        flight.timer.collect = timed
+        return real_collect(self, flight)
+
+    def step(self, states):
+        stepped.update(id(s) for s in states)
+        return real_step(self, states)
+
+    monkeypatch.setattr(Engine, "_collect", collect)
+    monkeypatch.setattr(Engine, "_prefill_step", step)
+    engine = tiny_engine_factory(oracle=True, max_batch=4, mixed_chunk=16)
+    prompts = PROMPTS * 2
+    outs = _staggered(engine, _greedy(prompts, [TreeSettings(method="ddtree", budget=6)] * len(prompts)))
+    assert outs == [references[p] for p in prompts]
+    riders = [(state, secs) for key, (state, secs) in rode.items() if key not in stepped]
+    assert riders, (len(rode), len(stepped))
+    for state, secs in riders:
+        assert state.stats.stage_s["prefill"] == pytest.approx(secs, rel=1e-9, abs=1e-12)
+
+
 def test_mixing_off_prefills_in_steps_of_their_own(tiny_engine_factory, references, monkeypatch):
     spy = _Spy(monkeypatch)
     engine = tiny_engine_factory(oracle=True, max_batch=4, mixed_chunk=0)

@@ -205,7 +205,8 @@ class PrefillSteps:
         elapsed = time.perf_counter() - first.started
         for state, token in zip(first.states, tokens, strict=True):
             if state.phase is Phase.DECODE:
-                state.stats.stage_s["prefill"] = state.stats.stage_s.get("prefill", 0.0) + elapsed
+                if first.round_seq is None:  # a mixed round's riders have its stage time already (_collect)
+                    state.stats.stage_s["prefill"] = state.stats.stage_s.get("prefill", 0.0) + elapsed
                 self._first_token(state, token)
             elif state.counted:  # cancelled after its prompt was prefilled: its prompt counts, as a read one's does
                 with self._lock:
