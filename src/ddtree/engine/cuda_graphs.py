@@ -236,7 +236,6 @@ class _Mixed:
     chunk buffer and its output."""
 
     packed: Tensor  # [rows * width + 3 * rows] long device: the ids row by row, then slots, starts, valid lengths
-    host: Tensor  # its pinned staging copy
     graph: torch.cuda.CUDAGraph
     work: RoundWork  # its output: work.verify.prompt_normed [rows, 1, H], the states at each chunk row's last token
 
@@ -355,8 +354,9 @@ class RoundGraphs:
         slots[:p] = torch.tensor(chunk.slots, dtype=torch.long)
         start[:p] = torch.tensor(chunk.start, dtype=torch.long)
         valid[:p] = torch.tensor(chunk.valid_len, dtype=torch.long)
-        mixed.host.copy_(host)
-        mixed.packed.copy_(mixed.host, non_blocking=True)
+        # a fresh pinned block per call, as a prefill replay's: a mixed round may be queued behind the round in
+        # flight (a follow-up), whose own chunk copy from a buffer kept here might not have run yet
+        mixed.packed.copy_(host.pin_memory() if mixed.packed.is_cuda else host, non_blocking=True)
         self._load(key, cap, rows_in, patch)
         prompt = None
         for name, graphs in zip(ModelRunner.STAGES, cap.graphs, strict=True):
@@ -448,7 +448,7 @@ class RoundGraphs:
         # length's attention variant), as the round keys' captures have
         sig = ("mixed", key.rows, key.block_size, key.max_budget, key.auto_width, ckey.rows, ckey.width)
         [(graph, _)] = self.recorder.record_stages(layers, [("mixed", layers)], self.pool, signature=sig)
-        mixed = _Mixed(packed=packed, host=host.pin_memory(), graph=graph, work=work)
+        mixed = _Mixed(packed=packed, graph=graph, work=work)
         cap.mixed[ckey] = mixed
         self.mixed_captures += 1
         self.mixed_capture_s += time.perf_counter() - t0
