@@ -4,6 +4,8 @@
 # whose riders sent every next round to a host launch, carried in .ab/), in one call: C = 64, context 60, four
 # waves, AR / chain / b7 / budget auto, mixed chunk 2048 (as large as a prefill step) and mixing off. First the
 # exact-mode GPU tests of mixed rounds and joiners.
+# Before it, on the development machine: mkdir -p .ab && git show db01927:src/ddtree/engine/scheduler.py >
+# .ab/scheduler_db01927.py (.ab/ ignored; the old scheduler is self-contained, so it runs over today's other modules).
 # Run from the repository root with OUT set and .ab carried: bash benchmarks/results/mixed_2026-12-05/call_a.sh
 set -u
 export PYTHONUNBUFFERED=1
