@@ -101,6 +101,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mixed-chunk", type=int, default=EngineConfig.mixed_chunk,
                     help="EngineConfig.mixed_chunk: prompt tokens a decode round carries for arriving requests "
                          "(0: prefill steps of their own only)")
+    ap.add_argument("--prefill-every", type=int, default=EngineConfig.prefill_every,
+                    help="EngineConfig.prefill_every: while requests decode, arrivals start prefilling at most once "
+                         "every N rounds (sharing one step)")
     ap.add_argument("--waves", type=int, default=4,
                     help="at concurrency C > 1 a cell runs waves * C prompts, C in flight at a time (the drain at "
                          "the end, fewer than C in flight, weighs less the more waves)")
@@ -156,7 +159,8 @@ def _run(args: argparse.Namespace, compiles: CompileLog, listening: bool) -> Non
                       retime=args.retime, auto=args.auto).validated()
     max_len = max(contexts) + args.new_tokens + 16
     config = EngineConfig(max_batch=max(concurrency), max_len=max_len, max_budget=max(*budgets, 32),
-                          prefill_chunk=args.prefill_chunk, mixed_chunk=args.mixed_chunk, max_queue=4096, cuda_graphs=True, gpu_kernels=not args.no_kernels,
+                          prefill_chunk=args.prefill_chunk, mixed_chunk=args.mixed_chunk,
+                          prefill_every=args.prefill_every, max_queue=4096, cuda_graphs=True, gpu_kernels=not args.no_kernels,
                           prefill_graphs=not args.no_prefill_graphs, draft_fp8=args.draft_fp8,
                           blas_rule=not args.no_blas_rule, warmup=args.engine_warmup,
                           cost_curve=args.cost_curve or ("auto" if args.auto else "off"))
@@ -171,7 +175,7 @@ def _run(args: argparse.Namespace, compiles: CompileLog, listening: bool) -> Non
     report = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
               "shape": args.shape,
               "gpu_kernels": not args.no_kernels, "prefill_chunk": args.prefill_chunk,
-              "mixed_chunk": args.mixed_chunk,
+              "mixed_chunk": args.mixed_chunk, "prefill_every": args.prefill_every,
               "draft_fp8": args.draft_fp8, "blas_rule": not args.no_blas_rule, "compile_log": listening,
               "standin_build_s": build_s, "params_target": sum(p.numel() for p in target.parameters()),
               "params_drafter": sum(p.numel() for p in drafter.parameters()),

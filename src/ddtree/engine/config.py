@@ -32,6 +32,11 @@ class EngineConfig:
     # and sped each request's decoding up to 2.4x, but admitted prompts slower, 20-32 % fewer tok/s in all
     # (docs/benchmarks.md, "Mixed rounds").
     mixed_chunk: int = 0
+    # While requests decode, prompts of arriving requests start prefilling at most once every this many rounds, so
+    # the arrivals of those rounds share one prefill step (a short prompt's step costs about a weight read, whatever
+    # its rows) instead of one step each; a newcomer waits at most this many rounds for it. 1 = every round (as
+    # before); vLLM's scheduler_delay_factor plays this part there. Not measured on the H200 yet (docs/benchmarks.md).
+    prefill_every: int = 1
     kv_memory_fraction: float | None = None  # size max_batch from free device memory instead
     cuda_graphs: bool = True  # capture decode rounds as CUDA graphs (CUDA devices only)
     prefill_graphs: bool = True  # with cuda_graphs: also prefill chunks that start a prompt (up to 1024 tokens)
@@ -72,6 +77,9 @@ class EngineConfig:
         if isinstance(self.mixed_chunk, bool) or not isinstance(self.mixed_chunk, int) or self.mixed_chunk < 0:
             raise ConfigError(f"mixed_chunk must be an integer >= 0 (0: no prompt chunks in decode rounds), "
                               f"got {self.mixed_chunk!r}")
+        if isinstance(self.prefill_every, bool) or not isinstance(self.prefill_every, int) or self.prefill_every < 1:
+            raise ConfigError(f"prefill_every must be an integer >= 1 (1: a prefill step every round), "
+                              f"got {self.prefill_every!r}")
         if self.max_block_size is not None and (not isinstance(self.max_block_size, int) or self.max_block_size < 2):
             raise ConfigError(f"max_block_size must be an integer >= 2, got {self.max_block_size!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):

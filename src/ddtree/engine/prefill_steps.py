@@ -41,6 +41,23 @@ class PrefillSteps:
             return []
         return [s for s in prefilling if s.sampling.prompt_logprobs is None and s.sampling.logprobs is None]
 
+    def _prefill_due(self, states: list[RequestState]) -> bool:
+        """Whether the prefilling ``states`` (not riding in a round) take a prefill step in this iteration: always,
+        unless some request decodes and ``EngineConfig.prefill_every`` is above 1; then once that many rounds were
+        queued since the last step, or when one of them is past its first chunk (a long prompt goes on as before),
+        or when their prompts fill a step (``prefill_chunk``). Why: at 64 in flight one request arrives about every
+        round, and each arrival's own step of a 60-token prompt cost the whole batch about a read of the target's
+        weights (the H200 stand-in: DDTree's round 2.7 ms past its device stages, docs/benchmarks.md "Rounds that
+        take in newcomers"); arrivals that share a step pay that once."""
+        every = self.config.prefill_every
+        if every <= 1 or not any(s.phase is Phase.DECODE for s in self._active.values()):
+            return True
+        if any(s.prefilled > 0 for s in states):
+            return True
+        if sum(len(s.prompt_ids) for s in states) >= self.config.prefill_chunk:
+            return True
+        return self._rounds_queued - self._prefill_round >= every
+
     def _prefill_alone(self, states: list[RequestState]) -> None:
         """A prefill step for those of ``states`` still prefilling (riders whose round did not run)."""
         left = [s for s in states if s.phase is Phase.PREFILL]

@@ -120,6 +120,7 @@ class Scheduler(PrefillSteps, FollowUps):
         self._first: FirstTokens | None = None  # the last prefill step's first tokens, until read
         self._mixing = True  # mixed rounds allowed (off for good once one fails in its graphs)
         self._rounds_queued = 0  # Flight.seq
+        self._prefill_round = 0  # _rounds_queued at the last prefill step (EngineConfig.prefill_every)
 
     # ---- the inbox (any thread) --------------------------------------------------------------------------------
     def _enqueue(self, state: RequestState) -> None:
@@ -142,7 +143,8 @@ class Scheduler(PrefillSteps, FollowUps):
             prefilling = [s for s in self._active.values() if s.phase is Phase.PREFILL]
             riders = self._riders(prefilling)  # their chunks ride in this iteration's round
             separate = [s for s in prefilling if not holds(riders, s)]
-            if separate:
+            if separate and self._prefill_due(separate):
+                self._prefill_round = self._rounds_queued
                 self._guarded(self._prefill_step, separate)
                 worked = True
             results: list[RowResult] = []
