@@ -37,9 +37,13 @@ class PrefillSteps:
         log-probs (their prompt's, or their first token's, which a prefill step reads with its logits)."""
         if self.config.mixed_chunk <= 0 or not prefilling or not self._mixing:
             return []
-        if not any(s.phase is Phase.DECODE for s in self._active.values()):
+        if not self._someone_decodes():
             return []
         return [s for s in prefilling if s.sampling.prompt_logprobs is None and s.sampling.logprobs is None]
+
+    def _someone_decodes(self) -> bool:
+        """Whether some admitted request decodes (prompts then ride in its rounds or wait for a shared step)."""
+        return any(s.phase is Phase.DECODE for s in self._active.values())
 
     def _prefill_due(self, states: list[RequestState]) -> bool:
         """Whether the prefilling ``states`` (not riding in a round) take a prefill step in this iteration: always,
@@ -50,7 +54,7 @@ class PrefillSteps:
         weights (the H200 stand-in: DDTree's round 2.7 ms past its device stages, docs/benchmarks.md "Rounds that
         take in newcomers"); arrivals that share a step pay that once."""
         every = self.config.prefill_every
-        if every <= 1 or not any(s.phase is Phase.DECODE for s in self._active.values()):
+        if every <= 1 or not self._someone_decodes():
             return True
         if any(s.prefilled > 0 for s in states):
             return True

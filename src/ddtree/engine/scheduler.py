@@ -118,7 +118,7 @@ class Scheduler(PrefillSteps, FollowUps):
         self.cost_curve: CostCurve | None = None
         self._auto = auto_budget.AutoChooser(parts.config.max_budget)
         self._cost_waiters: list[threading.Event] = []  # prepare_auto calls waiting for the loop to measure
-        self._first: FirstTokens | None = None  # the last prefill step's first tokens, until read
+        self._first: FirstTokens | None = None  # first tokens a prefill step or a mixed round sampled, until read
         self._mixing = True  # mixed rounds allowed (off for good once one fails in its graphs)
         self._rounds_queued = 0  # Flight.seq
         self._prefill_round = 0  # _rounds_queued at the last prefill step (EngineConfig.prefill_every)
