@@ -10,17 +10,9 @@ export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 SECONDS=0
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"
-run() {  # run NAME CONTEXTS SECONDS EXTRA...
-  local name=$1 contexts=$2 secs=$3; shift 3
-  timeout "$secs" python3 benchmarks/gpu.py --out "$OUT/$name" --no-hf --auto --contexts "$contexts" --concurrency 64 \
-    --budgets 7 --waves 4 --time-budget $(( secs - 35 )) "$@" > "$OUT/$name.log" 2>&1 \
-    || echo "gpu.py ($name) failed or timed out"
-  echo "$name done at ${SECONDS}s"
-  grep "^| 64" "$OUT/$name.log" | cut -d'|' -f1-6,10-12 | head -10
-  grep -c "failed in its CUDA graphs" "$OUT/$name.log"
-}
-run e1 60,1024 205
-run e3 60,1024 205 --prefill-every 3
-run m2048 60 $(( 580 - SECONDS )) --mixed-chunk 2048
+. benchmarks/results/rounds_2026-12-05/cell.sh
+cell e1 60,1024 205
+cell e3 60,1024 205 --prefill-every 3
+cell m2048 60 $(( 580 - SECONDS )) --mixed-chunk 2048
 rm -f "$OUT"/*/gpu.md "$OUT"/*/cost_curve.json
 echo "all done at ${SECONDS}s"

@@ -7,15 +7,8 @@ set -u
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 SECONDS=0
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader
-run() {  # run NAME CONTEXTS SECONDS EXTRA...
-  local name=$1 contexts=$2 secs=$3; shift 3
-  timeout "$secs" python3 benchmarks/gpu.py --out "$OUT/$name" --no-hf --auto --contexts "$contexts" --concurrency 64 \
-    --budgets 7 --waves 4 --time-budget $(( secs - 35 )) "$@" > "$OUT/$name.log" 2>&1 \
-    || echo "gpu.py ($name) failed or timed out"
-  echo "$name done at ${SECONDS}s"
-  grep "^| 64" "$OUT/$name.log" | cut -d'|' -f1-6,10-12 | head -10
-}
-run m2048_1k 1024 200 --mixed-chunk 2048
-run m2048_e3_60 60 $(( 320 - SECONDS )) --mixed-chunk 2048 --prefill-every 3
+. benchmarks/results/rounds_2026-12-05/cell.sh
+cell m2048_1k 1024 200 --mixed-chunk 2048
+cell m2048_e3_60 60 $(( 320 - SECONDS )) --mixed-chunk 2048 --prefill-every 3
 rm -f "$OUT"/*/gpu.md "$OUT"/*/cost_curve.json
 echo "all done at ${SECONDS}s"
