@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> None:
                     "measures its cost curve at start: EngineConfig.cost_curve auto)")
     ap.add_argument("--cost-curve", default=None, help="EngineConfig.cost_curve (off|auto|path); default auto with "
                     "--auto (off: budget auto measures its own curve at its first round), else off")
+    ap.add_argument("--no-chain", dest="chain", action="store_false", help="leave the DFlash chain out of every cell")
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--max-verify-tokens", type=int, default=4096)
     ap.add_argument("--time-budget", type=float, default=500.0, help="seconds for the matrix")
@@ -156,7 +157,7 @@ def _run(args: argparse.Namespace, compiles: CompileLog, listening: bool) -> Non
     plan = MatrixPlan(contexts=tuple(contexts), concurrency=tuple(concurrency), budgets=tuple(budgets),
                       new_tokens=args.new_tokens, max_verify_tokens=args.max_verify_tokens,
                       c1_prompts=args.c1_prompts, waves=args.waves, warm_up=args.warm_up,
-                      retime=args.retime, auto=args.auto).validated()
+                      retime=args.retime, auto=args.auto, chain=args.chain).validated()
     max_len = max(contexts) + args.new_tokens + 16
     config = EngineConfig(max_batch=max(concurrency), max_len=max_len, max_budget=max(*budgets, 32),
                           prefill_chunk=args.prefill_chunk, mixed_chunk=args.mixed_chunk,

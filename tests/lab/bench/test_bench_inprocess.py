@@ -142,3 +142,5 @@ def test_an_auto_cell_reports_the_budgets_auto_chose(demo_engine, stream):
     assert methods == [("ar", 0), ("dflash", 0), ("ddtree", 4), ("ddtree", 8), ("ddtree", "auto")]
     (_, _, methods), = plan_cells([64], [2], [4, 8], 4096)
     assert ("ddtree", "auto") not in methods
+    (_, _, methods), = plan_cells([64], [2], [4], 4096, auto=True, chain=False)
+    assert methods == [("ar", 0), ("ddtree", 4), ("ddtree", "auto")]

@@ -42,6 +42,7 @@ class MatrixPlan:
     warm_up: str = "cell"
     retime: bool = True
     auto: bool = False  # also DDTree with budget "auto" in every cell (ddtree.engine.auto_budget), after the budgets
+    chain: bool = True  # the DFlash chain in every cell (off: a device call's time goes to AR and the trees only)
 
     def validated(self) -> MatrixPlan:
         for name in ("contexts", "concurrency", "budgets"):
@@ -52,8 +53,9 @@ class MatrixPlan:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
-        if not isinstance(self.auto, bool):
-            raise ConfigError(f"auto must be true or false, got {self.auto!r}")
+        for name in ("auto", "chain"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.warm_up not in WARM_UPS:
             raise ConfigError(f"--warm-up must be one of {', '.join(WARM_UPS)}, got {self.warm_up!r}")
         return self
@@ -124,16 +126,18 @@ def warm_up_lengths(concurrency: int, longest: int) -> list[int]:
 
 
 def plan_cells(contexts: Sequence[int], concurrency: Sequence[int], budgets: Sequence[int],
-               max_verify_tokens: int, *, auto: bool = False) -> list[tuple[int, int, list[tuple[str, int | str]]]]:
+               max_verify_tokens: int, *, auto: bool = False,
+               chain: bool = True) -> list[tuple[int, int, list[tuple[str, int | str]]]]:
     """Cells in priority order: the headline (C=1, 1k) first, then the concurrencies and contexts in the order
     given on the command line (so a time-boxed run measures what was listed first). Large budgets only where the
     verify batch ``C * (budget + 1)`` stays within ``max_verify_tokens`` (past that the forward is compute-bound).
-    ``auto``: DDTree with budget "auto" last in every cell (the engine keeps its choice within its own limits)."""
+    ``auto``: DDTree with budget "auto" last in every cell (the engine keeps its choice within its own limits);
+    ``chain``: the DFlash chain after AR in every cell."""
     contexts, concurrency = list(contexts), list(concurrency)
     cells = []
     for conc in concurrency:
         for ctx in contexts:
-            methods = [("ar", 0), ("dflash", 0)] + [
+            methods = [("ar", 0)] + ([("dflash", 0)] if chain else []) + [
                 ("ddtree", b) for b in budgets if conc * (b + 1) <= max_verify_tokens
             ] + ([("ddtree", AUTO_BUDGET)] if auto else [])
             cells.append((conc, ctx, methods))
@@ -157,7 +161,7 @@ def run_matrix(engine: Any, stream: list[int], plan: MatrixPlan, report: dict, *
     plan = plan.validated()
     device = engine.device
     for conc, ctx, methods in plan_cells(plan.contexts, plan.concurrency, plan.budgets, plan.max_verify_tokens,
-                                         auto=plan.auto):
+                                         auto=plan.auto, chain=plan.chain):
         prompts = prompts_for(stream, ctx, plan.c1_prompts if conc == 1 else plan.waves * conc, salt=ctx + conc)
         ar_tokens = None
         ar_tok_s = None
