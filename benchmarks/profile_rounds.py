@@ -25,6 +25,7 @@ exact one 28.6; docs/benchmarks.md, "Exact mode", ninth run); each window record
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import threading
 import time
@@ -223,6 +224,13 @@ def main(argv: list[str] | None = None) -> None:
                       f"{cell['kernel_ms_per_round']:.2f} ms a round", flush=True)
         finally:
             engine.shutdown(drain_timeout=0)
+            del engine  # the next mode's engine sizes its KV cache from what this one leaves free
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+                held = torch.cuda.memory_allocated(device) / 2**30
+                report.setdefault("gib_after_shutdown", {})[mode] = round(held, 2)
+                print(f"{mode}: {held:.2f} GiB still allocated after the engine's shutdown", flush=True)
     report["total_s"] = time.perf_counter() - t0
     (out_dir / "profile_rounds.json").write_text(json.dumps(report, indent=1))
     text = table(report, args.top)
