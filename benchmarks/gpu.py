@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from ddtree.engine import Engine, EngineConfig, TreeSettings
+from ddtree.engine.config import resolve_prefill_every
 from ddtree.engine.cost_curve import save_curve
 from ddtree.engine.options import int_list
 from ddtree.lab.bench.inprocess import run_cell, synchronize
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
                          "(0: prefill steps of their own only)")
     ap.add_argument("--prefill-every", type=int, default=EngineConfig.prefill_every,
                     help="EngineConfig.prefill_every: while requests decode, arrivals start prefilling at most once "
-                         "every N rounds (sharing one step)")
+                         "every N rounds (sharing one step); default: the engine's (3 on CUDA)")
     ap.add_argument("--waves", type=int, default=4,
                     help="at concurrency C > 1 a cell runs waves * C prompts, C in flight at a time (the drain at "
                          "the end, fewer than C in flight, weighs less the more waves)")
@@ -176,7 +177,8 @@ def _run(args: argparse.Namespace, compiles: CompileLog, listening: bool) -> Non
     report = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
               "shape": args.shape,
               "gpu_kernels": not args.no_kernels, "prefill_chunk": args.prefill_chunk,
-              "mixed_chunk": args.mixed_chunk, "prefill_every": args.prefill_every,
+              "mixed_chunk": args.mixed_chunk,
+              "prefill_every": resolve_prefill_every(args.prefill_every, "cuda" if cuda else "cpu"),
               "draft_fp8": args.draft_fp8, "blas_rule": not args.no_blas_rule, "compile_log": listening,
               "standin_build_s": build_s, "params_target": sum(p.numel() for p in target.parameters()),
               "params_drafter": sum(p.numel() for p in drafter.parameters()),

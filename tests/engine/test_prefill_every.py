@@ -11,6 +11,7 @@ import pytest
 from engine_helpers import plain_greedy, submit_staggered
 
 from ddtree.engine import EngineConfig, GenerationRequest, SamplingParams, TreeSettings
+from ddtree.engine.config import PREFILL_EVERY_CUDA, resolve_prefill_every
 from ddtree.engine.engine import Engine
 from ddtree.engine.request_state import Phase
 from ddtree.errors import ConfigError
@@ -78,14 +79,24 @@ def test_arrivals_share_prefill_steps_within_the_bound(tiny_engine_factory, refe
     assert any(len(s["first"]) > 1 for s in beside), steps
 
 
-def test_every_round_is_the_default(tiny_engine_factory, references, steps):
-    """prefill_every 1 (the default): an arrival is prefilled in the iteration it is admitted in."""
+def test_every_round_is_the_cpu_default(tiny_engine_factory, references, steps):
+    """prefill_every None (the default) is 1 on the CPU: an arrival is prefilled in the iteration it is admitted in."""
+    assert EngineConfig().prefill_every is None
     engine = tiny_engine_factory(oracle=True, max_batch=8)
     assert engine.config.prefill_every == 1
     reqs = _requests(6)
     outs = submit_staggered(engine, reqs, 0.02)
     assert outs == [references[r.prompt] for r in reqs]
     assert all(s["round"] == at for s in steps for at in s["first"]), steps
+
+
+def test_the_default_resolves_per_device():
+    """None: PREFILL_EVERY_CUDA on CUDA, 1 elsewhere; a value given is kept on every device."""
+    assert PREFILL_EVERY_CUDA > 1
+    assert resolve_prefill_every(None, "cuda") == PREFILL_EVERY_CUDA
+    assert resolve_prefill_every(None, "cpu") == 1
+    assert resolve_prefill_every(1, "cuda") == 1
+    assert resolve_prefill_every(5, "cpu") == 5
 
 
 @pytest.mark.parametrize("value", [0, -2, 1.5, True, "3"])

@@ -16,7 +16,7 @@ import torch
 
 from ddtree.devices import resolve_device, resolve_dtype
 from ddtree.engine.api import TreeSettings
-from ddtree.engine.config import EngineConfig
+from ddtree.engine.config import EngineConfig, resolve_prefill_every
 from ddtree.engine.cuda_graphs import AttentionDims
 from ddtree.engine.exact_check import check_target
 from ddtree.engine.kernels import KernelSet
@@ -80,7 +80,9 @@ def build(target, drafter, tokenizer, config: EngineConfig, *, model_name: str) 
     """Prepare loaded models for serving: fuse (CUDA), fp8 (``draft_fp8``), KV slots (``kv_memory_fraction``), the
     runner and the CUDA graph sets. ``config``'s device and dtype are taken from the target's parameters."""
     param = next(target.parameters())
-    config = replace(config.validated(), device=str(param.device), dtype=str(param.dtype).split(".")[-1])
+    config = config.validated()
+    config = replace(config, device=str(param.device), dtype=str(param.dtype).split(".")[-1],
+                     prefill_every=resolve_prefill_every(config.prefill_every, param.device.type))
     device = param.device
     trained_block_size = int(drafter.trained_block_size) if drafter is not None else 2
     max_block = config.max_block_size or trained_block_size

@@ -27,16 +27,19 @@ class EngineConfig:
     prefill_chunk: int = 512  # prompt tokens prefilled per engine step (long prompts are chunked)
     # Prompt tokens a decode round carries in its verify forward for requests still prefilling (a mixed round;
     # ddtree.engine.scheduler): the bound on the extra forward a decoding request waits for per round. 0 = prompts
-    # are prefilled only in steps of their own (prefill_chunk tokens) between rounds. Off by default: on the H200
-    # stand-in at 64 in flight and 1k prompts, 256 tokens a round kept rounds within 10-21 % of their device stages
-    # and sped each request's decoding up to 2.4x, but admitted prompts slower, 20-32 % fewer tok/s in all
-    # (docs/benchmarks.md, "Mixed rounds").
+    # are prefilled only in steps of their own (prefill_chunk tokens) between rounds. Off by default: on one H100 at
+    # 64 in flight (2026-12-05) 2048 kept DDTree's rounds within 1-4 % of their device stages (15-102 % without) at
+    # 0.97-1.05x the tok/s, a latency knob more than a throughput one, and the warm-up does not capture its graphs
+    # (the first mixed rounds of each shape capture on first use; docs/benchmarks.md, "Arrivals at 64 in flight").
     mixed_chunk: int = 0
     # While requests decode, prompts of arriving requests start prefilling at most once every this many rounds, so
     # the arrivals of those rounds share one prefill step (a short prompt's step costs about a weight read, whatever
-    # its rows) instead of one step each; a newcomer waits at most this many rounds for it. 1 = every round (as
-    # before); vLLM's scheduler_delay_factor plays this part there. Not measured on the H200 yet (docs/benchmarks.md).
-    prefill_every: int = 1
+    # its rows) instead of one step each; a newcomer waits at most this many rounds for it. 1 = every round; vLLM's
+    # scheduler_delay_factor plays this part there. None = PREFILL_EVERY_CUDA on CUDA, 1 elsewhere (resolved by
+    # resolve_prefill_every when the engine is built): on one H100 at 64 in flight N = 3 gave DDTree auto +9-12 %
+    # and b7 +2-5 % at 60-token prompts in three runs, AR -1 to -3 %, nothing beyond the spread at 1k
+    # (docs/benchmarks.md, "Arrivals at 64 in flight"); on a CPU a round is tens of ms, so a newcomer would wait long.
+    prefill_every: int | None = None
     kv_memory_fraction: float | None = None  # size max_batch from free device memory instead
     cuda_graphs: bool = True  # capture decode rounds as CUDA graphs (CUDA devices only)
     prefill_graphs: bool = True  # with cuda_graphs: also prefill chunks that start a prompt (up to 1024 tokens)
@@ -77,9 +80,10 @@ class EngineConfig:
         if isinstance(self.mixed_chunk, bool) or not isinstance(self.mixed_chunk, int) or self.mixed_chunk < 0:
             raise ConfigError(f"mixed_chunk must be an integer >= 0 (0: no prompt chunks in decode rounds), "
                               f"got {self.mixed_chunk!r}")
-        if isinstance(self.prefill_every, bool) or not isinstance(self.prefill_every, int) or self.prefill_every < 1:
-            raise ConfigError(f"prefill_every must be an integer >= 1 (1: a prefill step every round), "
-                              f"got {self.prefill_every!r}")
+        if self.prefill_every is not None and (isinstance(self.prefill_every, bool)
+                                               or not isinstance(self.prefill_every, int) or self.prefill_every < 1):
+            raise ConfigError(f"prefill_every must be an integer >= 1 (1: a prefill step every round) or None "
+                              f"({PREFILL_EVERY_CUDA} on CUDA, 1 elsewhere), got {self.prefill_every!r}")
         if self.max_block_size is not None and (not isinstance(self.max_block_size, int) or self.max_block_size < 2):
             raise ConfigError(f"max_block_size must be an integer >= 2, got {self.max_block_size!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
@@ -104,6 +108,17 @@ class EngineConfig:
         if any(b > self.max_budget for b in budgets):
             raise ConfigError(f"warmup budgets {list(budgets)} exceed max_budget {self.max_budget}")
         return self
+
+
+PREFILL_EVERY_CUDA = 3  # EngineConfig.prefill_every's default on CUDA (measured on one H100; benchmarks.md)
+
+
+def resolve_prefill_every(value: int | None, device_type: str) -> int:
+    """``EngineConfig.prefill_every`` for an engine on ``device_type`` ("cuda", "cpu"): the value given, or the
+    device's default when None."""
+    if value is not None:
+        return value
+    return PREFILL_EVERY_CUDA if device_type == "cuda" else 1
 
 
 WARMUP_LEVELS = ("none", "fast", "full")

@@ -1,12 +1,13 @@
 #!/bin/bash
-# First device call (2026-12-05, the H200): issue 23's arrival knobs at C = 64, four waves, 60-token prompts, against
-# the defaults, on the card its bars are set on (they were measured on one H100 only: ../rounds_2026-12-05/).
+# First device call (2026-12-05, written for the H200, the card issue 23's bars are set on; it ran on one H100, the
+# card lent): the arrival knobs at C = 64, four waves, 60-token prompts, against the defaults (as in
+# ../rounds_2026-12-05/, the morning's H100 runs).
 # AR / b7 / budget auto, no chain (it is far behind at C = 64 and not in the bars).
 #   e1:    the defaults (a prefill step every round, mixing off);
 #   e3:    --prefill-every 3;
 #   m2048: --mixed-chunk 2048 (arrivals' prompts ride in the verify rounds);
 #   e3f8:  --prefill-every 3 with the fp8 drafter (draft stage 2.9 of a b7 round's 13.7 ms of stages).
-# Run from the repository root with OUT set: bash benchmarks/results/rounds_h200_2026-12-05/call_a.sh
+# Run from the repository root with OUT set: bash benchmarks/results/rounds_2026-12-05b/call_a.sh
 set -u
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 SECONDS=0
