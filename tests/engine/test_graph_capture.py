@@ -76,3 +76,24 @@ def test_without_eager_passes_a_failure_is_raised():
     with pytest.raises(RuntimeError):
         rec.record_stages(lambda: None, _stages("tree"), None, signature="a")
     assert "eager" not in rec.log
+
+
+@pytest.mark.parametrize("enabled_before", [True, False])
+def test_the_collector_is_off_while_a_graph_records_and_restored_after(enabled_before):
+    """A collection inside a capture could free an older graph there (the driver refuses that while a stream
+    captures): the collector is off inside, and left as it was found after, also when the recording raises."""
+    import gc
+
+    from ddtree.engine.graph_capture import _no_collection
+
+    was = gc.isenabled()
+    (gc.enable if enabled_before else gc.disable)()
+    try:
+        with _no_collection():
+            assert not gc.isenabled()
+        assert gc.isenabled() is enabled_before
+        with pytest.raises(RuntimeError), _no_collection():
+            raise RuntimeError("capture invalidated")
+        assert gc.isenabled() is enabled_before
+    finally:
+        (gc.enable if was else gc.disable)()

@@ -61,7 +61,7 @@ def test_mixed_workload_after_warm_up_captures_and_compiles_nothing(longest):
         outputs = engine.generate(requests[:4])  # a batch of four at once: the rows bucket 4 and its drain
         assert all(o.error is None for o in outputs)
         after = engine.info()["warmup"]["misses"]
-        assert after == {"round_graphs": 0, "prefill_graphs": 0, "triton_compiles": 0}, after
+        assert after == {"round_graphs": 0, "prefill_graphs": 0, "mixed_graphs": 0, "triton_compiles": 0}, after
         assert engine.graphs.captures + engine.prefill_graphs.captures == captures
         if listening:
             assert compiles.between(t_after, time.perf_counter())["count"] == 0

@@ -25,6 +25,8 @@ signature, so the next key of it warms up first.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import threading
 import time
@@ -144,7 +146,7 @@ class Recorder:
         If it fails, ``signature`` is forgotten (the next capture of it warms up first) and the error raised."""
         graph = torch.cuda.CUDAGraph()
         current = torch.cuda.current_stream(self.device)
-        with self.clock.phase(f"record {stage}"):
+        with self.clock.phase(f"record {stage}"), _no_collection():
             self.stream.wait_stream(current)
             began = ended = False
             try:
@@ -165,6 +167,23 @@ class Recorder:
                 torch.cuda.set_stream(current)  # never leave the caller on the capture stream
             current.wait_stream(self.stream)
         return graph, out
+
+
+@contextlib.contextmanager
+def _no_collection():
+    """Python's cyclic garbage collector off while a graph records. Why: a collection that runs inside a capture
+    (any allocation of Python objects may start one) and frees an older CUDA graph, an engine's that was shut down
+    in the same process, calls the driver's graph destroy, which is not permitted while a stream captures: the
+    capture is invalidated ("operation not permitted when stream is capturing" from ``CUDAGraph::reset``, then
+    every later capture into the pool fails; the H100 GPU warm-up test of 2026-12-05, its second engine).
+    ``torch.cuda.graph`` runs ``gc.collect()`` before each capture instead, which costs milliseconds a capture."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _stop_pool(device: torch.device, pool) -> None:
