@@ -82,8 +82,8 @@ class EngineConfig:
                               f"got {self.mixed_chunk!r}")
         if self.prefill_every is not None and (isinstance(self.prefill_every, bool)
                                                or not isinstance(self.prefill_every, int) or self.prefill_every < 1):
-            raise ConfigError(f"prefill_every must be an integer >= 1 (1: a prefill step every round) or None "
-                              f"({PREFILL_EVERY_CUDA} on CUDA, 1 elsewhere), got {self.prefill_every!r}")
+            raise ConfigError(f"prefill_every must be an integer >= 1 (1: a prefill step every round) or left unset "
+                              f"(None: {PREFILL_EVERY_CUDA} on CUDA, 1 elsewhere), got {self.prefill_every!r}")
         if self.max_block_size is not None and (not isinstance(self.max_block_size, int) or self.max_block_size < 2):
             raise ConfigError(f"max_block_size must be an integer >= 2, got {self.max_block_size!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):

@@ -42,7 +42,8 @@ HELP: dict[str, str] = {
     "mixed_chunk": "Prompt tokens a decode round carries in its verify forward for requests still prefilling "
                    "(mixed rounds: the extra forward a decoding request waits for per round); 0: prefill steps only.",
     "prefill_every": "While requests decode, start prefilling arriving prompts at most once every N rounds, so they "
-                     "share one prefill step (a newcomer waits at most N rounds); 1: every round; default 3 on CUDA, 1 elsewhere.",
+                     "share one prefill step (a newcomer waits at most N rounds); 1: every round; default 3 on "
+                     "CUDA, 1 elsewhere.",
     "kv_memory_fraction": "Size max_batch from this fraction of free device memory instead.",
     "cuda_graphs": "Capture decode rounds as CUDA graphs (CUDA devices only).",
     "prefill_graphs": "With CUDA graphs: also graph prefill chunks that start a prompt (up to 1024 tokens).",
