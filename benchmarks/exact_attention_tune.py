@@ -216,10 +216,18 @@ def sweep(gen: torch.Generator, settings: tuple[tuple[int, int, int, int], ...] 
 
 
 LARGE_SHAPES = (  # trees of more than 64 folded rows at G = 4, as served (the engine's rule from this table:
-    # ATTN_LARGE_BLOCK_M past 128 folded rows where that grid launches fused; the C = 1 shapes keep 32)
+    # ATTN_LARGE_BLOCK_M past 128 folded rows where that grid launches fused; the C = 1 shapes keep 32), then the
+    # served trees of 9-32 nodes at 8-64 rows and the chain, where 16-row programs were timed too (2026-12-06; the
+    # "rule" column of shapes after the first read the previous shape's last override before git of that day's fix)
     ("tree 17 C=1", 1, 17, True, 1024), ("served tree 32 C=1", 1, 32, "served", 1024),
     ("served tree 64 C=1", 1, 64, "served", 1024), ("served tree 32 C=8", 8, 32, "served", 1024),
     ("served tree 64 C=8", 8, 64, "served", 1024), ("served tree 32 C=1 4k", 1, 32, "served", 4096),
+    ("served tree 17 C=1", 1, 17, "served", 1024), ("served tree 64 C=1 4k", 1, 64, "served", 4096),
+    ("served tree 9 C=64", 64, 9, "served", 1024), ("served tree 17 C=64", 64, 17, "served", 1024),
+    ("chain C=1", 1, 16, False, 1024), ("chain C=64", 64, 16, False, 1024),
+    ("chain C=8", 8, 16, False, 1024), ("served tree 9 C=8", 8, 9, "served", 1024),
+    ("served tree 17 C=16", 16, 17, "served", 1024), ("served tree 17 C=32", 32, 17, "served", 1024),
+    ("served tree 32 C=64", 64, 32, "served", 1024),
 )
 
 
@@ -230,15 +238,18 @@ def large_block_m(values: tuple[int, ...], gen: torch.Generator) -> dict:
     kernel once a shape. us per call. The engine's rule (ATTN_LARGE_BLOCK_M) came from this table."""
     from triton.testing import do_bench_cudagraph
 
-    rule = bi.attention_block_m  # the engine's rule, replaced here by "value rows past 64 folded rows"
+    rule = bi.attention_block_m  # the engine's rule, replaced here by "value rows past min(value, 64) folded rows"
     rows_out = []
     for name, rows, t, tree, ctx in LARGE_SHAPES:
+        bi.attention_block_m = rule  # the engine's own for "rule" (and the inputs' tail table)
         x = inputs(rows, t, tree, ctx, gen, bucket=True)
-        row = {"shape": name, "default_us": round(do_bench_cudagraph(default_call(x), rep=100) * 1e3, 1)}
+        row = {"shape": name, "default_us": round(do_bench_cudagraph(default_call(x), rep=100) * 1e3, 1),
+               "rule_block_m": rule(t, HEADS // KV, rows * KV), "rule_us": round(do_bench_cudagraph(exact_call(x),
+                                                                                               rep=100) * 1e3, 1)}
         ref = None
         for value in (32, *[v for v in values if v != 32]):
             bi.attention_block_m = (lambda tokens, group, per_tile=1, value=value:
-                                    value if tokens * group > 64 else rule(tokens, group, per_tile))
+                                    value if tokens * group > min(value, 64) else rule(tokens, group, per_tile))
             x["tail"] = bi.tail_chunks(x["anc"], x["positions"], x["start"], HEADS // KV, KV)
             for label, launch in (("auto", {}), ("split", {"fused": False}), ("fused", {"fused": True})):
                 fn = exact_call(x, **launch)
@@ -281,7 +292,7 @@ def main() -> None:
     ap.add_argument("--settings", default=None, help="with --sweep: these settings instead of SWEEP, as "
                     "block_n:split_keys:warps:stages,... (for example 64:512:4:2,64:1024:4:2)")
     ap.add_argument("--large-block-m", default=None, help="time trees of more than 64 folded rows with their "
-                    "programs at these row counts instead (attention_block_m), for example 32,64,128")
+                    "programs at these row counts instead (attention_block_m), for example 16,32,64")
     args = ap.parse_args()
     if args.settings is not None and not args.sweep:
         ap.error("--settings names settings for --sweep; pass --sweep with it")
@@ -292,8 +303,8 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     if args.large_block_m is not None:
         values = tuple(int(v) for v in args.large_block_m.split(","))
-        if any(v not in (32, 64, 128) for v in values):
-            ap.error(f"--large-block-m: values among 32, 64, 128, got {args.large_block_m}")
+        if any(v not in (16, 32, 64, 128) for v in values):
+            ap.error(f"--large-block-m: values among 16, 32, 64, 128, got {args.large_block_m}")
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "exact_attention_large_block_m.json").write_text(json.dumps(large_block_m(values, gen), indent=1))
