@@ -320,7 +320,7 @@ def test_large_tree_programs_give_the_bits_of_small_ones(monkeypatch, large_bloc
     pos = start[:, None] + depth[None]
     anc, chain = bi.ancestor_map(start, pos, vis.expand(2, t, t).contiguous())
     args = (q, kc, vc, torch.tensor([2, 0]), start, pos, anc, chain, 256)
-    assert bi.attention_block_m(t, 4, 2 * KV) == bi.ATTN_BLOCK_M  # 80 folded rows: below the large-tree rule
+    assert bi.attention_block_m(t, 4, 2 * KV) == bi.ATTN_BLOCK_M  # 80 folded rows: their 64-row grid is small
     small = bi.attention(*args, fused=False)
     small_layout = bi.single_chunks(2, t, 4, q.device, KV)
     monkeypatch.setattr(bi, "ATTN_LARGE_BLOCK_M", large_block_m)
@@ -338,7 +338,10 @@ def test_large_tree_rule():
     # a served 64-node tree at G = 4: 64-row programs where that grid launches fused (C = 8, 8 KV heads), else 32
     assert bi.attention_block_m(64, 4, 8 * 8) == bi.ATTN_LARGE_BLOCK_M == 64
     assert bi.attention_block_m(64, 4, 1 * 8) == bi.ATTN_BLOCK_M
-    assert bi.attention_block_m(32, 4, 8 * 8) == bi.ATTN_BLOCK_M  # 128 folded rows: not past the threshold
+    assert bi.attention_block_m(32, 4, 8 * 8) == bi.ATTN_BLOCK_M  # 128 folded rows at C = 8: the grid is small
+    # a served 17-node tree (68 folded rows) at C = 64: 64-row programs, two a row and KV head; at C = 8: 32 rows
+    assert bi.attention_block_m(17, 4, 64 * 8) == bi.ATTN_LARGE_BLOCK_M
+    assert bi.attention_block_m(17, 4, 8 * 8) == bi.ATTN_BLOCK_M
     assert bi.tail_layout(64, 4, 64)[0] == 16 and bi.tail_layout(64, 4, 8)[0] == 8
 
 

@@ -68,9 +68,11 @@ ATTN_BLOCK_M = 32  # folded rows (queries x query heads of one KV head) per atte
 # folded rows per program for trees of more than ATTN_LARGE_MIN_FOLDED folded rows whose grid then still launches
 # fused (attention_block_m): a launch choice. The tail is gathered per chunk of queries, so wider programs read the
 # shared prefix fewer times: a served 64-node tree at C = 8 102 against 135 us; at C = 1 (split launch) 50 against
-# 36, and 128-row programs slower everywhere (H200, docs/benchmarks.md, "Exact mode", tenth run).
+# 36, and 128-row programs slower everywhere (H200, docs/benchmarks.md, "Exact mode", tenth run). From 64 folded
+# rows up (a tree of 17-32 nodes at G = 4) since 2026-12-06: a served 17-node tree at C = 64 285 against 323 us in
+# 32-row programs, while at C = 8 (no fused 64-row grid) 32 rows stay (one H100, "Exact mode").
 ATTN_LARGE_BLOCK_M = 64
-ATTN_LARGE_MIN_FOLDED = 128
+ATTN_LARGE_MIN_FOLDED = 64
 ATTN_SUM_COLS = 16  # columns of the ones matrix the tile's row sums are a dot with (a tensor-core dot's least N)
 ATTN_BLOCK_N = 64  # key positions per tile
 ATTN_SPLIT_KEYS = 256  # key positions per split (a multiple of ATTN_BLOCK_N); 512 served slower (benchmarks.md)
@@ -892,8 +894,8 @@ def attention_block_m(tokens: int, group: int, per_tile: int = 1) -> int:
     of ``per_tile`` programs per query tile (rows x KV heads): 64 where that puts every token of a row in one program
     (a chain of 16 or a tree of 9-16 nodes at G = 4: each program reads its keys once, not twice);
     :data:`ATTN_LARGE_BLOCK_M` for more than :data:`ATTN_LARGE_MIN_FOLDED` folded rows where that grid still
-    launches fused (:func:`attention_fused`: a tree of 64 at C = 8, whose programs then read the shared prefix half
-    as often); else :data:`ATTN_BLOCK_M`. A launch choice, not a bit-fixing one: a tensor-core dot's row depends on
+    launches fused (:func:`attention_fused`: a tree of 64 at C = 8 or of 17 at C = 64, whose programs then read the
+    shared prefix half or two thirds as often); else :data:`ATTN_BLOCK_M`. A launch choice, not a bit-fixing one: a tensor-core dot's row depends on
     that row and the tile only, and the tile's reductions are dots or maxima (:func:`_softmax_step`); the GPU tests
     compare chain rows and tree nodes in 64-row programs with their AR steps in 32-row ones."""
     folded = tokens * group
