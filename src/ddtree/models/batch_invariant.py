@@ -69,8 +69,9 @@ ATTN_BLOCK_M = 32  # folded rows (queries x query heads of one KV head) per atte
 # fused (attention_block_m): a launch choice. The tail is gathered per chunk of queries, so wider programs read the
 # shared prefix fewer times: a served 64-node tree at C = 8 102 against 135 us; at C = 1 (split launch) 50 against
 # 36, and 128-row programs slower everywhere (H200, docs/benchmarks.md, "Exact mode", tenth run). From 64 folded
-# rows up (a tree of 17-32 nodes at G = 4) since 2026-12-06: a served 17-node tree at C = 64 285 against 323 us in
-# 32-row programs, while at C = 8 (no fused 64-row grid) 32 rows stay (one H100, "Exact mode").
+# rows up (a tree of 17-32 nodes at G = 4) since 2026-12-06: a served 17-node tree at C = 64 279 against 322 us in
+# 32-row programs, 32 nodes 345 against 463, while at C = 8 (no fused 64-row grid) 32 rows stay (H200 and H100,
+# docs/benchmarks.md, "Exact mode").
 ATTN_LARGE_BLOCK_M = 64
 ATTN_LARGE_MIN_FOLDED = 64
 ATTN_SUM_COLS = 16  # columns of the ones matrix the tile's row sums are a dot with (a tensor-core dot's least N)
