@@ -217,8 +217,8 @@ def sweep(gen: torch.Generator, settings: tuple[tuple[int, int, int, int], ...] 
 
 LARGE_SHAPES = (  # trees of more than 64 folded rows at G = 4, as served (the engine's rule from this table:
     # ATTN_LARGE_BLOCK_M past 128 folded rows where that grid launches fused; the C = 1 shapes keep 32), then the
-    # served trees of 9-32 nodes at 8-64 rows and the chain, where 16-row programs were timed too (2026-12-06; the
-    # "rule" column of shapes after the first read the previous shape's last override before git of that day's fix)
+    # served trees of 9-32 nodes at 1-64 rows and the chain, where 16-row programs were timed too (2026-12-06; before
+    # git a9ced78 the "rule" column of every shape after the first timed the previous shape's last override)
     ("tree 17 C=1", 1, 17, True, 1024), ("served tree 32 C=1", 1, 32, "served", 1024),
     ("served tree 64 C=1", 1, 64, "served", 1024), ("served tree 32 C=8", 8, 32, "served", 1024),
     ("served tree 64 C=8", 8, 64, "served", 1024), ("served tree 32 C=1 4k", 1, 32, "served", 4096),

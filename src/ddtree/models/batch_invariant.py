@@ -896,9 +896,10 @@ def attention_block_m(tokens: int, group: int, per_tile: int = 1) -> int:
     (a chain of 16 or a tree of 9-16 nodes at G = 4: each program reads its keys once, not twice);
     :data:`ATTN_LARGE_BLOCK_M` for more than :data:`ATTN_LARGE_MIN_FOLDED` folded rows where that grid still
     launches fused (:func:`attention_fused`: a tree of 64 at C = 8 or of 17 at C = 64, whose programs then read the
-    shared prefix half or two thirds as often); else :data:`ATTN_BLOCK_M`. A launch choice, not a bit-fixing one: a tensor-core dot's row depends on
-    that row and the tile only, and the tile's reductions are dots or maxima (:func:`_softmax_step`); the GPU tests
-    compare chain rows and tree nodes in 64-row programs with their AR steps in 32-row ones."""
+    shared prefix half or two thirds as often); else :data:`ATTN_BLOCK_M`. A launch choice, not a bit-fixing one:
+    a tensor-core dot's row depends on that row and the tile only, and the tile's reductions are dots or maxima
+    (:func:`_softmax_step`); the GPU tests compare chain rows and tree nodes in 64-row programs with their AR steps
+    in 32-row ones."""
     folded = tokens * group
     if folded <= ATTN_BLOCK_M:
         return ATTN_BLOCK_M
