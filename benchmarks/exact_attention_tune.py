@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import json
 from pathlib import Path
 
@@ -49,6 +50,10 @@ SHAPES = (  # (name, rows, tokens, tree? (False: a chain, True: random, "served"
     # DDTree's own trees (served_trees), deeper than the random ones
     ("served tree 9 C=64", 64, 9, "served", 1024), ("served tree 16 C=64", 64, 16, "served", 1024),
     ("served tree 64 C=8", 8, 64, "served", 1024),
+    # one request, where the split launch runs a tree's tail one program per chunk (2026-12-06)
+    ("served tree 17 C=1", 1, 17, "served", 1024), ("served tree 32 C=1", 1, 32, "served", 1024),
+    ("served tree 64 C=1", 1, 64, "served", 1024), ("served tree 32 C=1 4k", 1, 32, "served", 4096),
+    ("served tree 64 C=1 4k", 1, 64, "served", 4096),
 )
 
 
@@ -154,9 +159,9 @@ def default_call(x: dict):
 def exact_call(x: dict, module=bi, **launch):
     """``module.attention`` (this tree's exact attention, or a ``--ref`` copy) on one shape's inputs, at the split
     size the module's constant says (the sweep changes it); ``launch``: ``fused=`` for this tree's. This tree's
-    gets the forward's tail table made once (``tail_chunks``), as the engine passes it; a ``--ref`` copy from before
-    the table has no such argument."""
-    if module is bi:
+    gets the forward's tail table made once (``tail_chunks``), as the engine passes it, and so does a ``--ref`` copy
+    that takes one (a copy from before the table has no such argument)."""
+    if "tail" in inspect.signature(module.attention).parameters:
         launch = {"tail": x["tail"], **launch}
     return lambda: module.attention(x["q"], x["k"], x["v"], x["slots"], x["start"], x["positions"], x["anc"],
                                     x["chain"], x["kv_len"], split_keys=module.ATTN_SPLIT_KEYS, **launch)
@@ -168,7 +173,9 @@ def one_shape(name: str, rows: int, t: int, tree: bool, ctx: int, ref, gen: torc
     from triton.testing import do_bench_cudagraph
 
     x = inputs(rows, t, tree, ctx, gen, bucket)
-    calls = {"default": default_call(x), "exact": exact_call(x), "exact_split": exact_call(x, fused=False),
+    single = bi.single_chunks(rows, t, HEADS // KV, x["q"].device, KV)
+    calls = {"default": default_call(x), "exact": exact_call(x), "exact_single": exact_call(dict(x, tail=single)),
+             "exact_split": exact_call(x, fused=False),
              "exact_fused": exact_call(x, fused=True), "exact_fused_s3": exact_call(x, fused=True, num_stages=3)}
     if ref is not None:
         calls["exact_ref"] = exact_call(x, ref)
@@ -177,6 +184,12 @@ def one_shape(name: str, rows: int, t: int, tree: bool, ctx: int, ref, gen: torc
     for label, fn in calls.items():
         outs[label] = fn().clone()
         row[f"{label}_us"] = round(do_bench_cudagraph(fn, rep=100) * 1e3, 1)
+    # the forward's table itself (once per forward, not per layer): grouped, or a chunk per query
+    for label, fn in (("tail_chunks", lambda: bi.tail_chunks(x["anc"], x["positions"], x["start"], HEADS // KV, KV)),
+                      ("single_chunks", lambda: bi.single_chunks(rows, t, HEADS // KV, x["q"].device, KV))):
+        row[f"{label}_us"] = round(do_bench_cudagraph(fn, rep=100) * 1e3, 1)
+    row["groups_tails"] = bi.groups_tails(rows, t, HEADS // KV, KV)
+    row["single_same_bits"] = bool(torch.equal(outs["exact"], outs["exact_single"]))
     row["fused_same_bits"] = bool(torch.equal(outs["exact_split"], outs["exact_fused"])
                                   and torch.equal(outs["exact_fused"], outs["exact_fused_s3"]))
     if ref is not None:

@@ -343,6 +343,11 @@ def test_large_tree_rule():
     assert bi.attention_block_m(17, 4, 64 * 8) == bi.ATTN_LARGE_BLOCK_M
     assert bi.attention_block_m(17, 4, 8 * 8) == bi.ATTN_BLOCK_M
     assert bi.tail_layout(64, 4, 64)[0] == 16 and bi.tail_layout(64, 4, 8)[0] == 8
+    # tails grouped where the calls launch fused (chunks one after another in a program), not in the split launch
+    assert bi.groups_tails(8, 64, 4, 8) and bi.groups_tails(64, 17, 4, 8)
+    assert not bi.groups_tails(1, 64, 4, 8) and not bi.groups_tails(1, 17, 4, 8)
+    assert all(bi.groups_tails(r, t, 4, 8) == bi.attention_fused(-(-t // bi.tail_layout(t, 4, r * 8)[0]) * r * 8)
+               for r in (1, 2, 4, 8, 16, 64) for t in (1, 5, 9, 17, 33, 64))
 
 
 def _same_depth_sight() -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,8 +29,8 @@ Attention (:func:`attention`, new tokens over a KV-cache slot)
     Masked keys are exact no-ops (p = exp2(-inf) = 0; the running max is guarded against -inf - -inf). The splits'
     states are merged in ascending order into a running max and rescaled sums with explicit fma
     (:func:`_merge_weights`), either by a
-    combine kernel over stored fp32 partials (the split launch: a program per split, :func:`_split_state`; its tree
-    tiles gather each chunk's tile and keep, of each full-tile dot, its members' rows) or, where the grid fills the
+    combine kernel over stored fp32 partials (the split launch: a program per split, :func:`_split_state`, and a
+    tree's splits from ``start`` up a program per chunk, :func:`_chunk_splits`, on 16-row dots) or, where the grid fills the
     device without splits (:func:`attention_fused`), by each program itself in one loop over its tiles, a tree's
     tail tiles one chunk at a time on 16-row dots (G rows where G > 16; the fused launch, :func:`_fused_program`):
     the same arithmetic, so the same bits.
@@ -573,71 +573,88 @@ if triton is not None:
         return p, alpha, _dot(p, ones, l_i * alpha[:, None], EMULATE, PRECISION), m_new
 
     @triton.jit
-    def _split_state(q, k_base, v_base, anc_base, tail_base, pos_ptr, r, t, qi, row_ok, pos_row, max_pos, all_chain,
-                     start, pid_q, split, stride_kp, stride_vp, T, scale_log2, offs_d, offs_n, ones,
-                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, QT: tl.constexpr, BLOCK_N: tl.constexpr,
-                     TILES_PER_SPLIT: tl.constexpr, SUM_COLS: tl.constexpr, CHUNK: tl.constexpr,
-                     EMULATE: tl.constexpr, PRECISION: tl.constexpr):
+    def _split_state(q, k_base, v_base, row_ok, pos_row, max_pos, split, stride_kp, stride_vp, scale_log2, offs_d, offs_n,
+                     ones, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     TILES_PER_SPLIT: tl.constexpr, SUM_COLS: tl.constexpr, EMULATE: tl.constexpr,
+                     PRECISION: tl.constexpr):
         """The online softmax of a program's rows over the key tiles of one split, from zero, in ascending position
-        order -> (m [BLOCK_M] running max, l [BLOCK_M] sum, acc [BLOCK_M, HEAD_DIM] unnormalised), fp32. The split
+        order -> (m [BLOCK_M] running max, l [BLOCK_M] sum, acc [BLOCK_M, HEAD_DIM] unnormalised), fp32; the split
         launch stores it per split (the fused launch, :func:`_fused_program`, does the same arithmetic in one loop).
 
-        Tiles every query of the program reads alike (all of them for chains and prompt chunks, else those wholly
-        below start) run in a plain loop; the tiles above start, where each query has its own ancestors, after it.
-        Both loops do the same arithmetic on a tile (a query's tile is gathered, or loaded, to the same lanes), so a
-        tree node and the AR step at its position get the same bits; the split only keeps the per-query loop out of
-        the prefix tiles, where its dynamic trip count kept the loads from being pipelined. P @ V takes the rescaled
-        accumulator as the dot's own accumulator in both: Triton folds ``dot(a, b, 0) + c`` into ``dot(a, b, c)``
-        (another rounding than an add after the dot) where it sees the pattern, which it did in one loop and not in
-        the other (the H200 check of 2026-12-01 found nodes 1 ulp off their AR step)."""
+        Only for splits whose keys every query of the program reads alike: all of a chain's or a prompt chunk's, a
+        tree's wholly below ``start // BLOCK_N``. A tree's splits from there up run one chunk of queries on one path
+        per program (:func:`_chunk_splits`), so that its chunks run side by side and not one after another."""
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M, SUM_COLS], dtype=tl.float32)
         tile_lo = split * TILES_PER_SPLIT
-        tile_hi = tl.minimum(tile_lo + TILES_PER_SPLIT, max_pos // BLOCK_N + 1)
-        shared_hi = tl.where(all_chain != 0, tile_hi, tl.minimum(tile_hi, tl.maximum(start // BLOCK_N, tile_lo)))
-        for tile in range(tile_lo, shared_hi):
+        for tile in range(tile_lo, tl.minimum(tile_lo + TILES_PER_SPLIT, max_pos // BLOCK_N + 1)):
             j = tile * BLOCK_N + offs_n
-            k = _gather_tile(k_base, stride_kp, offs_d, j, start, max_pos, anc_base, True)
-            v = _gather_tile(v_base, stride_vp, offs_d, j, start, max_pos, anc_base, True)
+            k = tl.load(k_base + j[:, None].to(tl.int64) * stride_kp + offs_d[None, :], mask=(j <= max_pos)[:, None],
+                        other=0.0)
+            v = tl.load(v_base + j[:, None].to(tl.int64) * stride_vp + offs_d[None, :], mask=(j <= max_pos)[:, None],
+                        other=0.0)
             m_i, l_i, acc = _tile_update(q, k, v, (j[None, :] <= pos_row[:, None]) & row_ok[:, None], m_i, l_i, acc,
                                          ones, scale_log2, EMULATE, PRECISION)
-        n_chunks = 0
-        chunk_of = tl.full([BLOCK_M], -1, dtype=tl.int32)
-        if shared_hi < tile_hi:  # the chunk each row's query is in
-            n_chunks = tl.load(tail_base)
-            for c in range(0, n_chunks):
-                cm = tl.load(tail_base + 2 + c * (1 + CHUNK) + tl.arange(0, CHUNK))  # [CHUNK] queries, -1 pads
-                hit = tl.sum(((t[:, None] == cm[None, :]) & row_ok[:, None]).to(tl.int32), 1) > 0
-                chunk_of = tl.where(hit, c, chunk_of)
-        for tile in range(shared_hi, tile_hi):
-            j = tile * BLOCK_N + offs_n
-            # visibility of each row: positions up to its own, and above start only where it has an ancestor
-            vis = j[None, :] <= pos_row[:, None]
-            anc_rc = tl.load(anc_base + t[:, None] * T + (j[None, :] - start),
-                             mask=row_ok[:, None] & (j[None, :] >= start) & vis, other=-1)
-            vis = vis & ((j[None, :] < start) | (anc_rc >= 0))
-            scores = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            # a gathered tile per chunk of queries on one path (tail_chunks), kept in its members' rows
-            for c in range(0, n_chunks):
-                lead = tl.load(tail_base + 1 + c * (1 + CHUNK))
-                pos_g = tl.load(pos_ptr + r * T + lead)
-                k = _gather_tile(k_base, stride_kp, offs_d, j, start, pos_g, anc_base + lead * T, False)
-                s = _dot(q, tl.trans(k.to(q.dtype)), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), EMULATE,
-                         PRECISION)
-                scores = tl.where((chunk_of == c)[:, None], s, scores)
-            p, alpha, l_i, m_new = _softmax_step(scores, vis & row_ok[:, None], m_i, l_i, ones, scale_log2, EMULATE,
-                                                 PRECISION)
-            scaled = acc * alpha[:, None]
-            acc = scaled  # rows of no query (past T) keep it
-            for c in range(0, n_chunks):
-                lead = tl.load(tail_base + 1 + c * (1 + CHUNK))
-                pos_g = tl.load(pos_ptr + r * T + lead)
-                v = _gather_tile(v_base, stride_vp, offs_d, j, start, pos_g, anc_base + lead * T, False)
-                o = _dot(p, v.to(q.dtype), scaled, EMULATE, PRECISION)
-                acc = tl.where((chunk_of == c)[:, None], o, acc)
-            m_i = m_new
         return m_i, tl.max(l_i, 1), acc  # l's columns are equal
+
+    @triton.jit
+    def _chunk_lanes(q_ptr, pos_ptr, chunk_ptr, r, kv, T, G, stride_qr, stride_qh, stride_qt, offs_d,
+                     TAIL_ROWS: tl.constexpr, CHUNK: tl.constexpr):
+        """The rows of one tail chunk (:func:`tail_chunks`, ``chunk_ptr`` at its lead): TAIL_ROWS lanes, each member's
+        G heads, padded -> (lane_ok, member t [TAIL_ROWS], head, its position, q [TAIL_ROWS, D], the lead, its
+        position)."""
+        lane = tl.arange(0, TAIL_ROWS)
+        slot = lane // G
+        member = tl.load(chunk_ptr + 1 + slot, mask=slot < CHUNK, other=-1)
+        lane_ok = (slot < CHUNK) & (member >= 0)
+        t_l = tl.where(lane_ok, member, 0)
+        head_l = kv * G + lane % G
+        lead = tl.load(chunk_ptr)
+        pos_lead = tl.load(pos_ptr + r * T + lead)
+        pos_l = tl.load(pos_ptr + r * T + t_l, mask=lane_ok, other=-1)
+        q_g = tl.load(q_ptr + r * stride_qr + head_l[:, None] * stride_qh + t_l[:, None] * stride_qt + offs_d[None, :],
+                      mask=lane_ok[:, None], other=0.0)
+        return lane_ok, t_l, head_l, pos_l, q_g, lead, pos_lead
+
+    @triton.jit
+    def _chunk_splits(q_ptr, k_base, v_base, anc_base, pos_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, chunk_ptr, r, kv,
+                      start, stride_kp, stride_vp, stride_qr, stride_qh, stride_qt, T, G, num_kv, num_splits,
+                      scale_log2, offs_d, offs_n, ones, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                      TILES_PER_SPLIT: tl.constexpr, SUM_COLS: tl.constexpr, TAIL_ROWS: tl.constexpr,
+                      CHUNK: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
+        """The split launch's tree tail: one chunk of queries on one path (:func:`tail_chunks`) on TAIL_ROWS rows, each
+        split from the one holding ``start // BLOCK_N`` to its lead's last, from zero, stored as its members' partials
+        (members whose position reaches the split). Its tiles below ``start`` load the shared keys, those above it the
+        lead's ancestors (:func:`_key_index`), which hold every member's keys up to its own position (the rest are
+        masked, exact no-ops): the tile arithmetic of :func:`_split_state` and of the fused launch's
+        :func:`_tail_chunk`, so the same bits.
+
+        Why a program per chunk: at one request a tree's split launch has few programs (a 64-node tree: 8 query
+        tiles x 8 KV heads), and a query tile's chunks one after another made the split that holds the tail the
+        launch's longest program (each chunk a gathered K and V tile and two dots of the whole tile's rows); here
+        they run side by side, each re-reading the split's few shared tiles below start."""
+        TPS: tl.constexpr = TILES_PER_SPLIT
+        lane_ok, t_l, head_l, pos_l, q_g, lead, pos_lead = _chunk_lanes(
+            q_ptr, pos_ptr, chunk_ptr, r, kv, T, G, stride_qr, stride_qh, stride_qt, offs_d, TAIL_ROWS, CHUNK)
+        anc_lead = anc_base + lead * T
+        last_tile = pos_lead // BLOCK_N
+        for s in range((start // BLOCK_N) // TPS, last_tile // TPS + 1):
+            m_g = tl.full([TAIL_ROWS], float("-inf"), dtype=tl.float32)
+            l_g = tl.zeros([TAIL_ROWS, SUM_COLS], dtype=tl.float32)
+            acc_g = tl.zeros([TAIL_ROWS, HEAD_DIM], dtype=tl.float32)
+            for tile in range(s * TPS, tl.minimum(s * TPS + TPS, last_tile + 1)):
+                j = tile * BLOCK_N + offs_n
+                idx, seen = _key_index(j, start, pos_lead, anc_lead, False)
+                k = tl.load(k_base + idx[:, None] * stride_kp + offs_d[None, :], mask=seen[:, None], other=0.0)
+                v = tl.load(v_base + idx[:, None] * stride_vp + offs_d[None, :], mask=seen[:, None], other=0.0)
+                vis = seen[None, :] & (j[None, :] <= pos_l[:, None]) & lane_ok[:, None]
+                m_g, l_g, acc_g = _tile_update(q_g, k, v, vis, m_g, l_g, acc_g, ones, scale_log2, EMULATE, PRECISION)
+            part = ((r * T + t_l) * (num_kv * G) + head_l) * num_splits + s
+            keep = lane_ok & (s * (TPS * BLOCK_N) <= pos_l)
+            tl.store(part_m_ptr + part, m_g, mask=keep)
+            tl.store(part_l_ptr + part, tl.max(l_g, 1), mask=keep)
+            tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc_g, mask=keep[:, None])
 
     @triton.jit
     def _merge_weights(m_run, m_s):
@@ -676,16 +693,8 @@ if triton is not None:
         TPS: tl.constexpr = TILES_PER_SPLIT
         width = 2 * HEAD_DIM + 4
         lane = tl.arange(0, TAIL_ROWS)
-        slot = lane // G
-        member = tl.load(chunk_ptr + 1 + slot, mask=slot < CHUNK, other=-1)
-        lane_ok = (slot < CHUNK) & (member >= 0)
-        t_l = tl.where(lane_ok, member, 0)
-        head_l = kv * G + lane % G
-        lead = tl.load(chunk_ptr)
-        pos_lead = tl.load(pos_ptr + r * T + lead)
-        pos_l = tl.load(pos_ptr + r * T + t_l, mask=lane_ok, other=-1)
-        q_g = tl.load(q_ptr + r * stride_qr + head_l[:, None] * stride_qh + t_l[:, None] * stride_qt + offs_d[None, :],
-                      mask=lane_ok[:, None], other=0.0)
+        lane_ok, t_l, head_l, pos_l, q_g, lead, pos_lead = _chunk_lanes(
+            q_ptr, pos_ptr, chunk_ptr, r, kv, T, G, stride_qr, stride_qh, stride_qt, offs_d, TAIL_ROWS, CHUNK)
         sg = state_ptr + (prog * BLOCK_M + (t_l - pid_q * QT) * G + lane % G) * width
         acc_g = tl.load(sg[:, None] + offs_d[None, :], mask=lane_ok[:, None], other=0.0)
         acc_run_g = tl.load(sg[:, None] + HEAD_DIM + offs_d[None, :], mask=lane_ok[:, None], other=0.0)
@@ -781,6 +790,14 @@ if triton is not None:
                             QT, BLOCK_N, TILES_PER_SPLIT, SUM_COLS, TAIL_ROWS, CHUNK, EMULATE, PRECISION)
 
     @triton.jit
+    def _program_rows(q_ptr, pos_ptr, r, t, head, row_ok, T, stride_qr, stride_qh, stride_qt, offs_d):
+        """A query tile's rows: (q [BLOCK_M, D], position [BLOCK_M] (-1 past T), the tile's last position)."""
+        q = tl.load(q_ptr + r * stride_qr + head[:, None] * stride_qh + t[:, None] * stride_qt + offs_d[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        pos_row = tl.load(pos_ptr + r * T + t, mask=row_ok, other=-1)
+        return q, pos_row, tl.max(pos_row, 0)
+
+    @triton.jit
     def _attention_program(
         q_ptr, k_ptr, v_ptr, slots_ptr, start_ptr, pos_ptr, anc_ptr, chain_ptr, tail_ptr, out_ptr, part_m_ptr,
         part_l_ptr, part_acc_ptr, state_ptr, stride_qr, stride_qh, stride_qt, stride_ks, stride_kh, stride_kp,
@@ -790,7 +807,10 @@ if triton is not None:
         CHUNK: tl.constexpr, FUSED: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
     ):
         """One program's rows (query tile pid_q, row x KV head pid_rk): split pid_s's state stored as partials, or
-        (FUSED) every split up to the program's last position merged in ascending order and the output stored."""
+        (FUSED) every split up to the program's last position merged in ascending order and the output stored. In the
+        split launch ``pid_s >= num_splits`` names the query tile's tail chunk ``pid_s - num_splits``
+        (:func:`_chunk_splits`; none for a tile of chains), and the tile's own programs store only the splits below
+        ``start // BLOCK_N`` where its queries form a tree."""
         r = (pid_rk // num_kv).to(tl.int64)
         kv = pid_rk % num_kv
         rows = tl.arange(0, BLOCK_M)
@@ -800,12 +820,8 @@ if triton is not None:
         head = kv * G + rows % G
         offs_d = tl.arange(0, HEAD_DIM)
         offs_n = tl.arange(0, BLOCK_N)
-        q = tl.load(q_ptr + r * stride_qr + head[:, None] * stride_qh + t[:, None] * stride_qt + offs_d[None, :],
-                    mask=row_ok[:, None], other=0.0)
         slot = tl.load(slots_ptr + r)
         start = tl.load(start_ptr + r)
-        pos_row = tl.load(pos_ptr + r * T + t, mask=row_ok, other=-1)
-        max_pos = tl.max(pos_row, 0)
         all_chain = tl.min(tl.load(chain_ptr + r * T + t, mask=row_ok, other=1), 0)
         k_base = k_ptr + slot * stride_ks + kv * stride_kh
         v_base = v_ptr + slot * stride_vs + kv * stride_vh
@@ -814,16 +830,25 @@ if triton is not None:
         # made in fp32 and cast: Triton 3.6's interpreter has no bf16 constant (``tl.full`` in bf16 fails there)
         ones = tl.full([BLOCK_N, SUM_COLS], 1.0, dtype=tl.float32).to(q_ptr.dtype.element_ty)
         if FUSED:
+            q, pos_row, max_pos = _program_rows(q_ptr, pos_ptr, r, t, head, row_ok, T, stride_qr, stride_qh,
+                                                stride_qt, offs_d)
             _fused_program(q, k_base, v_base, anc_base, tail_base, pos_ptr, out_ptr, state_ptr, r, t, qi, row_ok,
                            head, pos_row, max_pos, all_chain, start, kv, pid_q, pid_rk, stride_kp, stride_vp, stride_qr,
                            stride_qh, stride_qt, q_ptr, stride_or, stride_oh, stride_ot, T, G, scale_log2, offs_d,
                            offs_n, ones, HEAD_DIM, BLOCK_M, QT, BLOCK_N, TILES_PER_SPLIT, SUM_COLS, TAIL_ROWS, CHUNK,
                            EMULATE, PRECISION)
-        else:
-            m_i, l_i, acc = _split_state(
-                q, k_base, v_base, anc_base, tail_base, pos_ptr, r, t, qi, row_ok, pos_row, max_pos, all_chain, start,
-                pid_q, pid_s, stride_kp, stride_vp, T, scale_log2, offs_d, offs_n, ones, HEAD_DIM, BLOCK_M, QT,
-                BLOCK_N, TILES_PER_SPLIT, SUM_COLS, CHUNK, EMULATE, PRECISION)
+        elif pid_s >= num_splits:
+            if (all_chain == 0) & (pid_s - num_splits < tl.load(tail_base)):
+                _chunk_splits(q_ptr, k_base, v_base, anc_base, pos_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+                              tail_base + 1 + (pid_s - num_splits) * (1 + CHUNK), r, kv, start, stride_kp, stride_vp,
+                              stride_qr, stride_qh, stride_qt, T, G, num_kv, num_splits, scale_log2, offs_d, offs_n,
+                              ones, HEAD_DIM, BLOCK_N, TILES_PER_SPLIT, SUM_COLS, TAIL_ROWS, CHUNK, EMULATE, PRECISION)
+        elif (all_chain != 0) | (pid_s < (start // BLOCK_N) // TILES_PER_SPLIT):
+            q, pos_row, max_pos = _program_rows(q_ptr, pos_ptr, r, t, head, row_ok, T, stride_qr, stride_qh,
+                                                stride_qt, offs_d)
+            m_i, l_i, acc = _split_state(q, k_base, v_base, row_ok, pos_row, max_pos, pid_s, stride_kp, stride_vp,
+                                         scale_log2, offs_d, offs_n, ones, HEAD_DIM, BLOCK_M, BLOCK_N, TILES_PER_SPLIT,
+                                         SUM_COLS, EMULATE, PRECISION)
             # partials [R, T, H, splits] (+ D): written for every valid row, read only for splits up to its position
             part = ((r * T + t) * (num_kv * G) + head) * num_splits + pid_s
             tl.store(part_m_ptr + part, m_i, mask=row_ok)
@@ -918,6 +943,16 @@ def attention_fused(programs: int) -> bool:
     return programs >= ATTN_FUSED_MIN_PROGRAMS
 
 
+def groups_tails(rows: int, tokens: int, group: int, kv_heads: int) -> bool:
+    """Whether a forward of ``rows`` x ``tokens`` tree queries should group its tails (:func:`tail_chunks`) rather
+    than give each query a chunk of its own (:func:`single_chunks`): where its calls launch fused
+    (:func:`attention_fused`), whose programs run their chunks one after another. The split launch runs each chunk
+    as a program of its own (:func:`_chunk_splits`), so there the grouping's ninety or so small ops a forward buy
+    little. A speed choice: both tables give the same bits."""
+    qt = attention_block_m(tokens, group, rows * kv_heads) // group
+    return attention_fused(-(-tokens // qt) * rows * kv_heads)
+
+
 def attention_stages(fused: bool, tokens: int) -> int:
     """Software-pipeline stages of a launch: :data:`ATTN_FUSED_ONE_TOKEN_STAGES` for the fused launch of one token
     per row (AR at C = 64: 75 against 85 us, H200, docs/benchmarks.md "Exact mode"), else :data:`ATTN_NUM_STAGES`
@@ -992,7 +1027,9 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start:
         state = out  # the split launch keeps its tail tiles in registers
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     scale_log2 = d**-0.5 * math.log2(math.e)
-    _attention_kernel[(q_tiles, 1 if fused else splits, r * kv)](
+    # the split launch's tree tails: a program per chunk (at most QT a query tile) after the splits
+    chunk_programs = 0 if fused or t == 1 else qt
+    _attention_kernel[(q_tiles, 1 if fused else splits + chunk_programs, r * kv)](
         q, k_cache, v_cache, slots, start, positions, anc, chain, tail.contiguous(), out, part_m, part_l, part_acc, state,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), out.stride(2),
