@@ -244,11 +244,14 @@ LARGE_SHAPES = (  # trees of more than 64 folded rows at G = 4, as served (the e
 )
 
 
-def large_block_m(values: tuple[int, ...], gen: torch.Generator) -> dict:
+def large_block_m(values: tuple[int, ...], gen: torch.Generator, warps: tuple[int, ...] = ()) -> dict:
     """Exact attention on :data:`LARGE_SHAPES` at the engine's key buckets in programs of each of ``values`` rows
     (``attention_block_m`` replaced for the call; "auto": the launch the grid-size rule picks, and both launches
     forced), each output against the one at 32-row programs (a launch choice must keep every bit); the default
-    kernel once a shape. us per call. The engine's rule (ATTN_LARGE_BLOCK_M) came from this table."""
+    kernel once a shape. us per call. The engine's rule (ATTN_LARGE_BLOCK_M) came from this table. ``warps``: for
+    programs of 64 rows and more, also with these warps a program (``ATTN_NUM_WARPS`` replaced; columns
+    ``m{rows}w{warps}_*``): a served 17-node tree at C = 64 (68 folded rows) takes two 64-row programs a row and KV
+    head, the second holding one query and re-reading the prefix, where one 128-row program would read it once."""
     from triton.testing import do_bench_cudagraph
 
     rule = bi.attention_block_m  # the engine's rule, replaced here by "value rows past min(value, 64) folded rows"
@@ -260,20 +263,25 @@ def large_block_m(values: tuple[int, ...], gen: torch.Generator) -> dict:
                "rule_block_m": rule(t, HEADS // KV, rows * KV), "rule_us": round(do_bench_cudagraph(exact_call(x),
                                                                                                rep=100) * 1e3, 1)}
         ref = None
-        for value in (32, *[v for v in values if v != 32]):
+        kept_warps = bi.ATTN_NUM_WARPS
+        runs = [(v, kept_warps, f"m{v}") for v in (32, *[v for v in values if v != 32])]
+        runs += [(v, w, f"m{v}w{w}") for v in values if v >= 64 for w in warps if w != kept_warps]
+        for value, num_warps, name in runs:
             bi.attention_block_m = (lambda tokens, group, per_tile=1, value=value:
                                     value if tokens * group > min(value, 64) else rule(tokens, group, per_tile))
+            bi.ATTN_NUM_WARPS = num_warps
             x["tail"] = bi.tail_chunks(x["anc"], x["positions"], x["start"], HEADS // KV, KV)
             for label, launch in (("auto", {}), ("split", {"fused": False}), ("fused", {"fused": True})):
                 fn = exact_call(x, **launch)
                 try:
                     out = fn().clone()
                     ref = out if ref is None else ref
-                    row[f"m{value}_{label}_us"] = round(do_bench_cudagraph(fn, rep=100) * 1e3, 1)
+                    row[f"{name}_{label}_us"] = round(do_bench_cudagraph(fn, rep=100) * 1e3, 1)
                     if not torch.equal(out, ref):
-                        row[f"m{value}_{label}_bits"] = "DIFFER"
+                        row[f"{name}_{label}_bits"] = "DIFFER"
                 except Exception as exc:  # a launch the device refuses (shared memory): recorded
-                    row[f"m{value}_{label}_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+                    row[f"{name}_{label}_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+            bi.ATTN_NUM_WARPS = kept_warps
         rows_out.append(row)
         print(" | ".join(f"{key}={val}" for key, val in row.items()), flush=True)
     bi.attention_block_m = rule
@@ -306,7 +314,14 @@ def main() -> None:
                     "block_n:split_keys:warps:stages,... (for example 64:512:4:2,64:1024:4:2)")
     ap.add_argument("--large-block-m", default=None, help="time trees of more than 64 folded rows with their "
                     "programs at these row counts instead (attention_block_m), for example 16,32,64")
+    ap.add_argument("--large-warps", default=None, help="with --large-block-m: programs of 64 rows and more also "
+                    "with these warps each, for example 8")
     args = ap.parse_args()
+    if args.large_warps is not None:
+        if args.large_block_m is None:
+            ap.error("--large-warps times the programs of --large-block-m; pass --large-block-m with it")
+        if not all(v.isdigit() and int(v) in (1, 2, 4, 8, 16) for v in args.large_warps.split(",")):
+            ap.error(f"--large-warps: warps among 1, 2, 4, 8, 16, got {args.large_warps}")
     if args.settings is not None and not args.sweep:
         ap.error("--settings names settings for --sweep; pass --sweep with it")
     if args.bucket and args.sweep:
@@ -320,7 +335,9 @@ def main() -> None:
             ap.error(f"--large-block-m: values among 16, 32, 64, 128, got {args.large_block_m}")
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "exact_attention_large_block_m.json").write_text(json.dumps(large_block_m(values, gen), indent=1))
+        warps = tuple(int(v) for v in args.large_warps.split(",")) if args.large_warps else ()
+        (out / "exact_attention_large_block_m.json").write_text(json.dumps(large_block_m(values, gen, warps),
+                                                                           indent=1))
         return
     if args.sweep:
         out = Path(args.out)
