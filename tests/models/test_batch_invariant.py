@@ -254,6 +254,34 @@ def test_tree_node_equals_its_ar_decode(dtype, fn, start):
                                    atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("start", [130, 200])  # the split holding start has 2 or 3 whole tiles below start's tile
+def test_chunk_programs_read_their_splits_shared_tiles(dtype, start):
+    """Four tiles a split (the engine's 256 keys): the split launch's chunk programs run the split holding ``start``
+    from its first tile, whole prefix tiles included, as each node's AR step and the fused launch do."""
+    gen = torch.Generator().manual_seed(start)
+    t = len(PARENTS)
+    kc = torch.randn(3, KV, 512, D, generator=gen).to(dtype)
+    vc = torch.randn(3, KV, 512, D, generator=gen).to(dtype)
+    q = torch.randn(1, KV * G, t, D, generator=gen).to(dtype)
+    vis, depth = _tree(PARENTS)
+    s0 = torch.tensor([start])
+    pos = s0[:, None] + depth[None]
+    anc, chain = bi.ancestor_map(s0, pos, vis)
+    args = (q, kc, vc, torch.tensor([0]), s0, pos, anc, chain, 512)
+    out = bi.attention(*args, fused=False)
+    assert torch.equal(bi.attention(*args, fused=True), out)
+    assert torch.equal(bi.attention(*args, fused=False, tail=bi.single_chunks(1, t, G, q.device, KV)), out)
+    for node in range(t):
+        path = _path(PARENTS, node)
+        _ar_layout(kc, vc, 0, 1, start, path)
+        p = start + len(path) - 1
+        a1, c1 = bi.ancestor_map(torch.tensor([p]), torch.tensor([[p]]), torch.ones(1, 1, 1, dtype=torch.bool))
+        ar = bi.attention(q[:, :, node:node + 1], kc, vc, torch.tensor([1]), torch.tensor([p]), torch.tensor([[p]]),
+                          a1, c1, 512, fused=False)
+        assert torch.equal(ar[0, :, 0], out[0, :, node]), f"node {node}"
+
+
 def test_attention_row_independent_of_other_rows():
     """One request's tree alone vs beside two others (different starts and slots, padded batch)."""
     gen = torch.Generator().manual_seed(3)
