@@ -439,8 +439,9 @@ def tail_layout(tokens: int, group: int, per_tile: int = 1) -> tuple[int, int]:
 
 def single_chunks(rows: int, tokens: int, group: int, device: torch.device, kv_heads: int = 1) -> Tensor:
     """:func:`tail_chunks`' table with every query a chunk of its own (the grouping is a speed choice: a query alone
-    is always a valid chunk): for forwards whose queries do not branch, in a few ops instead of the grouping's
-    ninety or so (inferred from the H200's exact rounds at C = 1: about 0.1 ms a forward, 2026-12-03)."""
+    is always a valid chunk): for forwards whose queries do not branch and those whose calls take the split launch
+    (:func:`groups_tails`), in a few ops instead of the grouping's ninety or so (18-20 against 123-183 us a forward
+    in CUDA-graph replays, H100, docs/benchmarks.md "Exact mode", 2026-12-06 call D)."""
     qt, per = tail_layout(tokens, group, rows * kv_heads)
     p = -(-tokens // qt)
     width = 1 + qt * (1 + per)
