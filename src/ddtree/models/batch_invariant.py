@@ -619,6 +619,17 @@ if triton is not None:
         return lane_ok, t_l, head_l, pos_l, q_g, lead, pos_lead
 
     @triton.jit
+    def _chunk_tile(q_g, k_base, v_base, anc_lead, j, start, pos_lead, pos_l, lane_ok, m_g, l_g, acc_g, stride_kp,
+                    stride_vp, offs_d, ones, scale_log2, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
+        """One key tile (positions j) of a tail chunk on its members' rows: the lead's keys (:func:`_key_index`: the
+        shared ones below start, its ancestors above) gathered once, each member masked past its own position."""
+        idx, seen = _key_index(j, start, pos_lead, anc_lead, False)
+        k = tl.load(k_base + idx[:, None] * stride_kp + offs_d[None, :], mask=seen[:, None], other=0.0)
+        v = tl.load(v_base + idx[:, None] * stride_vp + offs_d[None, :], mask=seen[:, None], other=0.0)
+        vis = seen[None, :] & (j[None, :] <= pos_l[:, None]) & lane_ok[:, None]
+        return _tile_update(q_g, k, v, vis, m_g, l_g, acc_g, ones, scale_log2, EMULATE, PRECISION)
+
+    @triton.jit
     def _chunk_splits(q_ptr, k_base, v_base, anc_base, pos_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, chunk_ptr, r, kv,
                       start, stride_kp, stride_vp, stride_qr, stride_qh, stride_qt, T, G, num_kv, num_splits,
                       scale_log2, offs_d, offs_n, ones, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -640,17 +651,16 @@ if triton is not None:
             q_ptr, pos_ptr, chunk_ptr, r, kv, T, G, stride_qr, stride_qh, stride_qt, offs_d, TAIL_ROWS, CHUNK)
         anc_lead = anc_base + lead * T
         last_tile = pos_lead // BLOCK_N
-        for s in range((start // BLOCK_N) // TPS, last_tile // TPS + 1):
+        # up to the lead's last split, never past the partials' (kv_len > every position is the contract; a breach
+        # must not write into the next head's partials)
+        for s in range((start // BLOCK_N) // TPS, tl.minimum(last_tile // TPS + 1, num_splits)):
             m_g = tl.full([TAIL_ROWS], float("-inf"), dtype=tl.float32)
             l_g = tl.zeros([TAIL_ROWS, SUM_COLS], dtype=tl.float32)
             acc_g = tl.zeros([TAIL_ROWS, HEAD_DIM], dtype=tl.float32)
             for tile in range(s * TPS, tl.minimum(s * TPS + TPS, last_tile + 1)):
-                j = tile * BLOCK_N + offs_n
-                idx, seen = _key_index(j, start, pos_lead, anc_lead, False)
-                k = tl.load(k_base + idx[:, None] * stride_kp + offs_d[None, :], mask=seen[:, None], other=0.0)
-                v = tl.load(v_base + idx[:, None] * stride_vp + offs_d[None, :], mask=seen[:, None], other=0.0)
-                vis = seen[None, :] & (j[None, :] <= pos_l[:, None]) & lane_ok[:, None]
-                m_g, l_g, acc_g = _tile_update(q_g, k, v, vis, m_g, l_g, acc_g, ones, scale_log2, EMULATE, PRECISION)
+                m_g, l_g, acc_g = _chunk_tile(q_g, k_base, v_base, anc_lead, tile * BLOCK_N + offs_n, start, pos_lead,
+                                              pos_l, lane_ok, m_g, l_g, acc_g, stride_kp, stride_vp, offs_d, ones,
+                                              scale_log2, EMULATE, PRECISION)
             part = ((r * T + t_l) * (num_kv * G) + head_l) * num_splits + s
             keep = lane_ok & (s * (TPS * BLOCK_N) <= pos_l)
             tl.store(part_m_ptr + part, m_g, mask=keep)
@@ -713,12 +723,9 @@ if triton is not None:
                 m_g = tl.full([TAIL_ROWS], float("-inf"), dtype=tl.float32)
                 l_g = tl.zeros([TAIL_ROWS, SUM_COLS], dtype=tl.float32)
                 acc_g = tl.zeros([TAIL_ROWS, HEAD_DIM], dtype=tl.float32)
-            j = tile * BLOCK_N + offs_n
-            idx, seen = _key_index(j, start, pos_lead, anc_lead, False)
-            k = tl.load(k_base + idx[:, None] * stride_kp + offs_d[None, :], mask=seen[:, None], other=0.0)
-            v = tl.load(v_base + idx[:, None] * stride_vp + offs_d[None, :], mask=seen[:, None], other=0.0)
-            vis = seen[None, :] & (j[None, :] <= pos_l[:, None]) & lane_ok[:, None]
-            m_g, l_g, acc_g = _tile_update(q_g, k, v, vis, m_g, l_g, acc_g, ones, scale_log2, EMULATE, PRECISION)
+            m_g, l_g, acc_g = _chunk_tile(q_g, k_base, v_base, anc_lead, tile * BLOCK_N + offs_n, start, pos_lead,
+                                          pos_l, lane_ok, m_g, l_g, acc_g, stride_kp, stride_vp, offs_d, ones,
+                                          scale_log2, EMULATE, PRECISION)
         take = lane_ok & ((pos_l // BLOCK_N) // TPS == (pos_lead // BLOCK_N) // TPS)  # else merged at its edge
         m_run_g, l_run_g, acc_run_g = _merge_split(m_run_g, l_run_g, acc_run_g, m_g, tl.max(l_g, 1), acc_g, take)
         out = acc_run_g / tl.where(l_run_g > 0.0, l_run_g, 1.0)[:, None]
@@ -810,8 +817,9 @@ if triton is not None:
         """One program's rows (query tile pid_q, row x KV head pid_rk): split pid_s's state stored as partials, or
         (FUSED) every split up to the program's last position merged in ascending order and the output stored. In the
         split launch ``pid_s >= num_splits`` names the query tile's tail chunk ``pid_s - num_splits``
-        (:func:`_chunk_splits`; none for a tile of chains), and the tile's own programs store only the splits below
-        ``start // BLOCK_N`` where its queries form a tree."""
+        (:func:`_chunk_splits`; none for a tile of chains), and the tile's own programs store only the splits wholly
+        below key tile ``start // BLOCK_N`` (split ``start // BLOCK_N // TILES_PER_SPLIT`` on are the chunks') where
+        its queries form a tree."""
         r = (pid_rk // num_kv).to(tl.int64)
         kv = pid_rk % num_kv
         rows = tl.arange(0, BLOCK_M)
@@ -865,7 +873,8 @@ if triton is not None:
         TILES_PER_SPLIT: tl.constexpr, SUM_COLS: tl.constexpr, TAIL_ROWS: tl.constexpr, CHUNK: tl.constexpr,
         FUSED: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
     ):
-        """Grid (query tiles, splits or 1 if FUSED, rows x KV heads): :func:`_attention_program`."""
+        """Grid (query tiles, splits + chunk slots (QT where T > 1) or 1 if FUSED, rows x KV heads):
+        :func:`_attention_program`."""
         _attention_program(
             q_ptr, k_ptr, v_ptr, slots_ptr, start_ptr, pos_ptr, anc_ptr, chain_ptr, tail_ptr, out_ptr, part_m_ptr,
             part_l_ptr, part_acc_ptr, state_ptr, stride_qr, stride_qh, stride_qt, stride_ks, stride_kh, stride_kp,
@@ -1028,7 +1037,8 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start:
         state = out  # the split launch keeps its tail tiles in registers
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     scale_log2 = d**-0.5 * math.log2(math.e)
-    # the split launch's tree tails: a program per chunk (at most QT a query tile) after the splits
+    # the split launch's tree tails: a program per chunk (at most QT a query tile) after the splits; one token is
+    # always a chain (ancestor_map flags it 1), so its tiles' own programs store every split
     chunk_programs = 0 if fused or t == 1 else qt
     _attention_kernel[(q_tiles, 1 if fused else splits + chunk_programs, r * kv)](
         q, k_cache, v_cache, slots, start, positions, anc, chain, tail.contiguous(), out, part_m, part_l, part_acc, state,

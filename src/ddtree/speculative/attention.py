@@ -98,7 +98,7 @@ class TreeVisibility(NamedTuple):
     # gives each query its own tail chunk instead of grouping them (ddtree.models.batch_invariant.tail_chunks), in a
     # few ops instead of about fifty (a speed choice: the bits are the same either way). Rounds keep True: their
     # stage graphs are shared between chain and tree rounds (runner.STAGE_SHAPE_FIELDS), and AR's one token is
-    # never grouped
+    # never grouped; a True round is grouped only where its calls launch fused (batch_invariant.groups_tails)
     branches: bool = True
 
     def with_packed(self) -> TreeVisibility:
