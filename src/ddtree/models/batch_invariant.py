@@ -28,12 +28,11 @@ Attention (:func:`attention`, new tokens over a KV-cache slot)
     only on that row and the tile, whatever the dot's row count, and keys past a member's position are masked).
     Masked keys are exact no-ops (p = exp2(-inf) = 0; the running max is guarded against -inf - -inf). The splits'
     states are merged in ascending order into a running max and rescaled sums with explicit fma
-    (:func:`_merge_weights`), either by a
-    combine kernel over stored fp32 partials (the split launch: a program per split, :func:`_split_state`, and a
-    tree's splits from ``start`` up a program per chunk, :func:`_chunk_splits`, on 16-row dots) or, where the grid fills the
-    device without splits (:func:`attention_fused`), by each program itself in one loop over its tiles, a tree's
-    tail tiles one chunk at a time on 16-row dots (G rows where G > 16; the fused launch, :func:`_fused_program`):
-    the same arithmetic, so the same bits.
+    (:func:`_merge_weights`), either by a combine kernel over stored fp32 partials (the split launch: a program per
+    split, :func:`_split_state`, and a tree's splits from ``start`` up a program per chunk, :func:`_chunk_splits`)
+    or, where the grid fills the device without splits (:func:`attention_fused`), by each program itself in one loop
+    over its tiles, a tree's tail tiles one chunk at a time (the fused launch, :func:`_fused_program`); a chunk's
+    tiles run on 16-row dots (G rows where G > 16) in both: the same arithmetic, so the same bits.
 
 Example: a tree root(0) -> a(1), root -> b(2), a -> c(3) at start 5, written at cache indices 5..8 with positions
 5, 6, 6, 7. Query c (position 7) walks positions 0..7 and reads cache indices 0 1 2 3 4 5 6 8: exactly the keys AR
@@ -574,8 +573,8 @@ if triton is not None:
         return p, alpha, _dot(p, ones, l_i * alpha[:, None], EMULATE, PRECISION), m_new
 
     @triton.jit
-    def _split_state(q, k_base, v_base, row_ok, pos_row, max_pos, split, stride_kp, stride_vp, scale_log2, offs_d, offs_n,
-                     ones, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    def _split_state(q, k_base, v_base, row_ok, pos_row, max_pos, split, stride_kp, stride_vp, scale_log2, offs_d,
+                     offs_n, ones, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      TILES_PER_SPLIT: tl.constexpr, SUM_COLS: tl.constexpr, EMULATE: tl.constexpr,
                      PRECISION: tl.constexpr):
         """The online softmax of a program's rows over the key tiles of one split, from zero, in ascending position
