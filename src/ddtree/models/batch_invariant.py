@@ -522,26 +522,22 @@ def tail_chunks(anc: Tensor, positions: Tensor, start: Tensor, group: int, kv_he
 if triton is not None:
 
     @triton.jit
-    def _key_index(j, start, pos_q, anc_row_ptr, shared):
-        """(cache index [BLOCK_N] int64, visible [BLOCK_N]) of the keys one query reads at positions j: cache index j
-        below start, the ancestor's slot above it; not visible past pos_q or where it has no ancestor at that depth.
-        ``shared``: the keys are contiguous (cache index j up to pos_q)."""
+    def _key_index(j, start, pos_q, anc_row_ptr):
+        """(cache index [BLOCK_N] int64, visible [BLOCK_N]) of the keys one tree query reads at positions j: cache
+        index j below start, the ancestor's slot above it; not visible past pos_q or where it has no ancestor at that
+        depth."""
         above = j >= start
-        if shared:
-            idx = j.to(tl.int64)
-            ok = j <= pos_q
-        else:
-            anc = tl.load(anc_row_ptr + (j - start), mask=above & (j <= pos_q), other=-1)
-            idx = tl.where(above, start + anc, j).to(tl.int64)
-            ok = (j <= pos_q) & ((~above) | (anc >= 0))
+        anc = tl.load(anc_row_ptr + (j - start), mask=above & (j <= pos_q), other=-1)
+        idx = tl.where(above, start + anc, j).to(tl.int64)
+        ok = (j <= pos_q) & ((~above) | (anc >= 0))
         return idx, ok
 
     @triton.jit
-    def _gather_tile(base, stride_p, offs_d, j, start, pos_q, anc_row_ptr, shared):
-        """The K or V tile [BLOCK_N, D] one query reads at positions j [BLOCK_N] (:func:`_key_index`); keys it does not
-        see load 0."""
-        idx, ok = _key_index(j, start, pos_q, anc_row_ptr, shared)
-        return tl.load(base + idx[:, None] * stride_p + offs_d[None, :], mask=ok[:, None], other=0.0)
+    def _shared_tile(base, stride_p, offs_d, j, max_pos):
+        """The K or V tile [BLOCK_N, D] at positions j [BLOCK_N] that every query of a program reads alike (contiguous
+        in the cache: prefix tiles, every tile of a chain or prompt chunk), loaded up to ``max_pos``, 0 past it."""
+        return tl.load(base + j[:, None].to(tl.int64) * stride_p + offs_d[None, :], mask=(j <= max_pos)[:, None],
+                       other=0.0)
 
     @triton.jit
     def _tile_update(q, k, v, vis, m_i, l_i, acc, ones, scale_log2, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
@@ -590,10 +586,8 @@ if triton is not None:
         tile_lo = split * TILES_PER_SPLIT
         for tile in range(tile_lo, tl.minimum(tile_lo + TILES_PER_SPLIT, max_pos // BLOCK_N + 1)):
             j = tile * BLOCK_N + offs_n
-            k = tl.load(k_base + j[:, None].to(tl.int64) * stride_kp + offs_d[None, :], mask=(j <= max_pos)[:, None],
-                        other=0.0)
-            v = tl.load(v_base + j[:, None].to(tl.int64) * stride_vp + offs_d[None, :], mask=(j <= max_pos)[:, None],
-                        other=0.0)
+            k = _shared_tile(k_base, stride_kp, offs_d, j, max_pos)
+            v = _shared_tile(v_base, stride_vp, offs_d, j, max_pos)
             m_i, l_i, acc = _tile_update(q, k, v, (j[None, :] <= pos_row[:, None]) & row_ok[:, None], m_i, l_i, acc,
                                          ones, scale_log2, EMULATE, PRECISION)
         return m_i, tl.max(l_i, 1), acc  # l's columns are equal
@@ -622,7 +616,7 @@ if triton is not None:
                     stride_vp, offs_d, ones, scale_log2, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
         """One key tile (positions j) of a tail chunk on its members' rows: the lead's keys (:func:`_key_index`: the
         shared ones below start, its ancestors above) gathered once, each member masked past its own position."""
-        idx, seen = _key_index(j, start, pos_lead, anc_lead, False)
+        idx, seen = _key_index(j, start, pos_lead, anc_lead)
         k = tl.load(k_base + idx[:, None] * stride_kp + offs_d[None, :], mask=seen[:, None], other=0.0)
         v = tl.load(v_base + idx[:, None] * stride_vp + offs_d[None, :], mask=seen[:, None], other=0.0)
         vis = seen[None, :] & (j[None, :] <= pos_l[:, None]) & lane_ok[:, None]
@@ -767,8 +761,8 @@ if triton is not None:
                 l_i = tl.zeros([BLOCK_M, SUM_COLS], dtype=tl.float32)
                 acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
             j = tile * BLOCK_N + offs_n
-            k = _gather_tile(k_base, stride_kp, offs_d, j, start, max_pos, anc_base, True)
-            v = _gather_tile(v_base, stride_vp, offs_d, j, start, max_pos, anc_base, True)
+            k = _shared_tile(k_base, stride_kp, offs_d, j, max_pos)
+            v = _shared_tile(v_base, stride_vp, offs_d, j, max_pos)
             m_i, l_i, acc = _tile_update(q, k, v, (j[None, :] <= pos_row[:, None]) & row_ok[:, None], m_i, l_i, acc,
                                          ones, scale_log2, EMULATE, PRECISION)
         if shared_hi == n_tiles:  # no tail: the last split, then the output
