@@ -244,19 +244,23 @@ LARGE_SHAPES = (  # trees of more than 64 folded rows at G = 4, as served (the e
 )
 
 
-def large_block_m(values: tuple[int, ...], gen: torch.Generator, warps: tuple[int, ...] = ()) -> dict:
+def large_block_m(values: tuple[int, ...], gen: torch.Generator, warps: tuple[int, ...] = (),
+                  only: tuple[str, ...] = ()) -> dict:
     """Exact attention on :data:`LARGE_SHAPES` at the engine's key buckets in programs of each of ``values`` rows
     (``attention_block_m`` replaced for the call; "auto": the launch the grid-size rule picks, and both launches
     forced), each output against the one at 32-row programs (a launch choice must keep every bit); the default
     kernel once a shape. us per call. The engine's rule (ATTN_LARGE_BLOCK_M) came from this table. ``warps``: for
     programs of 64 rows and more, also with these warps a program (``ATTN_NUM_WARPS`` replaced; columns
     ``m{rows}w{warps}_*``): a served 17-node tree at C = 64 (68 folded rows) takes two 64-row programs a row and KV
-    head, the second holding one query and re-reading the prefix, where one 128-row program would read it once."""
+    head, the second holding one query and re-reading the prefix, where one 128-row program would read it once.
+    ``only``: the shapes whose names are listed (all when empty)."""
     from triton.testing import do_bench_cudagraph
 
     rule = bi.attention_block_m  # the engine's rule, replaced here by "value rows past min(value, 64) folded rows"
     rows_out = []
     for name, rows, t, tree, ctx in LARGE_SHAPES:
+        if only and name not in only:
+            continue
         bi.attention_block_m = rule  # the engine's own for "rule" (and the inputs' tail table)
         x = inputs(rows, t, tree, ctx, gen, bucket=True)
         row = {"shape": name, "default_us": round(do_bench_cudagraph(default_call(x), rep=100) * 1e3, 1),
@@ -316,12 +320,16 @@ def main() -> None:
                     "programs at these row counts instead (attention_block_m), for example 16,32,64")
     ap.add_argument("--large-warps", default=None, help="with --large-block-m: programs of 64 rows and more also "
                     "with these warps each, for example 8")
+    ap.add_argument("--shapes", default=None, help="with --large-block-m: only these shapes of LARGE_SHAPES, "
+                    "comma-separated names (for example 'served tree 17 C=64,chain C=64')")
     args = ap.parse_args()
     if args.large_warps is not None:
         if args.large_block_m is None:
             ap.error("--large-warps times the programs of --large-block-m; pass --large-block-m with it")
         if not all(v.isdigit() and int(v) in (1, 2, 4, 8, 16) for v in args.large_warps.split(",")):
             ap.error(f"--large-warps: warps among 1, 2, 4, 8, 16, got {args.large_warps}")
+    if args.shapes is not None and args.large_block_m is None:
+        ap.error("--shapes picks shapes of --large-block-m; pass --large-block-m with it")
     if args.settings is not None and not args.sweep:
         ap.error("--settings names settings for --sweep; pass --sweep with it")
     if args.bucket and args.sweep:
@@ -336,7 +344,11 @@ def main() -> None:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         warps = tuple(int(v) for v in args.large_warps.split(",")) if args.large_warps else ()
-        (out / "exact_attention_large_block_m.json").write_text(json.dumps(large_block_m(values, gen, warps),
+        only = tuple(v.strip() for v in args.shapes.split(",")) if args.shapes else ()
+        unknown = [v for v in only if v not in {shape[0] for shape in LARGE_SHAPES}]
+        if unknown:
+            ap.error(f"--shapes: {unknown} not among LARGE_SHAPES ({', '.join(s[0] for s in LARGE_SHAPES)})")
+        (out / "exact_attention_large_block_m.json").write_text(json.dumps(large_block_m(values, gen, warps, only),
                                                                            indent=1))
         return
     if args.sweep:

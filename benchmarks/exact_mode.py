@@ -7,7 +7,8 @@ cells:
 - identity: AR at C=1 (1k context) is each mode's reference; every other 1k cell (AR at C=64, the DFlash chain and
   DDTree at budgets 4-63 at C=1, 8 and 64) runs the reference prompts first among its own, and the count of those
   whose tokens equal the reference's is reported (4k cells: against AR at C=1 at 4k);
-- price: tok/s (completion tokens over the cell's wall time, prefill included), decode tok/s and round time.
+- price: tok/s (completion tokens over the cell's wall time, prefill included), decode tok/s and round time, and
+  where the wall time went (mean time to first token, when the last prefill finished, each stage's ms a round).
 
 Every cell is warmed up once on the same engine (graph capture and Triton compiles out of the timed run: one prompt
 of 32 tokens at C=1, C prompts of 256 tokens otherwise; the engines start with ``warmup="none"``), then timed. Cells
@@ -109,6 +110,10 @@ def run_cells(engines: dict, stream, cells, new_tokens: int, deadline: float, re
             first_diff = [i for i in range(len(prompts)) if i in ref and res["tokens"][i] != ref[i]][:5]
             row = {**key, "prompts": count, "tok_s": res["tok_s"], "decode_tok_s": res["decode_tok_s"],
                    "accept_length": res["accept_length"], "round_ms": res["round_ms"], "wall_s": res["wall_s"],
+                   # where the wall time went: the prompts' prefills (every first token by prefills_done_s) and
+                   # the stages of a decode round, device time per round (run_cell's stage timer)
+                   "ttft_s_mean": res["ttft_s_mean"], "prefills_done_s": max(t[1] for t in res["timeline"]),
+                   "stage_ms_per_round": {k: round(v, 3) for k, v in res["stage_ms_per_round"].items()},
                    "identical_to_ar_c1": sum(same), "compared": len(same), "differing_prompts": first_diff,
                    "errors": res["errors"][:3]}
             report["cells"].append(row)
