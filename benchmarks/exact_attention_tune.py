@@ -240,7 +240,7 @@ LARGE_SHAPES = (  # trees of more than 64 folded rows at G = 4, as served (the e
     ("chain C=1", 1, 16, False, 1024), ("chain C=64", 64, 16, False, 1024),
     ("chain C=8", 8, 16, False, 1024), ("served tree 9 C=8", 8, 9, "served", 1024),
     ("served tree 17 C=16", 16, 17, "served", 1024), ("served tree 17 C=32", 32, 17, "served", 1024),
-    ("served tree 32 C=64", 64, 32, "served", 1024),
+    ("served tree 32 C=64", 64, 32, "served", 1024), ("served tree 17 C=8", 8, 17, "served", 1024),
 )
 
 
@@ -267,13 +267,13 @@ def large_block_m(values: tuple[int, ...], gen: torch.Generator, warps: tuple[in
                "rule_block_m": rule(t, HEADS // KV, rows * KV), "rule_us": round(do_bench_cudagraph(exact_call(x),
                                                                                                rep=100) * 1e3, 1)}
         ref = None
-        kept_warps = bi.ATTN_NUM_WARPS
+        kept_warps, kept_wide = bi.ATTN_NUM_WARPS, bi.ATTN_WIDE_WARPS
         runs = [(v, kept_warps, f"m{v}") for v in (32, *[v for v in values if v != 32])]
         runs += [(v, w, f"m{v}w{w}") for v in values if v >= 64 for w in warps if w != kept_warps]
         for value, num_warps, name in runs:
             bi.attention_block_m = (lambda tokens, group, per_tile=1, value=value:
                                     value if tokens * group > min(value, 64) else rule(tokens, group, per_tile))
-            bi.ATTN_NUM_WARPS = num_warps
+            bi.ATTN_NUM_WARPS = bi.ATTN_WIDE_WARPS = num_warps  # every program of the call (attention_warps)
             x["tail"] = bi.tail_chunks(x["anc"], x["positions"], x["start"], HEADS // KV, KV)
             for label, launch in (("auto", {}), ("split", {"fused": False}), ("fused", {"fused": True})):
                 fn = exact_call(x, **launch)
@@ -285,7 +285,7 @@ def large_block_m(values: tuple[int, ...], gen: torch.Generator, warps: tuple[in
                         row[f"{name}_{label}_bits"] = "DIFFER"
                 except Exception as exc:  # a launch the device refuses (shared memory): recorded
                     row[f"{name}_{label}_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
-            bi.ATTN_NUM_WARPS = kept_warps
+            bi.ATTN_NUM_WARPS, bi.ATTN_WIDE_WARPS = kept_warps, kept_wide
         rows_out.append(row)
         print(" | ".join(f"{key}={val}" for key, val in row.items()), flush=True)
     bi.attention_block_m = rule

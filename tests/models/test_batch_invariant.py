@@ -384,6 +384,32 @@ def test_large_tree_programs_give_the_bits_of_small_ones(monkeypatch, large_bloc
         bi.attention(*args, tail=small_layout)
 
 
+def test_wide_programs_give_the_bits_of_small_ones(monkeypatch):
+    """One 128-row program per row and KV head for a 20-node tree (ATTN_WIDE_*: its call's rows x KV heads in the
+    wide range) launches fused when ATTN_WIDE_FUSED, else split, and gives the bits of 32-row programs."""
+    gen = torch.Generator().manual_seed(17)
+    t = len(WIDE)
+    kc = torch.randn(3, KV, 256, D, generator=gen).to(torch.bfloat16)
+    vc = torch.randn(3, KV, 256, D, generator=gen).to(torch.bfloat16)
+    q = torch.randn(2, KV * 4, t, D, generator=gen).to(torch.bfloat16)
+    vis, depth = _tree(WIDE)
+    start = torch.tensor([70, 140])
+    pos = start[:, None] + depth[None]
+    anc, chain = bi.ancestor_map(start, pos, vis.expand(2, t, t).contiguous())
+    args = (q, kc, vc, torch.tensor([1, 2]), start, pos, anc, chain, 256)
+    small = bi.attention(*args)
+    assert bi.attention_block_m(t, 4, 2 * KV) == bi.ATTN_BLOCK_M and not bi.launches_fused(t, 4, 2 * KV)
+    monkeypatch.setattr(bi, "ATTN_WIDE_MIN_PER_TILE", 2 * KV)
+    monkeypatch.setattr(bi, "ATTN_WIDE_MAX_PER_TILE", 2 * KV)
+    assert bi.attention_block_m(t, 4, 2 * KV) == bi.ATTN_WIDE_BLOCK_M == 128
+    assert bi.attention_block_m(t, 4, 4 * KV) == bi.ATTN_BLOCK_M  # past the range: as before
+    assert bi.attention_warps(128) == bi.ATTN_WIDE_WARPS and bi.attention_warps(64) == bi.ATTN_NUM_WARPS
+    for wide_fused in (True, False):
+        monkeypatch.setattr(bi, "ATTN_WIDE_FUSED", wide_fused)
+        assert bi.launches_fused(t, 4, 2 * KV) == wide_fused == bi.groups_tails(2, t, 4, KV)
+        assert torch.equal(bi.attention(*args), small), f"wide fused={wide_fused}"
+
+
 def test_large_tree_rule():
     # a served 64-node tree at G = 4: 64-row programs where that grid launches fused (C = 8, 8 KV heads), else 32
     assert bi.attention_block_m(64, 4, 8 * 8) == bi.ATTN_LARGE_BLOCK_M == 64

@@ -73,6 +73,16 @@ ATTN_BLOCK_M = 32  # folded rows (queries x query heads of one KV head) per atte
 # docs/benchmarks.md, "Exact mode").
 ATTN_LARGE_BLOCK_M = 64
 ATTN_LARGE_MIN_FOLDED = 64
+# One program for a whole tree of 17-32 nodes at G = 4 (65-128 folded rows) where a call has ATTN_WIDE_MIN_PER_TILE
+# to ATTN_WIDE_MAX_PER_TILE programs per query tile (rows x KV heads; max 0: never): two or three 32-row programs re-read the
+# prefix, the last for one query of a 17-node tree. Such programs run ATTN_WIDE_WARPS warps (4 lost everywhere: the
+# tenth run) and launch fused when ATTN_WIDE_FUSED (a served 17-node tree at C = 16: 85.9 us fused against 125.6
+# split and 94.8 in 64-row programs, H100, docs/benchmarks.md "Exact mode", call E). Launch choices.
+ATTN_WIDE_BLOCK_M = 128
+ATTN_WIDE_WARPS = 8
+ATTN_WIDE_MIN_PER_TILE = 64
+ATTN_WIDE_MAX_PER_TILE = 0
+ATTN_WIDE_FUSED = True
 ATTN_SUM_COLS = 16  # columns of the ones matrix the tile's row sums are a dot with (a tensor-core dot's least N)
 ATTN_BLOCK_N = 64  # key positions per tile
 ATTN_SPLIT_KEYS = 256  # key positions per split (a multiple of ATTN_BLOCK_N); 512 served slower (benchmarks.md)
@@ -933,9 +943,27 @@ def attention_block_m(tokens: int, group: int, per_tile: int = 1) -> int:
         return ATTN_BLOCK_M
     if folded <= 64:
         return 64
+    if folded <= ATTN_WIDE_BLOCK_M and ATTN_WIDE_MIN_PER_TILE <= per_tile <= ATTN_WIDE_MAX_PER_TILE:
+        return ATTN_WIDE_BLOCK_M
     if folded > ATTN_LARGE_MIN_FOLDED and attention_fused(-(-tokens // (ATTN_LARGE_BLOCK_M // group)) * per_tile):
         return ATTN_LARGE_BLOCK_M
     return ATTN_BLOCK_M
+
+
+def launches_fused(tokens: int, group: int, per_tile: int) -> bool:
+    """Whether a call of ``tokens`` new tokens of ``group`` query heads per KV head in ``per_tile`` = rows x KV
+    heads programs per query tile launches fused: by its grid's size (:func:`attention_fused`), or in wide programs
+    where :data:`ATTN_WIDE_FUSED`. A launch choice, never a bit-fixing one."""
+    block_m = attention_block_m(tokens, group, per_tile)
+    if block_m == ATTN_WIDE_BLOCK_M and ATTN_WIDE_FUSED:
+        return True
+    return attention_fused(-(-tokens // (block_m // group)) * per_tile)
+
+
+def attention_warps(block_m: int) -> int:
+    """Warps a program of ``block_m`` folded rows runs: :data:`ATTN_WIDE_WARPS` for wide programs, else
+    :data:`ATTN_NUM_WARPS`. A launch choice."""
+    return ATTN_WIDE_WARPS if block_m >= ATTN_WIDE_BLOCK_M else ATTN_NUM_WARPS
 
 
 def attention_fused(programs: int) -> bool:
@@ -952,8 +980,7 @@ def groups_tails(rows: int, tokens: int, group: int, kv_heads: int) -> bool:
     (:func:`attention_fused`), whose programs run their chunks one after another. The split launch runs each chunk
     as a program of its own (:func:`_chunk_splits`), so there the grouping's ninety or so small ops a forward buy
     little. A speed choice: both tables give the same bits."""
-    qt = attention_block_m(tokens, group, rows * kv_heads) // group
-    return attention_fused(-(-tokens // qt) * rows * kv_heads)
+    return launches_fused(tokens, group, rows * kv_heads)
 
 
 def attention_stages(fused: bool, tokens: int) -> int:
@@ -980,7 +1007,7 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start:
     with scale 1/sqrt(D). Returns [R, H, T, D] in q's dtype (a view of [R, T, H, D] memory).
 
     ``fused``: one program per query tile walks all of its splits and stores the output (no fp32 partials written
-    and read back), or one program per split and a combine kernel; None: :func:`attention_fused`. The same bits
+    and read back), or one program per split and a combine kernel; None: :func:`launches_fused`. The same bits
     either way (both merge the split states with :func:`_merge_weights`). ``num_stages`` (default
     :func:`attention_stages`): the software pipeline's depth, for the tuning script; a launch choice too."""
     if triton is None:
@@ -1014,7 +1041,7 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start:
     splits = max(1, math.ceil(kv_len / split_keys))
     q_tiles = -(-t // qt)
     if fused is None:
-        fused = attention_fused(q_tiles * r * kv)
+        fused = launches_fused(t, g, r * kv)
     # The two launches agree only while kv_len exceeds every position (the contract above): the split launch has
     # ceil(kv_len / split_keys) splits, the fused one walks a program's splits up to its last position.
     if fused:  # no partials: each program merges its splits itself; ``out`` stands in for the partials' pointers,
@@ -1040,7 +1067,7 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start:
         t, g, kv, splits, scale_log2,
         HEAD_DIM=d, BLOCK_M=block_m, QT=qt, BLOCK_N=ATTN_BLOCK_N, TILES_PER_SPLIT=split_keys // ATTN_BLOCK_N,
         SUM_COLS=ATTN_SUM_COLS, TAIL_ROWS=tail_rows(g), CHUNK=chunk, FUSED=fused, EMULATE=INTERPRETED,
-        PRECISION=precision, num_warps=ATTN_NUM_WARPS, num_stages=num_stages or attention_stages(fused, t),
+        PRECISION=precision, num_warps=attention_warps(block_m), num_stages=num_stages or attention_stages(fused, t),
     )
     if not fused:
         _attention_combine_kernel[(r * t, h)](
