@@ -73,11 +73,13 @@ ATTN_BLOCK_M = 32  # folded rows (queries x query heads of one KV head) per atte
 # docs/benchmarks.md, "Exact mode").
 ATTN_LARGE_BLOCK_M = 64
 ATTN_LARGE_MIN_FOLDED = 64
-# One program for a whole tree of 17-32 nodes at G = 4 (65-128 folded rows) where a call has ATTN_WIDE_MIN_PER_TILE
-# to ATTN_WIDE_MAX_PER_TILE programs per query tile (rows x KV heads; max 0: never): two or three 32-row programs re-read the
-# prefix, the last for one query of a 17-node tree. Such programs run ATTN_WIDE_WARPS warps (4 lost everywhere: the
-# tenth run) and launch fused when ATTN_WIDE_FUSED (a served 17-node tree at C = 16: 85.9 us fused against 125.6
-# split and 94.8 in 64-row programs, H100, docs/benchmarks.md "Exact mode", call E). Launch choices.
+# Wide programs, off (ATTN_WIDE_MAX_PER_TILE 0): one program for a whole tree of 17-32 nodes at G = 4 (65-128 folded
+# rows) where a call has ATTN_WIDE_MIN_PER_TILE to ATTN_WIDE_MAX_PER_TILE programs per query tile (rows x KV heads),
+# run with ATTN_WIDE_WARPS warps (4 lost everywhere: the tenth run) and fused when ATTN_WIDE_FUSED. Why they stay
+# off (H100, docs/benchmarks.md "Exact mode", calls E and G of 2026-12-06): a served 17-node tree's 68 rows fill 53 %
+# of the program; at C = 16 it is faster fused (86 us against 93-95 in 64-row programs), at C = 8 slower (74 fused,
+# 67 split, against 55), and DDTree 16 at C = 8 in the engine took 9-11 % longer exact rounds with them; C = 16 was not
+# priced. Launch choices (the test compares their bits), kept for the tune and the price script.
 ATTN_WIDE_BLOCK_M = 128
 ATTN_WIDE_WARPS = 8
 ATTN_WIDE_MIN_PER_TILE = 64
