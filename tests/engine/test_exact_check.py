@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ddtree.engine.exact_check import target_row_counts
+from ddtree.errors import ConfigError
 from ddtree.models import exact_blas
 
 
@@ -57,6 +58,33 @@ def test_check_finds_the_first_changing_row_count_and_trusts_only_passing_shapes
     info = good.describe()
     assert info["cublas"] == ["a", "b"] and info["row_counts_checked"] == 6 and info["max_rows"] == 300
     assert "rows differ from 9 rows" in bad.describe()["triton"]["a"]
+
+
+@pytest.mark.parametrize("row", [-1, 12, 0])
+def test_check_sees_one_changed_row_anywhere(row):
+    """One row of one product off by an ulp from 17 rows on (the last row: past the last whole repeat of the 5
+    distinct rows; row 12: inside the repeats; row 0), with the rows compared against the rows alone in blocks."""
+    def one_row_off(x, w, b=None):
+        out = _rows_alone(x, w, b)
+        if x.shape[0] >= 17:
+            out[row, 3] = torch.nextafter(out[row, 3], torch.tensor(float("inf")))
+        return out
+
+    w = torch.randn(24, 64, generator=torch.Generator().manual_seed(3))
+    check = exact_blas.check_row_invariance({"w": (w, None)}, [1, 9, 16, 17, 300], distinct_rows=5,
+                                            matmul=one_row_off)
+    assert check.first_failing == {"w": 17}
+
+
+def test_check_out_of_memory_names_the_setting_to_lower():
+    def big(x, w, b=None):
+        if x.shape[0] > 100:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 12.00 GiB")
+        return _rows_alone(x, w, b)
+
+    w = torch.randn(24, 64, generator=torch.Generator().manual_seed(4))
+    with pytest.raises(ConfigError, match=r"gate_up \(\[24, 64\]\) at up to 300 rows.*lower prefill_chunk"):
+        exact_blas.check_row_invariance({"gate_up": (w, None)}, [1, 50, 300], distinct_rows=5, matmul=big)
 
 
 def test_a_shape_shared_by_a_failing_weight_is_not_trusted():

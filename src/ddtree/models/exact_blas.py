@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ddtree.errors import ConfigError
+
 log = logging.getLogger("ddtree.exact")
 
 DISTINCT_ROWS = 256  # reference rows computed alone; larger row counts repeat them
@@ -99,8 +101,16 @@ def check_row_invariance(weights: Mapping[str, tuple[Tensor, Tensor | None]], ro
     max_rows = counts[-1]
     gen = torch.Generator(device="cpu").manual_seed(seed)
     for name, (weight, bias) in weights.items():
-        with pinned_blas(weight.device):
-            first[name] = _first_failing(weight, bias, counts, gen, distinct_rows, matmul)
+        try:
+            with pinned_blas(weight.device):
+                first[name] = _first_failing(weight, bias, counts, gen, distinct_rows, matmul)
+        except torch.OutOfMemoryError as exc:  # the engine's own shapes are too large for the device: say which
+            n, k = weight.shape
+            need = max_rows * (n + k) * weight.element_size() / 2**30
+            raise ConfigError(f"exact mode's start-up check ran out of device memory checking {name} ([{n}, {k}]) at "
+                              f"up to {max_rows} rows (about {need:.1f} GiB for its input and product): a target "
+                              f"forward can carry that many token rows (a prefill step of max_batch rows padded to "
+                              f"the widest, up to prefill_chunk tokens); lower prefill_chunk or max_batch") from exc
         shapes[name] = tuple(weight.shape)
     result = BlasCheck(first_failing=first, shapes=shapes, row_counts=len(counts), max_rows=max_rows,
                        seconds=time.perf_counter() - t0, library=f"torch {torch.__version__}, CUDA {torch.version.cuda}")
@@ -120,8 +130,26 @@ def _first_failing(weight: Tensor, bias: Tensor | None, counts: list[int], gen: 
     alone = torch.cat([matmul(base[i:i + 1], w, b) for i in range(d)])  # [D, N]
     reps = -(-max_rows // d)
     x = base.repeat(reps, 1)[:max_rows]
-    expected = alone.repeat(reps, 1)[:max_rows]
     for m in counts:
-        if not torch.equal(matmul(x[:m], w, b), expected[:m]):
+        # against the rows alone without a [max_rows, N] copy of them beside the product (at 64 rows x a
+        # 4096-token prefill step that copy of gate/up's product alone is 13 GB)
+        out = matmul(x[:m], w, b)
+        if not _equals_repeated(out, alone):
             return m
+        del out
     return None
+
+
+def _equals_repeated(out: Tensor, alone: Tensor, block_rows: int = 8192) -> bool:
+    """Whether ``out`` [M, N] equals ``alone`` [D, N] repeated down its rows (row i against row i mod D), compared
+    about ``block_rows`` rows at a time (whole repeats of D), so no [M, N] copy is made."""
+    d, n = alone.shape
+    step = max(1, block_rows // d) * d
+    for i in range(0, out.shape[0], step):
+        part = out[i:i + step]
+        full = part.shape[0] // d * d
+        if full and not torch.equal(part[:full].view(-1, d, n), alone.expand(full // d, d, n)):
+            return False
+        if full < part.shape[0] and not torch.equal(part[full:], alone[:part.shape[0] - full]):
+            return False
+    return True
