@@ -113,7 +113,7 @@ def decode_window(engine: Engine, prompts, tree: TreeSettings, new_tokens: int, 
     if state["rounds"] == 0 or window == "all-rows" and not started_early:
         raise EmptyWindow(f"no decode round ran while all {len(prompts)} requests were decoding (the first ones "
                           f"finished before the last one's first token, or before the profiler started); raise "
-                          f"--new-tokens (now {new_tokens}) or --prefill-chunk")
+                          f"--new-tokens (now {new_tokens}) or --prefill-chunk, or pass --prefill-every 1")
     rounds = state["rounds"]
     kernels = kernel_times(prof, cuda, width=80)
     return {"window": window, "start_ms": 1e3 * (t0 - asked), "rounds": rounds, "mean_rows": state["rows"] / rounds,
@@ -186,6 +186,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prefill-chunk", type=int, default=None,
                     help="EngineConfig.prefill_chunk (default: every prompt in one step, at most 4096 tokens: the KV "
                          "cache grows with it)")
+    ap.add_argument("--prefill-every", type=int, default=None,
+                    help="EngineConfig.prefill_every (default: the engine's, 3 on CUDA: while others decode a prefill "
+                         "step runs at most every 3 rounds, so at C = 64 with 1k prompts in 512-token steps the first "
+                         "requests finish before the last one's first token; 1 opens the all-rows window)")
     args = ap.parse_args(argv)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -208,7 +212,8 @@ def main(argv: list[str] | None = None) -> None:
     for mode in MODES:
         config = EngineConfig(max_batch=args.concurrency, max_len=args.context + args.new_tokens + 80, max_budget=64,
                               max_queue=4096, exact=mode == "exact", warmup="none",
-                              prefill_chunk=args.prefill_chunk or min(args.concurrency * args.context, 4096))
+                              prefill_chunk=args.prefill_chunk or min(args.concurrency * args.context, 4096),
+                              prefill_every=args.prefill_every)
         engine = Engine(target, drafter, tokenizer, config, model_name=f"standin-{args.shape}-{mode}")
         engine.start()
         try:
