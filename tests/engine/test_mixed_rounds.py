@@ -7,6 +7,7 @@ and a spy on the runner that records every target forward: what it carried and w
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 
 import pytest
@@ -157,10 +158,27 @@ def test_a_riders_prefill_time_is_the_rounds_it_rode_in(tiny_engine_factory, ref
 
     monkeypatch.setattr(Engine, "_collect", collect)
     monkeypatch.setattr(Engine, "_prefill_step", step)
-    engine = tiny_engine_factory(oracle=True, max_batch=4, mixed_chunk=16)
+    engine = tiny_engine_factory(oracle=True, max_batch=5, mixed_chunk=16)
+    # an anchor decodes one token a round for much longer than the arrivals take, so every later prompt arrives while
+    # a request decodes and rides (without it, on a loaded machine, every prompt could arrive to an idle batch)
+    anchor_tokens: list[int] = []
+    anchor_first, anchor_done = threading.Event(), threading.Event()
+
+    def on_anchor(chunk):
+        anchor_tokens.extend(chunk.token_ids)
+        if anchor_tokens:
+            anchor_first.set()
+        if chunk.finished:
+            anchor_done.set()
+
+    anchor = GenerationRequest(prompt=PROMPTS[0], tree=TreeSettings(method="ar"),
+                               sampling=SamplingParams(max_tokens=12 * N, ignore_eos=True))
+    engine.submit(anchor, on_anchor)
+    assert anchor_first.wait(60)
     prompts = PROMPTS * 2
     outs = _staggered(engine, _greedy(prompts, [TreeSettings(method="ddtree", budget=6)] * len(prompts)))
     assert outs == [references[p] for p in prompts]
+    assert anchor_done.wait(120) and anchor_tokens[:N] == references[PROMPTS[0]]
     riders = [(state, secs) for key, (state, secs) in rode.items() if key not in stepped]
     assert riders, (len(rode), len(stepped))
     for state, secs in riders:
