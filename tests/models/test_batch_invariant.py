@@ -355,21 +355,29 @@ def test_fused_launch_gives_the_split_launch_bits(dtype, group, split_keys):
                        bi.attention(*cargs, split_keys=split_keys, fused=False))
 
 
-@pytest.mark.parametrize("large_block_m", [64, 128])
-def test_large_tree_programs_give_the_bits_of_small_ones(monkeypatch, large_block_m):
-    """A 20-node tree at 4 query heads per KV head (80 folded rows) in programs of 64 and 128 rows (the large-tree
-    launch choice, ATTN_LARGE_BLOCK_M; its threshold and the fused grid's lowered for the tiny shape) against
-    programs of 32, both launches, bf16."""
-    gen = torch.Generator().manual_seed(13)
+def _wide_tree_call(seed: int, starts: tuple[int, int], slots: tuple[int, int]) -> tuple:
+    """bi.attention's arguments for two rows of the 20-node tree WIDE at 4 query heads per KV head (80 folded rows),
+    bf16, over random caches of 3 slots x 256 positions."""
+    gen = torch.Generator().manual_seed(seed)
     t = len(WIDE)
     kc = torch.randn(3, KV, 256, D, generator=gen).to(torch.bfloat16)
     vc = torch.randn(3, KV, 256, D, generator=gen).to(torch.bfloat16)
     q = torch.randn(2, KV * 4, t, D, generator=gen).to(torch.bfloat16)
     vis, depth = _tree(WIDE)
-    start = torch.tensor([60, 130])
+    start = torch.tensor(starts)
     pos = start[:, None] + depth[None]
     anc, chain = bi.ancestor_map(start, pos, vis.expand(2, t, t).contiguous())
-    args = (q, kc, vc, torch.tensor([2, 0]), start, pos, anc, chain, 256)
+    return (q, kc, vc, torch.tensor(slots), start, pos, anc, chain, 256)
+
+
+@pytest.mark.parametrize("large_block_m", [64, 128])
+def test_large_tree_programs_give_the_bits_of_small_ones(monkeypatch, large_block_m):
+    """A 20-node tree at 4 query heads per KV head (80 folded rows) in programs of 64 and 128 rows (the large-tree
+    launch choice, ATTN_LARGE_BLOCK_M; its threshold and the fused grid's lowered for the tiny shape) against
+    programs of 32, both launches, bf16."""
+    t = len(WIDE)
+    args = _wide_tree_call(13, starts=(60, 130), slots=(2, 0))
+    q = args[0]
     assert bi.attention_block_m(t, 4, 2 * KV) == bi.ATTN_BLOCK_M  # 80 folded rows: their 64-row grid is small
     small = bi.attention(*args, fused=False)
     small_layout = bi.single_chunks(2, t, 4, q.device, KV)
@@ -387,16 +395,8 @@ def test_large_tree_programs_give_the_bits_of_small_ones(monkeypatch, large_bloc
 def test_wide_programs_give_the_bits_of_small_ones(monkeypatch):
     """One 128-row program per row and KV head for a 20-node tree (ATTN_WIDE_*: its call's rows x KV heads in the
     wide range) launches fused when ATTN_WIDE_FUSED, else split, and gives the bits of 32-row programs."""
-    gen = torch.Generator().manual_seed(17)
     t = len(WIDE)
-    kc = torch.randn(3, KV, 256, D, generator=gen).to(torch.bfloat16)
-    vc = torch.randn(3, KV, 256, D, generator=gen).to(torch.bfloat16)
-    q = torch.randn(2, KV * 4, t, D, generator=gen).to(torch.bfloat16)
-    vis, depth = _tree(WIDE)
-    start = torch.tensor([70, 140])
-    pos = start[:, None] + depth[None]
-    anc, chain = bi.ancestor_map(start, pos, vis.expand(2, t, t).contiguous())
-    args = (q, kc, vc, torch.tensor([1, 2]), start, pos, anc, chain, 256)
+    args = _wide_tree_call(17, starts=(70, 140), slots=(1, 2))
     small = bi.attention(*args)
     assert bi.attention_block_m(t, 4, 2 * KV) == bi.ATTN_BLOCK_M and not bi.launches_fused(t, 4, 2 * KV)
     monkeypatch.setattr(bi, "ATTN_WIDE_MIN_PER_TILE", 2 * KV)
