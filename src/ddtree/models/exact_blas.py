@@ -148,7 +148,7 @@ def _equals_repeated(out: Tensor, alone: Tensor, block_rows: int = 8192) -> bool
     for i in range(0, out.shape[0], step):
         part = out[i:i + step]
         full = part.shape[0] // d * d
-        if full and not torch.equal(part[:full].view(-1, d, n), alone.expand(full // d, d, n)):
+        if full and not torch.equal(part[:full].reshape(-1, d, n), alone.expand(full // d, d, n)):
             return False
         if full < part.shape[0] and not torch.equal(part[full:], alone[:part.shape[0] - full]):
             return False
