@@ -41,9 +41,16 @@ import torch
 from ddtree.engine.cuda_graphs import bucket_length
 from ddtree.models import batch_invariant as bi
 from ddtree.models.tree_attention import tree_attention
+from ddtree.speculative.attention import pack_visibility
 
 HEADS, KV, D = 32, 8, 128
 COLD_L2_BYTES = 0  # --cold-l2: each timed call after writing this many bytes (bench_us); 0: replays as they come
+# --stagger: rows start up to this many positions past the context (0: every row at the context, as before
+# 2026-12-06 call K). Why: a tree whose start is a multiple of ATTN_SPLIT_KEYS has no shared key in the split that
+# holds its tail, the best case of the split launch's chunk programs, which re-read that split's shared tiles; the
+# engine's requests sit anywhere in a split (at C = 8 the engine's rounds took 68 us a call where the tune at a
+# 1024 start timed 51-56, and rules the tune favoured did not move the engine's verify: calls I and J).
+STAGGER = 0
 
 
 def bench_us(fn, rep: int = 100) -> float:
@@ -132,12 +139,14 @@ def inputs(rows: int, t: int, tree: bool, ctx: int, gen: torch.Generator, bucket
     """Random K/V, queries and trees of one shape on the GPU. ``bucket``: the kernels get the key-length bound the
     engine's graphs launch with (``cuda_graphs.bucket_length``: 2048 for a 1k context), not the exact one."""
     dev = torch.device("cuda")
-    kv_len = bucket_length(ctx + t, 1 << 30) if bucket else ctx + t
+    kv_len = bucket_length(ctx + STAGGER + t, 1 << 30) if bucket else ctx + STAGGER + t
     k = torch.randn((rows + 1, KV, kv_len + 64, D), generator=gen).to(dev, torch.bfloat16)
     v = torch.randn(k.shape, generator=gen).to(dev, torch.bfloat16)
     q = torch.randn((rows, t, HEADS, D), generator=gen).to(dev, torch.bfloat16).transpose(1, 2)
     slots = torch.arange(rows, device=dev)
     start = torch.full((rows,), ctx, dtype=torch.long, device=dev)
+    if STAGGER:  # rows at different lengths, as requests are in the engine's rounds (row 0 stays at ctx)
+        start[1:] += torch.randint(0, STAGGER, (rows - 1,), generator=gen).to(dev)
     depth, vis = random_trees(rows, t, tree, gen)
     depth, vis = depth.to(dev), vis.to(dev)
     positions = start[:, None] + depth
@@ -172,8 +181,13 @@ def nodes_equal_to_ar(x: dict, out: torch.Tensor) -> str:
 
 
 def default_call(x: dict):
-    """The default engine's tree-attention kernel on one shape's inputs, as a call to time."""
-    return lambda: tree_attention(x["q"], x["k"], x["v"], x["slots"], x["start"], x["vis"], x["kv_len"])
+    """The default engine's tree-attention kernel on one shape's inputs, as a call to time, with the visibility
+    packed once beforehand as the engine's forwards pass it (``TreeVisibility.with_packed``: once a forward, not
+    once a layer). Before 2026-12-06 (call J) the tune left the packing to each call, whose small ops took about
+    half of the default column at C = 8 (60 us there against 30 a call in the engine's rounds)."""
+    packed = pack_visibility(x["vis"])
+    return lambda: tree_attention(x["q"], x["k"], x["v"], x["slots"], x["start"], x["vis"], x["kv_len"],
+                                  packed=packed)
 
 
 def exact_call(x: dict, module=bi, **launch):
@@ -261,8 +275,16 @@ LARGE_SHAPES = (  # trees of more than 64 folded rows at G = 4, as served (the e
 )
 
 
+def engine_tail(x: dict, rows: int, t: int) -> torch.Tensor:
+    """The tail table the engine's forward passes for these inputs under the module's rule as it is now: grouped
+    where the calls launch fused (``groups_tails``), else a chunk per query (``exact_forward``)."""
+    if bi.groups_tails(rows, t, HEADS // KV, KV):
+        return bi.tail_chunks(x["anc"], x["positions"], x["start"], HEADS // KV, KV)
+    return bi.single_chunks(rows, t, HEADS // KV, x["q"].device, KV)
+
+
 def large_block_m(values: tuple[int, ...], gen: torch.Generator, warps: tuple[int, ...] = (),
-                  only: tuple[str, ...] = ()) -> dict:
+                  only: tuple[str, ...] = (), extra_warps: tuple[int, ...] = ()) -> dict:
     """Exact attention on :data:`LARGE_SHAPES` at the engine's key buckets in programs of each of ``values`` rows
     (``attention_block_m`` replaced for the call; "auto": the launch the grid-size rule picks, and both launches
     forced), each output against the one at 32-row programs (a launch choice must keep every bit); the default
@@ -270,7 +292,12 @@ def large_block_m(values: tuple[int, ...], gen: torch.Generator, warps: tuple[in
     programs of 64 rows and more, also with these warps a program (``ATTN_NUM_WARPS`` replaced; columns
     ``m{rows}w{warps}_*``): a served 17-node tree at C = 64 (68 folded rows) takes two 64-row programs a row and KV
     head, the second holding one query and re-reading the prefix, where one 128-row program would read it once.
-    ``only``: the shapes whose names are listed (all when empty)."""
+    ``only``: the shapes whose names are listed (all when empty). The ``m{rows}`` columns run without extra rows
+    or small last tiles (their meaning before those existed), ``m{rows}s`` with small last tiles
+    (``attention_small_tail``); ``old_us`` is the engine's rule without either; ``extra_warps``: also the
+    engine's rule with extra rows at every call size and launch, in programs of these warps (columns
+    ``x16w{warps}_*``): a served 17-node tree in one program of 64 + 16 rows a row and KV head
+    (``attention_extra``)."""
 
     rule = bi.attention_block_m  # the engine's rule, replaced here by "value rows past min(value, 64) folded rows"
     rows_out = []
@@ -279,17 +306,33 @@ def large_block_m(values: tuple[int, ...], gen: torch.Generator, warps: tuple[in
             continue
         bi.attention_block_m = rule  # the engine's own for "rule" (and the inputs' tail table)
         x = inputs(rows, t, tree, ctx, gen, bucket=True)
+        x["tail"] = engine_tail(x, rows, t)
         row = {"shape": name, "default_us": bench_us(default_call(x)),
-               "rule_block_m": rule(t, HEADS // KV, rows * KV), "rule_us": bench_us(exact_call(x))}
+               "rule_block_m": rule(t, HEADS // KV, rows * KV),
+               "rule_extra": bi.attention_extra(t, HEADS // KV, rows * KV), "rule_us": bench_us(exact_call(x))}
+        kept_extra = (bi.ATTN_EXTRA_ROWS, bi.ATTN_EXTRA_MIN_PER_TILE, bi.ATTN_EXTRA_FUSED, bi.ATTN_EXTRA_WARPS,
+                      bi.ATTN_SMALL_TAIL_ROWS)
+        bi.ATTN_EXTRA_ROWS = bi.ATTN_SMALL_TAIL_ROWS = 0
+        x["tail"] = engine_tail(x, rows, t)
+        row["old_us"] = bench_us(exact_call(x))  # the rule before extra rows and small last tiles
         ref = None
         kept_warps, kept_wide = bi.ATTN_NUM_WARPS, bi.ATTN_WIDE_WARPS
-        runs = [(v, kept_warps, f"m{v}") for v in (32, *[v for v in values if v != 32])]
-        runs += [(v, w, f"m{v}w{w}") for v in values if v >= 64 for w in warps if w != kept_warps]
-        for value, num_warps, name in runs:
-            bi.attention_block_m = (lambda tokens, group, per_tile=1, value=value:
-                                    value if tokens * group > min(value, 64) else rule(tokens, group, per_tile))
+        runs = [(v, kept_warps, f"m{v}", None, 0) for v in (32, *[v for v in values if v != 32])]
+        runs += [(v, kept_warps, f"m{v}s", None, 16) for v in (32, *[v for v in values if v != 32])]
+        runs += [(v, w, f"m{v}w{w}", None, 0) for v in values if v >= 64 for w in warps if w != kept_warps]
+        runs += [(None, kept_warps, f"x16w{w}", w, 0) for w in extra_warps]
+        for value, num_warps, name, x_warps, small in runs:
+            bi.ATTN_SMALL_TAIL_ROWS = small
+            if value is None:  # the engine's rule, extra rows at every call size and launch
+                bi.attention_block_m = rule
+                bi.ATTN_EXTRA_ROWS, bi.ATTN_EXTRA_MIN_PER_TILE, bi.ATTN_EXTRA_FUSED = 16, 1, True
+                bi.ATTN_EXTRA_WARPS = x_warps
+            else:
+                bi.attention_block_m = (lambda tokens, group, per_tile=1, value=value:
+                                        value if tokens * group > min(value, 64) else rule(tokens, group, per_tile))
+                bi.ATTN_EXTRA_ROWS = 0
             bi.ATTN_NUM_WARPS = bi.ATTN_WIDE_WARPS = num_warps  # every program of the call (attention_warps)
-            x["tail"] = bi.tail_chunks(x["anc"], x["positions"], x["start"], HEADS // KV, KV)
+            x["tail"] = engine_tail(x, rows, t)
             for label, launch in (("auto", {}), ("split", {"fused": False}), ("fused", {"fused": True})):
                 fn = exact_call(x, **launch)
                 try:
@@ -301,6 +344,8 @@ def large_block_m(values: tuple[int, ...], gen: torch.Generator, warps: tuple[in
                 except Exception as exc:  # a launch the device refuses (shared memory): recorded
                     row[f"{name}_{label}_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
             bi.ATTN_NUM_WARPS, bi.ATTN_WIDE_WARPS = kept_warps, kept_wide
+        (bi.ATTN_EXTRA_ROWS, bi.ATTN_EXTRA_MIN_PER_TILE, bi.ATTN_EXTRA_FUSED, bi.ATTN_EXTRA_WARPS,
+         bi.ATTN_SMALL_TAIL_ROWS) = kept_extra
         rows_out.append(row)
         print(" | ".join(f"{key}={val}" for key, val in row.items()), flush=True)
     bi.attention_block_m = rule
@@ -335,13 +380,21 @@ def main() -> None:
                     "programs at these row counts instead (attention_block_m), for example 16,32,64")
     ap.add_argument("--large-warps", default=None, help="with --large-block-m: programs of 64 rows and more also "
                     "with these warps each, for example 8")
+    ap.add_argument("--extra-warps", default=None, help="with --large-block-m: also the engine's rule with extra "
+                    "rows (ATTN_EXTRA_ROWS 16) at every call size, in programs of these warps, for example 4,8")
     ap.add_argument("--shapes", default=None, help="with --large-block-m: only these shapes of LARGE_SHAPES, "
                     "comma-separated names (for example 'served tree 17 C=64,chain C=64')")
+    ap.add_argument("--stagger", type=int, default=0, metavar="N",
+                    help="rows start at the context plus 0 to N - 1 positions (row 0 at the context): requests at "
+                         "different lengths, as in the engine's rounds; 0: all at the context")
     ap.add_argument("--cold-l2", type=int, default=0, metavar="MB",
                     help="write this many MB before each timed call and take the writes' time off (bench_us): "
                          "K/V read from memory, as in the engine's rounds, not from the last replay's L2; 0: off")
     args = ap.parse_args()
-    global COLD_L2_BYTES
+    global COLD_L2_BYTES, STAGGER
+    if args.stagger < 0:
+        ap.error(f"--stagger: positions >= 0, got {args.stagger}")
+    STAGGER = args.stagger
     if args.cold_l2 < 0:
         ap.error(f"--cold-l2: megabytes >= 0, got {args.cold_l2}")
     COLD_L2_BYTES = args.cold_l2 * 2**20
@@ -350,6 +403,8 @@ def main() -> None:
             ap.error("--large-warps times the programs of --large-block-m; pass --large-block-m with it")
         if not all(v.isdigit() and int(v) in (1, 2, 4, 8, 16) for v in args.large_warps.split(",")):
             ap.error(f"--large-warps: warps among 1, 2, 4, 8, 16, got {args.large_warps}")
+    if args.extra_warps is not None and args.large_block_m is None:
+        ap.error("--extra-warps times programs beside those of --large-block-m; pass --large-block-m with it")
     if args.shapes is not None and args.large_block_m is None:
         ap.error("--shapes picks shapes of --large-block-m; pass --large-block-m with it")
     if args.settings is not None and not args.sweep:
@@ -366,11 +421,14 @@ def main() -> None:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         warps = tuple(int(v) for v in args.large_warps.split(",")) if args.large_warps else ()
+        extra_warps = tuple(int(v) for v in args.extra_warps.split(",")) if args.extra_warps else ()
+        if any(v not in (1, 2, 4, 8, 16) for v in extra_warps):
+            ap.error(f"--extra-warps: warps among 1, 2, 4, 8, 16, got {args.extra_warps}")
         only = tuple(v.strip() for v in args.shapes.split(",")) if args.shapes else ()
         unknown = [v for v in only if v not in {shape[0] for shape in LARGE_SHAPES}]
         if unknown:
             ap.error(f"--shapes: {unknown} not among LARGE_SHAPES ({', '.join(s[0] for s in LARGE_SHAPES)})")
-        (out / "exact_attention_large_block_m.json").write_text(json.dumps(large_block_m(values, gen, warps, only),
+        (out / "exact_attention_large_block_m.json").write_text(json.dumps(large_block_m(values, gen, warps, only, extra_warps),
                                                                            indent=1))
         return
     if args.sweep:
