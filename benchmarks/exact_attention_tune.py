@@ -284,7 +284,7 @@ def engine_tail(x: dict, rows: int, t: int) -> torch.Tensor:
 
 
 def large_block_m(values: tuple[int, ...], gen: torch.Generator, warps: tuple[int, ...] = (),
-                  only: tuple[str, ...] = (), extra_warps: tuple[int, ...] = ()) -> dict:
+                  only: tuple[str, ...] = ()) -> dict:
     """Exact attention on :data:`LARGE_SHAPES` at the engine's key buckets in programs of each of ``values`` rows
     (``attention_block_m`` replaced for the call; "auto": the launch the grid-size rule picks, and both launches
     forced), each output against the one at 32-row programs (a launch choice must keep every bit); the default
@@ -292,12 +292,10 @@ def large_block_m(values: tuple[int, ...], gen: torch.Generator, warps: tuple[in
     programs of 64 rows and more, also with these warps a program (``ATTN_NUM_WARPS`` replaced; columns
     ``m{rows}w{warps}_*``): a served 17-node tree at C = 64 (68 folded rows) takes two 64-row programs a row and KV
     head, the second holding one query and re-reading the prefix, where one 128-row program would read it once.
-    ``only``: the shapes whose names are listed (all when empty). The ``m{rows}`` columns run without extra rows
-    or small last tiles (their meaning before those existed), ``m{rows}s`` with small last tiles
-    (``attention_small_tail``); ``old_us`` is the engine's rule without either; ``extra_warps``: also the
-    engine's rule with extra rows at every call size and launch, in programs of these warps (columns
-    ``x16w{warps}_*``): a served 17-node tree in one program of 64 + 16 rows a row and KV head
-    (``attention_extra``)."""
+    ``only``: the shapes whose names are listed (all when empty). The ``m{rows}`` columns run without small last
+    tiles (their meaning before those existed), ``m{rows}s`` with them (``attention_small_tail``); ``old_us`` is
+    the engine's rule without them. (Calls I-K of 2026-12-06 also timed extra rows, one program of 64 + 16 rows
+    for a 17-node tree, columns ``x16w{warps}_*``, at git 81d089b; removed after.)"""
 
     rule = bi.attention_block_m  # the engine's rule, replaced here by "value rows past min(value, 64) folded rows"
     rows_out = []
@@ -308,29 +306,20 @@ def large_block_m(values: tuple[int, ...], gen: torch.Generator, warps: tuple[in
         x = inputs(rows, t, tree, ctx, gen, bucket=True)
         x["tail"] = engine_tail(x, rows, t)
         row = {"shape": name, "default_us": bench_us(default_call(x)),
-               "rule_block_m": rule(t, HEADS // KV, rows * KV),
-               "rule_extra": bi.attention_extra(t, HEADS // KV, rows * KV), "rule_us": bench_us(exact_call(x))}
-        kept_extra = (bi.ATTN_EXTRA_ROWS, bi.ATTN_EXTRA_MIN_PER_TILE, bi.ATTN_EXTRA_FUSED, bi.ATTN_EXTRA_WARPS,
-                      bi.ATTN_SMALL_TAIL_ROWS)
-        bi.ATTN_EXTRA_ROWS = bi.ATTN_SMALL_TAIL_ROWS = 0
+               "rule_block_m": rule(t, HEADS // KV, rows * KV), "rule_us": bench_us(exact_call(x))}
+        kept_small = bi.ATTN_SMALL_TAIL_ROWS
+        bi.ATTN_SMALL_TAIL_ROWS = 0
         x["tail"] = engine_tail(x, rows, t)
-        row["old_us"] = bench_us(exact_call(x))  # the rule before extra rows and small last tiles
+        row["old_us"] = bench_us(exact_call(x))  # the rule before small last tiles
         ref = None
         kept_warps, kept_wide = bi.ATTN_NUM_WARPS, bi.ATTN_WIDE_WARPS
-        runs = [(v, kept_warps, f"m{v}", None, 0) for v in (32, *[v for v in values if v != 32])]
-        runs += [(v, kept_warps, f"m{v}s", None, 16) for v in (32, *[v for v in values if v != 32])]
-        runs += [(v, w, f"m{v}w{w}", None, 0) for v in values if v >= 64 for w in warps if w != kept_warps]
-        runs += [(None, kept_warps, f"x16w{w}", w, 0) for w in extra_warps]
-        for value, num_warps, name, x_warps, small in runs:
+        runs = [(v, kept_warps, f"m{v}", 0) for v in (32, *[v for v in values if v != 32])]
+        runs += [(v, kept_warps, f"m{v}s", 16) for v in (32, *[v for v in values if v != 32])]
+        runs += [(v, w, f"m{v}w{w}", 0) for v in values if v >= 64 for w in warps if w != kept_warps]
+        for value, num_warps, name, small in runs:
             bi.ATTN_SMALL_TAIL_ROWS = small
-            if value is None:  # the engine's rule, extra rows at every call size and launch
-                bi.attention_block_m = rule
-                bi.ATTN_EXTRA_ROWS, bi.ATTN_EXTRA_MIN_PER_TILE, bi.ATTN_EXTRA_FUSED = 16, 1, True
-                bi.ATTN_EXTRA_WARPS = x_warps
-            else:
-                bi.attention_block_m = (lambda tokens, group, per_tile=1, value=value:
-                                        value if tokens * group > min(value, 64) else rule(tokens, group, per_tile))
-                bi.ATTN_EXTRA_ROWS = 0
+            bi.attention_block_m = (lambda tokens, group, per_tile=1, value=value:
+                                    value if tokens * group > min(value, 64) else rule(tokens, group, per_tile))
             bi.ATTN_NUM_WARPS = bi.ATTN_WIDE_WARPS = num_warps  # every program of the call (attention_warps)
             x["tail"] = engine_tail(x, rows, t)
             for label, launch in (("auto", {}), ("split", {"fused": False}), ("fused", {"fused": True})):
@@ -344,8 +333,7 @@ def large_block_m(values: tuple[int, ...], gen: torch.Generator, warps: tuple[in
                 except Exception as exc:  # a launch the device refuses (shared memory): recorded
                     row[f"{name}_{label}_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
             bi.ATTN_NUM_WARPS, bi.ATTN_WIDE_WARPS = kept_warps, kept_wide
-        (bi.ATTN_EXTRA_ROWS, bi.ATTN_EXTRA_MIN_PER_TILE, bi.ATTN_EXTRA_FUSED, bi.ATTN_EXTRA_WARPS,
-         bi.ATTN_SMALL_TAIL_ROWS) = kept_extra
+        bi.ATTN_SMALL_TAIL_ROWS = kept_small
         rows_out.append(row)
         print(" | ".join(f"{key}={val}" for key, val in row.items()), flush=True)
     bi.attention_block_m = rule
@@ -380,8 +368,6 @@ def main() -> None:
                     "programs at these row counts instead (attention_block_m), for example 16,32,64")
     ap.add_argument("--large-warps", default=None, help="with --large-block-m: programs of 64 rows and more also "
                     "with these warps each, for example 8")
-    ap.add_argument("--extra-warps", default=None, help="with --large-block-m: also the engine's rule with extra "
-                    "rows (ATTN_EXTRA_ROWS 16) at every call size, in programs of these warps, for example 4,8")
     ap.add_argument("--shapes", default=None, help="with --large-block-m: only these shapes of LARGE_SHAPES, "
                     "comma-separated names (for example 'served tree 17 C=64,chain C=64')")
     ap.add_argument("--stagger", type=int, default=0, metavar="N",
@@ -403,8 +389,6 @@ def main() -> None:
             ap.error("--large-warps times the programs of --large-block-m; pass --large-block-m with it")
         if not all(v.isdigit() and int(v) in (1, 2, 4, 8, 16) for v in args.large_warps.split(",")):
             ap.error(f"--large-warps: warps among 1, 2, 4, 8, 16, got {args.large_warps}")
-    if args.extra_warps is not None and args.large_block_m is None:
-        ap.error("--extra-warps times programs beside those of --large-block-m; pass --large-block-m with it")
     if args.shapes is not None and args.large_block_m is None:
         ap.error("--shapes picks shapes of --large-block-m; pass --large-block-m with it")
     if args.settings is not None and not args.sweep:
@@ -421,14 +405,11 @@ def main() -> None:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         warps = tuple(int(v) for v in args.large_warps.split(",")) if args.large_warps else ()
-        extra_warps = tuple(int(v) for v in args.extra_warps.split(",")) if args.extra_warps else ()
-        if any(v not in (1, 2, 4, 8, 16) for v in extra_warps):
-            ap.error(f"--extra-warps: warps among 1, 2, 4, 8, 16, got {args.extra_warps}")
         only = tuple(v.strip() for v in args.shapes.split(",")) if args.shapes else ()
         unknown = [v for v in only if v not in {shape[0] for shape in LARGE_SHAPES}]
         if unknown:
             ap.error(f"--shapes: {unknown} not among LARGE_SHAPES ({', '.join(s[0] for s in LARGE_SHAPES)})")
-        (out / "exact_attention_large_block_m.json").write_text(json.dumps(large_block_m(values, gen, warps, only, extra_warps),
+        (out / "exact_attention_large_block_m.json").write_text(json.dumps(large_block_m(values, gen, warps, only),
                                                                            indent=1))
         return
     if args.sweep:

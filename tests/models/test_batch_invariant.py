@@ -378,7 +378,6 @@ def test_large_tree_programs_give_the_bits_of_small_ones(monkeypatch, large_bloc
     t = len(WIDE)
     args = _wide_tree_call(13, starts=(60, 130), slots=(2, 0))
     q = args[0]
-    monkeypatch.setattr(bi, "ATTN_EXTRA_ROWS", 0)  # else 80 folded rows are one program of 64 + 16
     assert bi.attention_block_m(t, 4, 2 * KV) == bi.ATTN_BLOCK_M  # 80 folded rows: their 64-row grid is small
     small = bi.attention(*args, fused=False)
     small_layout = bi.single_chunks(2, t, 4, q.device, KV)
@@ -398,7 +397,6 @@ def test_wide_programs_give_the_bits_of_small_ones(monkeypatch):
     wide range) launches fused when ATTN_WIDE_FUSED, else split, and gives the bits of 32-row programs."""
     t = len(WIDE)
     args = _wide_tree_call(17, starts=(70, 140), slots=(1, 2))
-    monkeypatch.setattr(bi, "ATTN_EXTRA_ROWS", 0)  # else 80 folded rows are one program of 64 + 16
     small = bi.attention(*args)
     assert bi.attention_block_m(t, 4, 2 * KV) == bi.ATTN_BLOCK_M and not bi.launches_fused(t, 4, 2 * KV)
     monkeypatch.setattr(bi, "ATTN_WIDE_MIN_PER_TILE", 2 * KV)
@@ -427,7 +425,6 @@ def test_small_last_tiles_give_the_bits_of_full_ones(monkeypatch, nodes):
     pos = start[:, None] + depth[None]
     anc, chain = bi.ancestor_map(start, pos, vis.expand(2, nodes, nodes).contiguous())
     args = (q, kc, vc, torch.tensor((2, 0)), start, pos, anc, chain, 256)
-    monkeypatch.setattr(bi, "ATTN_EXTRA_ROWS", 0)
     if nodes > 17:
         monkeypatch.setattr(bi, "ATTN_LARGE_MIN_FOLDED", 64)
         monkeypatch.setattr(bi, "ATTN_FUSED_MIN_PROGRAMS", 1)
@@ -441,58 +438,18 @@ def test_small_last_tiles_give_the_bits_of_full_ones(monkeypatch, nodes):
             assert torch.equal(bi.attention(*args, fused=fused, tail=tail), full), f"fused={fused}"
 
 
-@pytest.mark.parametrize("nodes", [17, 20])
-def test_extra_rows_give_the_bits_of_small_ones(monkeypatch, nodes):
-    """A tree of 17 or 20 nodes at 4 query heads per KV head (68 or 80 folded rows) in one program of 64 rows plus
-    16 extra rows a row and KV head (ATTN_EXTRA_ROWS; the 17-node tree's extra rows partly padding) against 32-row
-    programs, both launches, with the tails grouped and a chunk per query, bf16; and a chain of 18 tokens (72 rows,
-    every tile shared) the same way."""
-    args = list(_wide_tree_call(19, starts=(70, 140), slots=(1, 2)))
-    pos, start = args[5][:, :nodes].contiguous(), args[4]
-    vis, _ = _tree(WIDE[:nodes])
-    anc, chain = bi.ancestor_map(start, pos, vis.expand(2, nodes, nodes).contiguous())
-    args[0], args[5], args[6], args[7] = args[0][:, :, :nodes].contiguous(), pos, anc, chain
-    causal = torch.tril(torch.ones(1, 18, 18, dtype=torch.bool)).expand(2, 18, 18).contiguous()
-    cpos = start[:, None] + torch.arange(18)[None]
-    canc, cchain = bi.ancestor_map(start, cpos, causal)
-    cq = torch.randn(2, KV * 4, 18, D, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
-    cargs = [cq, *args[1:5], cpos, canc, cchain, args[8]]
-    monkeypatch.setattr(bi, "ATTN_EXTRA_ROWS", 0)
-    monkeypatch.setattr(bi, "ATTN_SMALL_TAIL_ROWS", 0)
-    assert bi.attention_block_m(nodes, 4, 2 * KV) == bi.ATTN_BLOCK_M
-    small = bi.attention(*args, fused=False)
-    small_chain = bi.attention(*cargs, fused=False)
-    monkeypatch.setattr(bi, "ATTN_EXTRA_ROWS", 16)
-    monkeypatch.setattr(bi, "ATTN_EXTRA_MIN_PER_TILE", 1)
-    assert bi.attention_block_m(nodes, 4, 2 * KV) == 64 and bi.attention_extra(nodes, 4, 2 * KV) == 16
-    grouped = bi.tail_chunks(anc, pos, start, 4, KV)
-    single = bi.single_chunks(2, nodes, 4, pos.device, KV)
-    assert grouped.shape[1] == 1  # one query tile: every node in one program
-    for fused in (False, True):
-        for tail in (grouped, single):
-            assert torch.equal(bi.attention(*args, fused=fused, tail=tail), small), f"fused={fused}"
-        assert torch.equal(bi.attention(*cargs, fused=fused), small_chain), f"chain, fused={fused}"
-
-
 def test_large_tree_rule():
     # a served 64-node tree at G = 4: 64-row programs where that grid launches fused (C = 8, 8 KV heads), else 32
     assert bi.attention_block_m(64, 4, 8 * 8) == bi.ATTN_LARGE_BLOCK_M == 64
     assert bi.attention_block_m(64, 4, 1 * 8) == bi.ATTN_BLOCK_M
     assert bi.attention_block_m(32, 4, 8 * 8) == bi.ATTN_BLOCK_M  # 128 folded rows at C = 8: the grid is small
-    # a served 17-node tree (68 folded rows): at C = 8 and 16 one program of 64 + 16 rows a row and KV head (split
-    # launch); at C = 1 three 32-row programs and at C = 32-64 two 64-row ones (fused), the last a 16-row program
-    for per_tile in (8 * 8, 16 * 8):
-        assert bi.attention_block_m(17, 4, per_tile) == 64 and bi.attention_extra(17, 4, per_tile) == 16
-        assert bi.tail_layout(17, 4, per_tile)[0] == 20 and not bi.attention_small_tail(17, 4, per_tile)
-        assert not bi.launches_fused(17, 4, per_tile)
-    for per_tile, block_m in ((1 * 8, 32), (32 * 8, 64), (64 * 8, 64)):
-        assert bi.attention_block_m(17, 4, per_tile) == block_m and bi.attention_extra(17, 4, per_tile) == 0
-        assert bi.attention_small_tail(17, 4, per_tile)
+    # a served 17-node tree (68 folded rows) at C = 64: 64-row programs, two a row and KV head; at C = 8: 32 rows;
+    # either way the last program (one query, 4 rows) a 16-row one
+    assert bi.attention_block_m(17, 4, 64 * 8) == bi.ATTN_LARGE_BLOCK_M
+    assert bi.attention_block_m(17, 4, 8 * 8) == bi.ATTN_BLOCK_M
+    assert all(bi.attention_small_tail(17, 4, per_tile) for per_tile in (1 * 8, 8 * 8, 64 * 8))
     assert not bi.attention_small_tail(16, 4, 64 * 8) and not bi.attention_small_tail(1, 4, 64 * 8)  # one tile
     assert bi.attention_small_tail(33, 4, 64 * 8) and not bi.attention_small_tail(21, 4, 64 * 8)  # 4 and 20 rows left
-    assert bi.attention_extra(21, 4, 8 * 8) == 0 and bi.attention_extra(16, 4, 8 * 8) == 0  # 84 rows; 64 fit
-    assert bi.attention_extra(9, 8, 8 * 8) == 16 and bi.tail_layout(9, 8, 8 * 8)[0] == 10  # G = 8: 2 queries
-    assert bi.attention_extra(3, 32, 8 * 8) == 0  # 96 rows at G = 32: a query's heads do not fit 16 rows
     assert bi.tail_layout(64, 4, 64)[0] == 16 and bi.tail_layout(64, 4, 8)[0] == 8
     # tails grouped where the calls launch fused (chunks one after another in a program), not in the split launch
     assert bi.groups_tails(8, 64, 4, 8) and bi.groups_tails(64, 17, 4, 8)
@@ -650,8 +607,8 @@ def test_wide_tree_node_equals_its_ar_decode():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("parents", [PARENTS, WIDE[:12], WIDE[:17], WIDE],
-                         ids=["7 nodes", "12 nodes (64-row programs)", "17 nodes (64 + 16 rows, 4 of them queries)",
-                              "20 nodes (64 + 16 rows)"])
+                         ids=["7 nodes", "12 nodes (64-row programs)", "17 nodes (a 16-row last program)",
+                              "20 nodes (a 16-row last program)"])
 @pytest.mark.parametrize("start", [100, 1000, 3000])
 def test_gpu_tree_node_equals_its_ar_decode(start, parents):
     PARENTS = parents  # noqa: N806 (the tree under test)
@@ -746,7 +703,8 @@ def test_gpu_descriptor_launches_with_a_bias_and_a_masked_k_tile():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("parents", [None, PARENTS, WIDE[:9], WIDE[:17], WIDE],
-                         ids=["chain of 16", "7 nodes", "9 nodes", "17 nodes (64 + 16 rows)", "20 nodes (64 + 16 rows)"])
+                         ids=["chain of 16", "7 nodes", "9 nodes", "17 nodes (a 16-row last program)",
+                              "20 nodes (three query tiles)"])
 def test_gpu_fused_launch_gives_the_split_launch_bits(parents):
     # 64 rows at starts across split edges (a program's rows past different split counts), launched at the engine's
     # key-length bucket: the fused launch against stored partials and the combine kernel
@@ -774,35 +732,6 @@ def test_gpu_fused_launch_gives_the_split_launch_bits(parents):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("nodes", [17, 20])
-@pytest.mark.parametrize("rows", [1, 8, 64])
-def test_gpu_extra_rows_give_the_bits_without_them(monkeypatch, rows, nodes):
-    # one program of 64 + 16 rows a row and KV head (ATTN_EXTRA_ROWS) against the programs without extra rows, both
-    # launches, the tails grouped and a chunk per query, at the engine's key-length bucket
-    kv, g, d = 8, 4, 128
-    gen = torch.Generator(device="cuda").manual_seed(nodes + rows)
-    vis, depth = _tree(WIDE[:nodes])
-    kc = torch.randn(rows + 1, kv, 4096, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-    vc = torch.randn(kc.shape, device="cuda", dtype=torch.bfloat16, generator=gen)
-    q = torch.randn(rows, kv * g, nodes, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-    start = torch.randint(0, 3000, (rows,), device="cuda", generator=gen)
-    start[0] = 250
-    pos = start[:, None] + depth[None].cuda()
-    anc, chain = bi.ancestor_map(start, pos, vis.cuda().expand(rows, nodes, nodes).contiguous())
-    args = (q, kc, vc, torch.arange(rows, device="cuda"), start, pos, anc, chain, 4096)
-    monkeypatch.setattr(bi, "ATTN_EXTRA_ROWS", 0)
-    ref = bi.attention(*args, fused=False)
-    monkeypatch.setattr(bi, "ATTN_EXTRA_ROWS", 16)
-    monkeypatch.setattr(bi, "ATTN_EXTRA_MIN_PER_TILE", 1)
-    monkeypatch.setattr(bi, "ATTN_EXTRA_FUSED", True)
-    assert bi.attention_extra(nodes, g, rows * kv) == 16
-    for tail in (bi.tail_chunks(anc, pos, start, g, kv), bi.single_chunks(rows, nodes, g, q.device, kv)):
-        for fused in (False, True):
-            assert torch.equal(bi.attention(*args, fused=fused, tail=tail), ref), f"fused={fused}"
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("nodes, rows", [(17, 1), (17, 64), (33, 8), (33, 64)])
 def test_gpu_small_last_tiles_give_the_bits_of_full_ones(monkeypatch, rows, nodes):
     # the last query tile in a 16-row program (ATTN_SMALL_TAIL_ROWS) against full-size programs, both launches, the
@@ -818,7 +747,6 @@ def test_gpu_small_last_tiles_give_the_bits_of_full_ones(monkeypatch, rows, node
     pos = start[:, None] + depth[None].cuda()
     anc, chain = bi.ancestor_map(start, pos, vis.cuda().expand(rows, nodes, nodes).contiguous())
     args = (q, kc, vc, torch.arange(rows, device="cuda"), start, pos, anc, chain, 4096)
-    monkeypatch.setattr(bi, "ATTN_EXTRA_ROWS", 0)
     monkeypatch.setattr(bi, "ATTN_SMALL_TAIL_ROWS", 0)
     ref = bi.attention(*args, fused=False)
     monkeypatch.setattr(bi, "ATTN_SMALL_TAIL_ROWS", 16)

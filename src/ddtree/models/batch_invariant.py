@@ -80,18 +80,12 @@ ATTN_LARGE_MIN_FOLDED = 64
 # of the program; at C = 16 it is faster fused (86 us against 93-95 in 64-row programs), at C = 8 slower (74 fused,
 # 67 split, against 55), and DDTree 16 at C = 8 in the engine took 9-11 % longer exact rounds with them; C = 16 was not
 # priced. Launch choices (the test compares their bits), kept for the tune and the price script.
-# Extra rows: a program of 64 folded rows takes up to ATTN_EXTRA_ROWS more in a second, smaller dot on the same key
-# tiles, so that a tree of 17-20 nodes at G = 4 (65-80 folded rows: DDTree 16's 17) is one program per row and KV
-# head that reads its prefix once, where two 64-row programs read it twice (the second for one query) and one
-# 128-row program computes 128 rows for 68 (attention_extra). 0: off. A launch choice (the test compares its bits).
-ATTN_EXTRA_ROWS = 16
-ATTN_EXTRA_MIN_PER_TILE = 64  # calls of at least this many rows x KV heads take them
-ATTN_EXTRA_FUSED = False  # and only where their grid launches split (attention_fused), unless True
-ATTN_EXTRA_WARPS = 4  # warps of a program with extra rows (attention_warps)
 # Small last tiles: where a call's queries fill several programs and the last holds at most ATTN_SMALL_TAIL_ROWS
 # folded rows (DDTree 16's 17th node at G = 4: 4 rows in a 64- or 32-row program), that program runs as one of
 # ATTN_SMALL_TAIL_ROWS rows (attention_small_tail): the same rows, without the padding rows' dots. 0: off. A launch
-# choice (the tests compare its bits).
+# choice (the tests compare its bits). A served 17-node tree with rows at different lengths (H100, docs/benchmarks.md
+# "Exact mode", 2026-12-06 call K): C = 64 293 against 317 us, C = 8 71 against 73, C = 16 92 against 94, C = 1 the
+# same; DDTree 16's exact verify stage in the engine did not move beyond its spread (call J).
 ATTN_SMALL_TAIL_ROWS = 16
 ATTN_WIDE_BLOCK_M = 128
 ATTN_WIDE_WARPS = 8
@@ -458,8 +452,7 @@ def tail_layout(tokens: int, group: int, per_tile: int = 1) -> tuple[int, int]:
     """(queries per attention program QT, queries per tail chunk) for ``tokens`` new tokens of ``group`` query
     heads per KV head in a call of ``per_tile`` = rows x KV heads programs per query tile: the shape
     :func:`tail_chunks` lays its table out in."""
-    rows = attention_block_m(tokens, group, per_tile) + attention_extra(tokens, group, per_tile)
-    return rows // group, tail_rows(group) // _pow2_at_least(group, 1)
+    return attention_block_m(tokens, group, per_tile) // group, tail_rows(group) // _pow2_at_least(group, 1)
 
 
 def single_chunks(rows: int, tokens: int, group: int, device: torch.device, kv_heads: int = 1) -> Tensor:
@@ -595,15 +588,13 @@ if triton is not None:
         return p, alpha, _dot(p, ones, l_i * alpha[:, None], EMULATE, PRECISION), m_new
 
     @triton.jit
-    def _split_state(q, k_base, v_base, row_ok, pos_row, q_x, ok_x, pos_x, max_pos, split, stride_kp, stride_vp,
-                     scale_log2, offs_d, offs_n, ones, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, SUM_COLS: tl.constexpr,
-                     EXTRA_M: tl.constexpr, EXTRA: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
+    def _split_state(q, k_base, v_base, row_ok, pos_row, max_pos, split, stride_kp, stride_vp, scale_log2, offs_d,
+                     offs_n, ones, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     TILES_PER_SPLIT: tl.constexpr, SUM_COLS: tl.constexpr, EMULATE: tl.constexpr,
+                     PRECISION: tl.constexpr):
         """The online softmax of a program's rows over the key tiles of one split, from zero, in ascending position
-        order -> (m [BLOCK_M] running max, l [BLOCK_M] sum, acc [BLOCK_M, HEAD_DIM] unnormalised, then the same of
-        the extra rows q_x [EXTRA_M] where EXTRA, else the first three again), fp32; the split launch stores it per
-        split (the fused launch, :func:`_fused_program`, does the same arithmetic in one loop). The extra rows
-        (:func:`attention_extra`) take each key tile the program loads in a dot of their own.
+        order -> (m [BLOCK_M] running max, l [BLOCK_M] sum, acc [BLOCK_M, HEAD_DIM] unnormalised), fp32; the split
+        launch stores it per split (the fused launch, :func:`_fused_program`, does the same arithmetic in one loop).
 
         Only for splits whose keys every query of the program reads alike: all of a chain's or a prompt chunk's, a
         tree's wholly below ``start // BLOCK_N``. A tree's splits from there up run one chunk of queries on one path
@@ -611,10 +602,6 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M, SUM_COLS], dtype=tl.float32)
-        if EXTRA:
-            acc_x = tl.zeros([EXTRA_M, HEAD_DIM], dtype=tl.float32)
-            m_x = tl.full([EXTRA_M], float("-inf"), dtype=tl.float32)
-            l_x = tl.zeros([EXTRA_M, SUM_COLS], dtype=tl.float32)
         tile_lo = split * TILES_PER_SPLIT
         for tile in range(tile_lo, tl.minimum(tile_lo + TILES_PER_SPLIT, max_pos // BLOCK_N + 1)):
             j = tile * BLOCK_N + offs_n
@@ -622,12 +609,7 @@ if triton is not None:
             v = _shared_tile(v_base, stride_vp, offs_d, j, max_pos)
             m_i, l_i, acc = _tile_update(q, k, v, (j[None, :] <= pos_row[:, None]) & row_ok[:, None], m_i, l_i, acc,
                                          ones, scale_log2, EMULATE, PRECISION)
-            if EXTRA:
-                m_x, l_x, acc_x = _tile_update(q_x, k, v, (j[None, :] <= pos_x[:, None]) & ok_x[:, None], m_x, l_x,
-                                               acc_x, ones, scale_log2, EMULATE, PRECISION)
-        if not EXTRA:
-            m_x, l_x, acc_x = m_i, l_i, acc
-        return m_i, tl.max(l_i, 1), acc, m_x, tl.max(l_x, 1), acc_x  # l's columns are equal
+        return m_i, tl.max(l_i, 1), acc  # l's columns are equal
 
     @triton.jit
     def _chunk_lanes(q_ptr, pos_ptr, chunk_ptr, r, kv, T, G, stride_qr, stride_qh, stride_qt, offs_d,
@@ -736,7 +718,7 @@ if triton is not None:
         lane = tl.arange(0, TAIL_ROWS)
         lane_ok, t_l, head_l, pos_l, q_g, lead, pos_lead = _chunk_lanes(
             q_ptr, pos_ptr, chunk_ptr, r, kv, T, G, stride_qr, stride_qh, stride_qt, offs_d, TAIL_ROWS, CHUNK)
-        sg = state_ptr + (prog * ROWS + (t_l - pid_q * QT) * G + lane % G) * width  # ROWS = QT x G
+        sg = state_ptr + (prog * ROWS + (t_l - pid_q * QT) * G + lane % G) * width  # ROWS: the launch's rows a program
         acc_g = tl.load(sg[:, None] + offs_d[None, :], mask=lane_ok[:, None], other=0.0)
         acc_run_g = tl.load(sg[:, None] + HEAD_DIM + offs_d[None, :], mask=lane_ok[:, None], other=0.0)
         m_g = tl.load(sg + 2 * HEAD_DIM, mask=lane_ok, other=float("-inf"))
@@ -798,27 +780,24 @@ if triton is not None:
 
     @triton.jit
     def _fused_program(q, k_base, v_base, anc_base, tail_base, pos_ptr, out_ptr, state_ptr, r, t, row_ok, head,
-                       pos_row, q_x, t_x, ok_x, head_x, pos_x, max_pos, all_chain, start, kv, pid_q, pid_rk,
-                       stride_kp, stride_vp, stride_qr, stride_qh, stride_qt, q_ptr, stride_or, stride_oh, stride_ot,
-                       T, G, scale_log2, offs_d, offs_n, ones, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                       QT: tl.constexpr, BLOCK_N: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
-                       SUM_COLS: tl.constexpr, TAIL_ROWS: tl.constexpr, CHUNK: tl.constexpr, EXTRA_M: tl.constexpr,
-                       EXTRA: tl.constexpr, ROWS: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
+                       pos_row, max_pos, all_chain, start, kv, pid_q, pid_rk, stride_kp, stride_vp, stride_qr,
+                       stride_qh, stride_qt, q_ptr, stride_or, stride_oh, stride_ot, T, G, scale_log2, offs_d, offs_n,
+                       ones, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, QT: tl.constexpr,
+                       BLOCK_N: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, SUM_COLS: tl.constexpr,
+                       TAIL_ROWS: tl.constexpr, CHUNK: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
         """The fused launch's program: every split of its rows in one loop over the key tiles, merged in ascending
         order, and the output stored. The bits of the split launch (:func:`_split_state` per split, then the
         combine kernel): the same tile arithmetic (:func:`_tile_update`) from the same zero state at each split's
-        first tile, the same merge (:func:`_merge_split`) in the rows whose position reaches the split. Where EXTRA,
-        the program's extra rows (q_x [EXTRA_M], :func:`attention_extra`) do the same on the same tiles in a dot of
-        their own, and their state follows the BLOCK_M rows' in ``state_ptr`` (ROWS a program: BLOCK_M, plus
-        EXTRA_M where EXTRA).
+        first tile, the same merge (:func:`_merge_split`) in the rows whose position reaches the split.
 
         One loop, not a loop per split: the loads stay software-pipelined across split edges (a loop per split
         drains the pipeline every ATTN_SPLIT_KEYS / ATTN_BLOCK_N tiles). Tiles the program's queries read alike (all
-        of a chain's or a prompt chunk's; below ``start // BLOCK_N`` in a tree) run on all of its rows at once. A
+        of a chain's or a prompt chunk's; below ``start // BLOCK_N`` in a tree) run on all BLOCK_M rows at once. A
         tree's tiles above that, where each query reads its own ancestors, run one chunk of queries on one path at a
         time (:func:`tail_chunks`, :func:`_tail_chunk`) on TAIL_ROWS rows (its members' G heads, padded): the program
-        stores its rows' state to ``state_ptr`` (fp32, exact) and each chunk resumes its members' rows from there, so
-        a tail tile costs one gather and a dot of TAIL_ROWS rows per chunk, not one of BLOCK_M rows per query."""
+        stores its rows' state to ``state_ptr`` (fp32, exact; ROWS a program, the launch's rows, which a small last
+        tile's BLOCK_M is below) and each chunk resumes its members' rows from there, so a tail tile costs one gather
+        and a dot of TAIL_ROWS rows per chunk, not one of BLOCK_M rows per query."""
         TPS: tl.constexpr = TILES_PER_SPLIT
         n_tiles = max_pos // BLOCK_N + 1
         shared_hi = tl.where(all_chain != 0, n_tiles, tl.minimum(n_tiles, start // BLOCK_N))
@@ -828,43 +807,24 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M, SUM_COLS], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        if EXTRA:
-            m_run_x = tl.full([EXTRA_M], float("-inf"), dtype=tl.float32)
-            l_run_x = tl.zeros([EXTRA_M], dtype=tl.float32)
-            acc_run_x = tl.zeros([EXTRA_M, HEAD_DIM], dtype=tl.float32)
-            m_x = tl.full([EXTRA_M], float("-inf"), dtype=tl.float32)
-            l_x = tl.zeros([EXTRA_M, SUM_COLS], dtype=tl.float32)
-            acc_x = tl.zeros([EXTRA_M, HEAD_DIM], dtype=tl.float32)
         for tile in range(0, shared_hi):
             if (tile % TPS == 0) & (tile > 0):  # split tile // TPS - 1 ends here: merge it, start the next from zero
                 m_run, l_run, acc_run, m_i, l_i, acc = _split_edge(tile, row_ok, pos_row, m_run, l_run, acc_run, m_i,
                                                                    l_i, acc, BLOCK_N, TPS)
-                if EXTRA:
-                    m_run_x, l_run_x, acc_run_x, m_x, l_x, acc_x = _split_edge(
-                        tile, ok_x, pos_x, m_run_x, l_run_x, acc_run_x, m_x, l_x, acc_x, BLOCK_N, TPS)
             j = tile * BLOCK_N + offs_n
             k = _shared_tile(k_base, stride_kp, offs_d, j, max_pos)
             v = _shared_tile(v_base, stride_vp, offs_d, j, max_pos)
             m_i, l_i, acc = _tile_update(q, k, v, (j[None, :] <= pos_row[:, None]) & row_ok[:, None], m_i, l_i, acc,
                                          ones, scale_log2, EMULATE, PRECISION)
-            if EXTRA:
-                m_x, l_x, acc_x = _tile_update(q_x, k, v, (j[None, :] <= pos_x[:, None]) & ok_x[:, None], m_x, l_x,
-                                               acc_x, ones, scale_log2, EMULATE, PRECISION)
         if shared_hi == n_tiles:  # no tail: the last split, then the output
             _store_output(out_ptr, r, head, t, row_ok, pos_row, n_tiles, m_run, l_run, acc_run, m_i, l_i, acc,
                           stride_or, stride_oh, stride_ot, offs_d, BLOCK_N, TPS)
-            if EXTRA:
-                _store_output(out_ptr, r, head_x, t_x, ok_x, pos_x, n_tiles, m_run_x, l_run_x, acc_run_x, m_x, l_x,
-                              acc_x, stride_or, stride_oh, stride_ot, offs_d, BLOCK_N, TPS)
         else:
             # state rows [ROWS, 2 * HEAD_DIM + 4] of this program: acc, acc_run, m, l, m_run, l_run
             width = 2 * HEAD_DIM + 4
             prog = (pid_rk * tl.num_programs(0) + pid_q).to(tl.int64)
             _store_state(state_ptr + (prog * ROWS + tl.arange(0, BLOCK_M)) * width, acc, acc_run, m_i, l_i, m_run,
                          l_run, HEAD_DIM)
-            if EXTRA:
-                _store_state(state_ptr + (prog * ROWS + BLOCK_M + tl.arange(0, EXTRA_M)) * width, acc_x, acc_run_x,
-                             m_x, l_x, m_run_x, l_run_x, HEAD_DIM)
             tl.debug_barrier()  # the rows' state is read back by other threads of this program
             for c in range(0, tl.load(tail_base)):
                 _tail_chunk(q_ptr, k_base, v_base, anc_base, pos_ptr, out_ptr, state_ptr, tail_base + 1 + c * (1 + CHUNK),
@@ -885,18 +845,16 @@ if triton is not None:
         q_ptr, k_ptr, v_ptr, slots_ptr, start_ptr, pos_ptr, anc_ptr, chain_ptr, tail_ptr, out_ptr, part_m_ptr,
         part_l_ptr, part_acc_ptr, state_ptr, stride_qr, stride_qh, stride_qt, stride_ks, stride_kh, stride_kp,
         stride_vs, stride_vh, stride_vp, stride_or, stride_oh, stride_ot, pid_q, pid_s, pid_rk, T, G, num_kv,
-        num_splits, scale_log2, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, QT: tl.constexpr,
+        num_splits, scale_log2, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, QT: tl.constexpr,
         BLOCK_N: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, SUM_COLS: tl.constexpr, TAIL_ROWS: tl.constexpr,
-        CHUNK: tl.constexpr, EXTRA_M: tl.constexpr, EXTRA: tl.constexpr, ROWS: tl.constexpr, FUSED: tl.constexpr,
-        EMULATE: tl.constexpr, PRECISION: tl.constexpr,
+        CHUNK: tl.constexpr, FUSED: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
     ):
-        """One program's rows (query tile pid_q, row x KV head pid_rk): split pid_s's state stored as partials, or
-        (FUSED) every split up to the program's last position merged in ascending order and the output stored. In the
-        split launch ``pid_s >= num_splits`` names the query tile's tail chunk ``pid_s - num_splits``
-        (:func:`_chunk_splits`; none for a tile of chains), and the tile's own programs store only the splits wholly
-        below key tile ``start // BLOCK_N`` (split ``start // BLOCK_N // TILES_PER_SPLIT`` on are the chunks') where
-        its queries form a tree. Where EXTRA, the tile's folded rows past BLOCK_M (EXTRA_M of them,
-        :func:`attention_extra`) ride along in a dot of their own (``_x``)."""
+        """One program's rows (query tile pid_q, row x KV head pid_rk; BLOCK_M of them, where the launch's programs
+        have ROWS): split pid_s's state stored as partials, or (FUSED) every split up to the program's last position
+        merged in ascending order and the output stored. In the split launch ``pid_s >= num_splits`` names the query
+        tile's tail chunk ``pid_s - num_splits`` (:func:`_chunk_splits`; none for a tile of chains), and the tile's
+        own programs store only the splits wholly below key tile ``start // BLOCK_N`` (split ``start // BLOCK_N //
+        TILES_PER_SPLIT`` on are the chunks') where its queries form a tree."""
         r = (pid_rk // num_kv).to(tl.int64)
         kv = pid_rk % num_kv
         rows = tl.arange(0, BLOCK_M)
@@ -909,14 +867,6 @@ if triton is not None:
         slot = tl.load(slots_ptr + r)
         start = tl.load(start_ptr + r)
         all_chain = tl.min(tl.load(chain_ptr + r * T + t, mask=row_ok, other=1), 0)
-        if EXTRA:  # rows BLOCK_M .. ROWS - 1 of the tile (BLOCK_M is a multiple of G: whole queries)
-            rows_x = BLOCK_M + tl.arange(0, EXTRA_M)
-            t_x = pid_q * QT + rows_x // G
-            ok_x = (rows_x // G < QT) & (t_x < T)
-            head_x = kv * G + rows_x % G
-            all_chain = tl.minimum(all_chain, tl.min(tl.load(chain_ptr + r * T + t_x, mask=ok_x, other=1), 0))
-        else:  # placeholders, never read
-            t_x, ok_x, head_x = t, row_ok, head
         k_base = k_ptr + slot * stride_ks + kv * stride_kh
         v_base = v_ptr + slot * stride_vs + kv * stride_vh
         anc_base = anc_ptr + r * T * T
@@ -924,13 +874,13 @@ if triton is not None:
         # made in fp32 and cast: Triton 3.6's interpreter has no bf16 constant (``tl.full`` in bf16 fails there)
         ones = tl.full([BLOCK_N, SUM_COLS], 1.0, dtype=tl.float32).to(q_ptr.dtype.element_ty)
         if FUSED:
-            q, pos_row, q_x, pos_x, max_pos = _tile_rows(q_ptr, pos_ptr, r, t, head, row_ok, t_x, head_x, ok_x, T,
-                                                         stride_qr, stride_qh, stride_qt, offs_d, EXTRA)
+            q, pos_row, max_pos = _program_rows(q_ptr, pos_ptr, r, t, head, row_ok, T, stride_qr, stride_qh,
+                                                stride_qt, offs_d)
             _fused_program(q, k_base, v_base, anc_base, tail_base, pos_ptr, out_ptr, state_ptr, r, t, row_ok, head,
-                           pos_row, q_x, t_x, ok_x, head_x, pos_x, max_pos, all_chain, start, kv, pid_q, pid_rk,
-                           stride_kp, stride_vp, stride_qr, stride_qh, stride_qt, q_ptr, stride_or, stride_oh,
-                           stride_ot, T, G, scale_log2, offs_d, offs_n, ones, HEAD_DIM, BLOCK_M, QT, BLOCK_N,
-                           TILES_PER_SPLIT, SUM_COLS, TAIL_ROWS, CHUNK, EXTRA_M, EXTRA, ROWS, EMULATE, PRECISION)
+                           pos_row, max_pos, all_chain, start, kv, pid_q, pid_rk, stride_kp, stride_vp, stride_qr,
+                           stride_qh, stride_qt, q_ptr, stride_or, stride_oh, stride_ot, T, G, scale_log2, offs_d,
+                           offs_n, ones, HEAD_DIM, BLOCK_M, ROWS, QT, BLOCK_N, TILES_PER_SPLIT, SUM_COLS, TAIL_ROWS,
+                           CHUNK, EMULATE, PRECISION)
         elif pid_s >= num_splits:
             if (all_chain == 0) & (pid_s - num_splits < tl.load(tail_base)):
                 _chunk_splits(q_ptr, k_base, v_base, anc_base, pos_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
@@ -938,32 +888,13 @@ if triton is not None:
                               stride_qr, stride_qh, stride_qt, T, G, num_kv, num_splits, scale_log2, offs_d, offs_n,
                               ones, HEAD_DIM, BLOCK_N, TILES_PER_SPLIT, SUM_COLS, TAIL_ROWS, CHUNK, EMULATE, PRECISION)
         elif (all_chain != 0) | (pid_s < (start // BLOCK_N) // TILES_PER_SPLIT):
-            q, pos_row, q_x, pos_x, max_pos = _tile_rows(q_ptr, pos_ptr, r, t, head, row_ok, t_x, head_x, ok_x, T,
-                                                         stride_qr, stride_qh, stride_qt, offs_d, EXTRA)
-            m_i, l_i, acc, m_x, l_x, acc_x = _split_state(
-                q, k_base, v_base, row_ok, pos_row, q_x, ok_x, pos_x, max_pos, pid_s, stride_kp, stride_vp, scale_log2,
-                offs_d, offs_n, ones, HEAD_DIM, BLOCK_M, BLOCK_N, TILES_PER_SPLIT, SUM_COLS, EXTRA_M, EXTRA, EMULATE,
-                PRECISION)
+            q, pos_row, max_pos = _program_rows(q_ptr, pos_ptr, r, t, head, row_ok, T, stride_qr, stride_qh,
+                                                stride_qt, offs_d)
+            m_i, l_i, acc = _split_state(q, k_base, v_base, row_ok, pos_row, max_pos, pid_s, stride_kp, stride_vp,
+                                         scale_log2, offs_d, offs_n, ones, HEAD_DIM, BLOCK_M, BLOCK_N, TILES_PER_SPLIT,
+                                         SUM_COLS, EMULATE, PRECISION)
             _store_partials(part_m_ptr, part_l_ptr, part_acc_ptr, r, t, head, row_ok, m_i, l_i, acc, pid_s, T, G,
                             num_kv, num_splits, offs_d, HEAD_DIM)
-            if EXTRA:
-                _store_partials(part_m_ptr, part_l_ptr, part_acc_ptr, r, t_x, head_x, ok_x, m_x, l_x, acc_x, pid_s, T,
-                                G, num_kv, num_splits, offs_d, HEAD_DIM)
-
-    @triton.jit
-    def _tile_rows(q_ptr, pos_ptr, r, t, head, row_ok, t_x, head_x, ok_x, T, stride_qr, stride_qh, stride_qt, offs_d,
-                   EXTRA: tl.constexpr):
-        """A query tile's rows and, where EXTRA, its extra rows: (q, positions, q_x, positions_x, the tile's last
-        position) (:func:`_program_rows`; without EXTRA, q_x and its positions are q's, never read)."""
-        q, pos_row, max_pos = _program_rows(q_ptr, pos_ptr, r, t, head, row_ok, T, stride_qr, stride_qh, stride_qt,
-                                            offs_d)
-        if EXTRA:
-            q_x, pos_x, max_x = _program_rows(q_ptr, pos_ptr, r, t_x, head_x, ok_x, T, stride_qr, stride_qh,
-                                              stride_qt, offs_d)
-            max_pos = tl.maximum(max_pos, max_x)
-        else:
-            q_x, pos_x = q, pos_row
-        return q, pos_row, q_x, pos_x, max_pos
 
     @triton.jit
     def _store_partials(part_m_ptr, part_l_ptr, part_acc_ptr, r, t, head, row_ok, m_i, l_i, acc, split, T, G, num_kv,
@@ -982,13 +913,13 @@ if triton is not None:
         stride_vs, stride_vh, stride_vp, stride_or, stride_oh, stride_ot, T, G, num_kv, num_splits, scale_log2,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, QT: tl.constexpr, BLOCK_N: tl.constexpr,
         TILES_PER_SPLIT: tl.constexpr, SUM_COLS: tl.constexpr, TAIL_ROWS: tl.constexpr, CHUNK: tl.constexpr,
-        EXTRA_M: tl.constexpr, EXTRA: tl.constexpr, ROWS: tl.constexpr, SMALL_M: tl.constexpr, SMALL: tl.constexpr,
-        FUSED: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
+        SMALL_M: tl.constexpr, SMALL: tl.constexpr, FUSED: tl.constexpr, EMULATE: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):
         """Grid (query tiles, splits + chunk slots (QT where T > 1) or 1 if FUSED, rows x KV heads):
         :func:`_attention_program`. Where SMALL, the last query tile of a call with several runs in a program of
         SMALL_M rows if its rows fit them (:func:`attention_small_tail`): the same rows, each with the same tile
-        arithmetic, without computing the padding rows of a BLOCK_M-row program."""
+        arithmetic, without the padding rows of a BLOCK_M-row program."""
         pid_q = tl.program_id(0)
         if SMALL:
             if (pid_q > 0) & ((T - pid_q * QT) * G <= SMALL_M):
@@ -996,24 +927,22 @@ if triton is not None:
                     q_ptr, k_ptr, v_ptr, slots_ptr, start_ptr, pos_ptr, anc_ptr, chain_ptr, tail_ptr, out_ptr,
                     part_m_ptr, part_l_ptr, part_acc_ptr, state_ptr, stride_qr, stride_qh, stride_qt, stride_ks,
                     stride_kh, stride_kp, stride_vs, stride_vh, stride_vp, stride_or, stride_oh, stride_ot, pid_q,
-                    tl.program_id(1), tl.program_id(2), T, G, num_kv, num_splits, scale_log2, HEAD_DIM, SMALL_M, QT,
-                    BLOCK_N, TILES_PER_SPLIT, SUM_COLS, TAIL_ROWS, CHUNK, EXTRA_M, False, ROWS, FUSED, EMULATE,
-                    PRECISION)
+                    tl.program_id(1), tl.program_id(2), T, G, num_kv, num_splits, scale_log2, HEAD_DIM, SMALL_M,
+                    BLOCK_M, QT, BLOCK_N, TILES_PER_SPLIT, SUM_COLS, TAIL_ROWS, CHUNK, FUSED, EMULATE, PRECISION)
             else:
                 _attention_program(
                     q_ptr, k_ptr, v_ptr, slots_ptr, start_ptr, pos_ptr, anc_ptr, chain_ptr, tail_ptr, out_ptr,
                     part_m_ptr, part_l_ptr, part_acc_ptr, state_ptr, stride_qr, stride_qh, stride_qt, stride_ks,
                     stride_kh, stride_kp, stride_vs, stride_vh, stride_vp, stride_or, stride_oh, stride_ot, pid_q,
-                    tl.program_id(1), tl.program_id(2), T, G, num_kv, num_splits, scale_log2, HEAD_DIM, BLOCK_M, QT,
-                    BLOCK_N, TILES_PER_SPLIT, SUM_COLS, TAIL_ROWS, CHUNK, EXTRA_M, EXTRA, ROWS, FUSED, EMULATE,
-                    PRECISION)
+                    tl.program_id(1), tl.program_id(2), T, G, num_kv, num_splits, scale_log2, HEAD_DIM, BLOCK_M,
+                    BLOCK_M, QT, BLOCK_N, TILES_PER_SPLIT, SUM_COLS, TAIL_ROWS, CHUNK, FUSED, EMULATE, PRECISION)
         else:
             _attention_program(
                 q_ptr, k_ptr, v_ptr, slots_ptr, start_ptr, pos_ptr, anc_ptr, chain_ptr, tail_ptr, out_ptr, part_m_ptr,
                 part_l_ptr, part_acc_ptr, state_ptr, stride_qr, stride_qh, stride_qt, stride_ks, stride_kh, stride_kp,
                 stride_vs, stride_vh, stride_vp, stride_or, stride_oh, stride_ot, pid_q, tl.program_id(1),
-                tl.program_id(2), T, G, num_kv, num_splits, scale_log2, HEAD_DIM, BLOCK_M, QT, BLOCK_N,
-                TILES_PER_SPLIT, SUM_COLS, TAIL_ROWS, CHUNK, EXTRA_M, EXTRA, ROWS, FUSED, EMULATE, PRECISION)
+                tl.program_id(2), T, G, num_kv, num_splits, scale_log2, HEAD_DIM, BLOCK_M, BLOCK_M, QT, BLOCK_N,
+                TILES_PER_SPLIT, SUM_COLS, TAIL_ROWS, CHUNK, FUSED, EMULATE, PRECISION)
 
     @triton.jit(do_not_specialize=["T"])
     def _attention_combine_kernel(
@@ -1071,7 +1000,7 @@ def attention_block_m(tokens: int, group: int, per_tile: int = 1) -> int:
     folded = tokens * group
     if folded <= ATTN_BLOCK_M:
         return ATTN_BLOCK_M
-    if folded <= 64 or _extra_fits(tokens, group, per_tile, 64):
+    if folded <= 64:
         return 64
     if folded <= ATTN_WIDE_BLOCK_M and ATTN_WIDE_MIN_PER_TILE <= per_tile <= ATTN_WIDE_MAX_PER_TILE:
         return ATTN_WIDE_BLOCK_M
@@ -1080,29 +1009,10 @@ def attention_block_m(tokens: int, group: int, per_tile: int = 1) -> int:
     return ATTN_BLOCK_M
 
 
-def _extra_fits(tokens: int, group: int, per_tile: int, block_m: int) -> bool:
-    """Whether the folded rows past one ``block_m``-row program fit its :data:`ATTN_EXTRA_ROWS` extra rows (whole
-    queries of ``group`` heads) in a call of ``per_tile`` rows x KV heads that takes them (at least
-    :data:`ATTN_EXTRA_MIN_PER_TILE`; launching split unless :data:`ATTN_EXTRA_FUSED`)."""
-    folded = tokens * group
-    if not ATTN_EXTRA_ROWS or ATTN_EXTRA_ROWS % group or not block_m < folded <= block_m + ATTN_EXTRA_ROWS:
-        return False
-    return per_tile >= ATTN_EXTRA_MIN_PER_TILE and (ATTN_EXTRA_FUSED or not attention_fused(per_tile))
-
-
-def attention_extra(tokens: int, group: int, per_tile: int = 1) -> int:
-    """Extra rows a program of :func:`attention_block_m` rows takes (0 or :data:`ATTN_EXTRA_ROWS`): where the rows
-    past its block fit them, so the program holds every query of the call (DDTree 16's 17 nodes at G = 4: 64 + 16
-    rows, one program a row and KV head, its prefix read once). They run a dot of their own on the program's key
-    tiles: the same tile arithmetic (:func:`_tile_update`), and a tensor-core dot's row depends on that row and the
-    tile only, so a launch choice, never a bit-fixing one (the CPU and GPU tests compare their bits)."""
-    return ATTN_EXTRA_ROWS if _extra_fits(tokens, group, per_tile, attention_block_m(tokens, group, per_tile)) else 0
-
-
 def attention_small_tail(tokens: int, group: int, per_tile: int = 1) -> bool:
     """Whether a call's last query tile runs in a program of :data:`ATTN_SMALL_TAIL_ROWS` rows: where its
-    queries fill more than one program of :func:`attention_block_m` (+ :func:`attention_extra`) rows and the last
-    holds at most that many folded rows. A launch choice, never a bit-fixing one (a tensor-core dot's row depends on
+    queries fill more than one program of :func:`attention_block_m` rows and the last holds at most that many folded
+    rows. A launch choice, never a bit-fixing one (a tensor-core dot's row depends on
     that row and the tile only)."""
     qt = tail_layout(tokens, group, per_tile)[0]
     return bool(ATTN_SMALL_TAIL_ROWS) and tokens > qt and (tokens - (-(-tokens // qt) - 1) * qt) * group <= \
@@ -1118,13 +1028,10 @@ def launches_fused(tokens: int, group: int, per_tile: int) -> bool:
     return attention_fused(-(-tokens // tail_layout(tokens, group, per_tile)[0]) * per_tile)
 
 
-def attention_warps(block_m: int, extra: int = 0) -> int:
-    """Warps a program of ``block_m`` folded rows (and ``extra`` rows, :func:`attention_extra`) runs:
-    :data:`ATTN_WIDE_WARPS` for wide programs, :data:`ATTN_EXTRA_WARPS` with extra rows, else
+def attention_warps(block_m: int) -> int:
+    """Warps a program of ``block_m`` folded rows runs: :data:`ATTN_WIDE_WARPS` for wide programs, else
     :data:`ATTN_NUM_WARPS`. A launch choice."""
-    if block_m >= ATTN_WIDE_BLOCK_M:
-        return ATTN_WIDE_WARPS
-    return ATTN_EXTRA_WARPS if extra else ATTN_NUM_WARPS
+    return ATTN_WIDE_WARPS if block_m >= ATTN_WIDE_BLOCK_M else ATTN_NUM_WARPS
 
 
 def attention_fused(programs: int) -> bool:
@@ -1186,7 +1093,6 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start:
     if g > ATTN_BLOCK_M:
         raise ConfigError(f"batch_invariant.attention: {g} query heads per KV head exceed {ATTN_BLOCK_M}")
     block_m = attention_block_m(t, g, r * kv)
-    extra = attention_extra(t, g, r * kv)
     qt, chunk = tail_layout(t, g, r * kv)
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -1210,7 +1116,7 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start:
         # which the FUSED kernel never reads or writes (its partial stores are compiled out). A tree's programs park
         # their rows' state in ``state`` for the tail by chunk (_tail_chunk); one token is always a chain.
         part_m = part_l = part_acc = out
-        state = torch.empty((1 if t == 1 else q_tiles * r * kv * (block_m + extra), 2 * d + 4), dtype=torch.float32,
+        state = torch.empty((1 if t == 1 else q_tiles * r * kv * block_m, 2 * d + 4), dtype=torch.float32,
                             device=q.device)
     else:
         part_m = torch.empty((r, t, h, splits), dtype=torch.float32, device=q.device)
@@ -1228,10 +1134,9 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start:
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), out.stride(2),
         t, g, kv, splits, scale_log2,
         HEAD_DIM=d, BLOCK_M=block_m, QT=qt, BLOCK_N=ATTN_BLOCK_N, TILES_PER_SPLIT=split_keys // ATTN_BLOCK_N,
-        SUM_COLS=ATTN_SUM_COLS, TAIL_ROWS=tail_rows(g), CHUNK=chunk, EXTRA_M=extra or ATTN_SUM_COLS,
-        EXTRA=extra > 0, ROWS=block_m + extra, SMALL_M=ATTN_SMALL_TAIL_ROWS or ATTN_SUM_COLS,
+        SUM_COLS=ATTN_SUM_COLS, TAIL_ROWS=tail_rows(g), CHUNK=chunk, SMALL_M=ATTN_SMALL_TAIL_ROWS or ATTN_SUM_COLS,
         SMALL=attention_small_tail(t, g, r * kv), FUSED=fused, EMULATE=INTERPRETED,
-        PRECISION=precision, num_warps=attention_warps(block_m, extra), num_stages=num_stages or attention_stages(fused, t),
+        PRECISION=precision, num_warps=attention_warps(block_m), num_stages=num_stages or attention_stages(fused, t),
     )
     if not fused:
         _attention_combine_kernel[(r * t, h)](
