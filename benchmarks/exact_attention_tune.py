@@ -19,6 +19,7 @@ query over the same keys in position order), checked for each tree shape's first
 
     python benchmarks/exact_attention_tune.py --out $OUT [--ref build/batch_invariant_before.py]     # H200
     python benchmarks/exact_attention_tune.py --out $OUT --bucket    # at the engine's key-length buckets
+    python benchmarks/exact_attention_tune.py --out $OUT --bucket --stagger 256   # rows at different lengths
     python benchmarks/exact_attention_tune.py --out $OUT --bucket --cold-l2 256   # K/V from memory (bench_us)
     python benchmarks/exact_attention_tune.py --out $OUT --sweep     # the launch constants, below
 
