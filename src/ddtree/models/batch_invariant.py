@@ -80,6 +80,11 @@ ATTN_LARGE_MIN_FOLDED = 64
 # of the program; at C = 16 it is faster fused (86 us against 93-95 in 64-row programs), at C = 8 slower (74 fused,
 # 67 split, against 55), and DDTree 16 at C = 8 in the engine took 9-11 % longer exact rounds with them; C = 16 was not
 # priced. Launch choices (the test compares their bits), kept for the tune and the price script.
+ATTN_WIDE_BLOCK_M = 128
+ATTN_WIDE_WARPS = 8
+ATTN_WIDE_MIN_PER_TILE = 64
+ATTN_WIDE_MAX_PER_TILE = 0
+ATTN_WIDE_FUSED = True
 # Small last tiles: where a call's queries fill several programs and the last holds at most ATTN_SMALL_TAIL_ROWS
 # folded rows (DDTree 16's 17th node at G = 4: 4 rows in a 64- or 32-row program), that program runs as one of
 # ATTN_SMALL_TAIL_ROWS rows (attention_small_tail): the same rows, without the padding rows' dots. 0: off. A launch
@@ -87,11 +92,6 @@ ATTN_LARGE_MIN_FOLDED = 64
 # "Exact mode", 2026-12-06 call K): C = 64 293 against 317 us, C = 8 71 against 73, C = 16 92 against 94, C = 1 the
 # same; DDTree 16's exact verify stage in the engine did not move beyond its spread (call J).
 ATTN_SMALL_TAIL_ROWS = 16
-ATTN_WIDE_BLOCK_M = 128
-ATTN_WIDE_WARPS = 8
-ATTN_WIDE_MIN_PER_TILE = 64
-ATTN_WIDE_MAX_PER_TILE = 0
-ATTN_WIDE_FUSED = True
 ATTN_SUM_COLS = 16  # columns of the ones matrix the tile's row sums are a dot with (a tensor-core dot's least N)
 ATTN_BLOCK_N = 64  # key positions per tile
 ATTN_SPLIT_KEYS = 256  # key positions per split (a multiple of ATTN_BLOCK_N); 512 served slower (benchmarks.md)
@@ -1010,13 +1010,13 @@ def attention_block_m(tokens: int, group: int, per_tile: int = 1) -> int:
 
 
 def attention_small_tail(tokens: int, group: int, per_tile: int = 1) -> bool:
-    """Whether a call's last query tile runs in a program of :data:`ATTN_SMALL_TAIL_ROWS` rows: where its
-    queries fill more than one program of :func:`attention_block_m` rows and the last holds at most that many folded
-    rows. A launch choice, never a bit-fixing one (a tensor-core dot's row depends on
-    that row and the tile only)."""
+    """Whether a call's last query tile runs in a program of :data:`ATTN_SMALL_TAIL_ROWS` rows: where its queries
+    fill more than one program of :func:`attention_block_m` rows and the last holds at most that many folded rows
+    (the kernel tests the same per program). A launch choice, never a bit-fixing one (a tensor-core dot's row
+    depends on that row and the tile only)."""
     qt = tail_layout(tokens, group, per_tile)[0]
-    return bool(ATTN_SMALL_TAIL_ROWS) and tokens > qt and (tokens - (-(-tokens // qt) - 1) * qt) * group <= \
-        ATTN_SMALL_TAIL_ROWS
+    last = tokens - (-(-tokens // qt) - 1) * qt  # queries in the last tile
+    return bool(ATTN_SMALL_TAIL_ROWS) and tokens > qt and last * group <= ATTN_SMALL_TAIL_ROWS
 
 
 def launches_fused(tokens: int, group: int, per_tile: int) -> bool:
