@@ -921,21 +921,16 @@ if triton is not None:
         SMALL_M rows if its rows fit them (:func:`attention_small_tail`): the same rows, each with the same tile
         arithmetic, without the padding rows of a BLOCK_M-row program."""
         pid_q = tl.program_id(0)
-        if SMALL:
-            if (pid_q > 0) & ((T - pid_q * QT) * G <= SMALL_M):
-                _attention_program(
-                    q_ptr, k_ptr, v_ptr, slots_ptr, start_ptr, pos_ptr, anc_ptr, chain_ptr, tail_ptr, out_ptr,
-                    part_m_ptr, part_l_ptr, part_acc_ptr, state_ptr, stride_qr, stride_qh, stride_qt, stride_ks,
-                    stride_kh, stride_kp, stride_vs, stride_vh, stride_vp, stride_or, stride_oh, stride_ot, pid_q,
-                    tl.program_id(1), tl.program_id(2), T, G, num_kv, num_splits, scale_log2, HEAD_DIM, SMALL_M,
-                    BLOCK_M, QT, BLOCK_N, TILES_PER_SPLIT, SUM_COLS, TAIL_ROWS, CHUNK, FUSED, EMULATE, PRECISION)
-            else:
-                _attention_program(
-                    q_ptr, k_ptr, v_ptr, slots_ptr, start_ptr, pos_ptr, anc_ptr, chain_ptr, tail_ptr, out_ptr,
-                    part_m_ptr, part_l_ptr, part_acc_ptr, state_ptr, stride_qr, stride_qh, stride_qt, stride_ks,
-                    stride_kh, stride_kp, stride_vs, stride_vh, stride_vp, stride_or, stride_oh, stride_ot, pid_q,
-                    tl.program_id(1), tl.program_id(2), T, G, num_kv, num_splits, scale_log2, HEAD_DIM, BLOCK_M,
-                    BLOCK_M, QT, BLOCK_N, TILES_PER_SPLIT, SUM_COLS, TAIL_ROWS, CHUNK, FUSED, EMULATE, PRECISION)
+        small = False
+        if SMALL:  # the call's last tile, where its rows fit SMALL_M (a branch per program, one launch)
+            small = (pid_q > 0) & ((T - pid_q * QT) * G <= SMALL_M)
+        if small:
+            _attention_program(
+                q_ptr, k_ptr, v_ptr, slots_ptr, start_ptr, pos_ptr, anc_ptr, chain_ptr, tail_ptr, out_ptr, part_m_ptr,
+                part_l_ptr, part_acc_ptr, state_ptr, stride_qr, stride_qh, stride_qt, stride_ks, stride_kh, stride_kp,
+                stride_vs, stride_vh, stride_vp, stride_or, stride_oh, stride_ot, pid_q, tl.program_id(1),
+                tl.program_id(2), T, G, num_kv, num_splits, scale_log2, HEAD_DIM, SMALL_M, BLOCK_M, QT, BLOCK_N,
+                TILES_PER_SPLIT, SUM_COLS, TAIL_ROWS, CHUNK, FUSED, EMULATE, PRECISION)
         else:
             _attention_program(
                 q_ptr, k_ptr, v_ptr, slots_ptr, start_ptr, pos_ptr, anc_ptr, chain_ptr, tail_ptr, out_ptr, part_m_ptr,
