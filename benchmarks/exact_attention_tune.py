@@ -276,12 +276,10 @@ LARGE_SHAPES = (  # trees of more than 64 folded rows at G = 4, as served (the e
 )
 
 
-def engine_tail(x: dict, rows: int, t: int) -> torch.Tensor:
-    """The tail table the engine's forward passes for these inputs under the module's rule as it is now: grouped
-    where the calls launch fused (``groups_tails``), else a chunk per query (``exact_forward``)."""
-    if bi.groups_tails(rows, t, HEADS // KV, KV):
-        return bi.tail_chunks(x["anc"], x["positions"], x["start"], HEADS // KV, KV)
-    return bi.single_chunks(rows, t, HEADS // KV, x["q"].device, KV)
+def engine_tail(x: dict) -> torch.Tensor:
+    """The tail table the engine's forward passes for these inputs under the module's rule as it is now
+    (``batch_invariant.forward_tail``, as ``exact_forward`` calls it)."""
+    return bi.forward_tail(x["anc"], x["positions"], x["start"], HEADS // KV, KV)
 
 
 def large_block_m(values: tuple[int, ...], gen: torch.Generator, warps: tuple[int, ...] = (),
@@ -305,12 +303,12 @@ def large_block_m(values: tuple[int, ...], gen: torch.Generator, warps: tuple[in
             continue
         bi.attention_block_m = rule  # the engine's own for "rule" (and the inputs' tail table)
         x = inputs(rows, t, tree, ctx, gen, bucket=True)
-        x["tail"] = engine_tail(x, rows, t)
+        x["tail"] = engine_tail(x)
         row = {"shape": name, "default_us": bench_us(default_call(x)),
                "rule_block_m": rule(t, HEADS // KV, rows * KV), "rule_us": bench_us(exact_call(x))}
         kept_small = bi.ATTN_SMALL_TAIL_ROWS
         bi.ATTN_SMALL_TAIL_ROWS = 0
-        x["tail"] = engine_tail(x, rows, t)
+        x["tail"] = engine_tail(x)
         row["old_us"] = bench_us(exact_call(x))  # the rule before small last tiles
         ref = None
         kept_warps, kept_wide = bi.ATTN_NUM_WARPS, bi.ATTN_WIDE_WARPS
@@ -322,7 +320,7 @@ def large_block_m(values: tuple[int, ...], gen: torch.Generator, warps: tuple[in
             bi.attention_block_m = (lambda tokens, group, per_tile=1, value=value:
                                     value if tokens * group > min(value, 64) else rule(tokens, group, per_tile))
             bi.ATTN_NUM_WARPS = bi.ATTN_WIDE_WARPS = num_warps  # every program of the call (attention_warps)
-            x["tail"] = engine_tail(x, rows, t)
+            x["tail"] = engine_tail(x)
             for label, launch in (("auto", {}), ("split", {"fused": False}), ("fused", {"fused": True})):
                 fn = exact_call(x, **launch)
                 try:

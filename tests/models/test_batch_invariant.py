@@ -438,6 +438,22 @@ def test_small_last_tiles_give_the_bits_of_full_ones(monkeypatch, nodes):
             assert torch.equal(bi.attention(*args, fused=fused, tail=tail), full), f"fused={fused}"
 
 
+def test_forward_tail_is_the_forwards_choice_of_table():
+    # grouped only where the queries branch and the calls launch fused; a chunk per query otherwise
+    vis, depth = _tree(WIDE[:17])
+    for rows in (1, 64):
+        start = torch.arange(rows) * 7 + 100
+        pos = start[:, None] + depth[None]
+        anc, _ = bi.ancestor_map(start, pos, vis.expand(rows, 17, 17).contiguous())
+        grouped = bi.tail_chunks(anc, pos, start, 4, 8)
+        single = bi.single_chunks(rows, 17, 4, pos.device, 8)
+        fused = bi.groups_tails(rows, 17, 4, 8)
+        assert fused == (rows == 64)
+        assert torch.equal(bi.forward_tail(anc, pos, start, 4, 8), grouped if fused else single)
+        assert torch.equal(bi.forward_tail(anc, pos, start, 4, 8, branches=False), single)
+    assert not torch.equal(grouped, single)  # the two tables differ here, so the choice is seen
+
+
 def test_large_tree_rule():
     # a served 64-node tree at G = 4: 64-row programs where that grid launches fused (C = 8, 8 KV heads), else 32
     assert bi.attention_block_m(64, 4, 8 * 8) == bi.ATTN_LARGE_BLOCK_M == 64

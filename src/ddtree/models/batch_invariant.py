@@ -472,6 +472,19 @@ def single_chunks(rows: int, tokens: int, group: int, device: torch.device, kv_h
     return table.expand(rows, p, width).contiguous()
 
 
+def forward_tail(anc: Tensor, positions: Tensor, start: Tensor, group: int, kv_heads: int,
+                 branches: bool = True) -> Tensor:
+    """The tail table a forward passes to every layer's :func:`attention`: grouped (:func:`tail_chunks`) where
+    its queries branch and its calls launch fused (:func:`groups_tails`), else a chunk per query
+    (:func:`single_chunks`): a forward without branches (prefill chunks, chains, AR) has no tree query to group, and
+    the split launch runs each query's chunk side by side. Arguments as :func:`tail_chunks`'; ``branches``:
+    whether any query's visibility branches (``TreeVisibility.branches``)."""
+    r, t = positions.shape
+    if branches and groups_tails(r, t, group, kv_heads):
+        return tail_chunks(anc, positions, start, group, kv_heads)
+    return single_chunks(r, t, group, positions.device, kv_heads)
+
+
 def tail_chunks(anc: Tensor, positions: Tensor, start: Tensor, group: int, kv_heads: int = 1) -> Tensor:
     """Which queries of each attention program share the gathered K/V tiles above ``start`` (``tail [R, P, 1 + QT x
     (1 + C)]`` int32, P query tiles of QT queries, C = :func:`tail_layout`'s chunk size): per program the number

@@ -168,16 +168,12 @@ def attender(target, cache: KVCache, slots: Tensor, write_pos: Tensor, positions
     ops = _Ops(triton)
     start, kv_len = visibility.start, visibility.kv_len
     anc, chain = bi.ancestor_map(start, positions, visibility.new_vis)
-    # which queries share a gathered tile above start: once here for every layer's attention (Triton only); a
-    # forward without branches (prefill chunks, chains, AR) has no tree query to group, and one whose calls take
-    # the split launch runs each query's chunk side by side (bi.groups_tails): a chunk each, fewer ops
+    # which queries share a gathered tile above start: once here for every layer's attention (Triton only)
     c = target.config
-    group = c.num_heads // c.num_kv_heads
     tail = None
     if triton:
-        grouped = visibility.branches and bi.groups_tails(*positions.shape, group, c.num_kv_heads)
-        tail = (bi.tail_chunks(anc, positions, start, group, c.num_kv_heads) if grouped
-                else bi.single_chunks(*positions.shape, group, positions.device, c.num_kv_heads))
+        tail = bi.forward_tail(anc, positions, start, c.num_heads // c.num_kv_heads, c.num_kv_heads,
+                               visibility.branches)
 
     def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         ops.write_kv(cache, layer, slots, write_pos, k, v)
