@@ -1,8 +1,10 @@
 """Exact mode's start-up check (ddtree.engine.exact_check, ddtree.models.exact_blas): the row counts a target
-forward can run, and the check that sends a weight to cuBLAS only if its rows never change with the row count.
+forward can run, and the check that sends a weight to cuBLAS only if its rows never change with the row count
+(plain, or with small calls padded to a row count from which they no longer change).
 
 References: hand-counted row counts of a small configuration; matmuls built to be row-invariant (one row at a
-time) or not (a split-K that starts at 9 rows, as cuBLAS's down projection does on the H200).
+time) or not (a split-K that starts at 9 rows, as cuBLAS's down projection does on the H200, and one that changes
+again at 40 rows).
 """
 
 from __future__ import annotations
@@ -49,15 +51,58 @@ def test_check_finds_the_first_changing_row_count_and_trusts_only_passing_shapes
     weights = {"a": (torch.randn(24, 64, generator=gen), None),
                "b": (torch.randn(40, 64, generator=gen), torch.randn(40, generator=gen))}
     counts = [1, 2, 8, 9, 17, 300]
-    bad = exact_blas.check_row_invariance(weights, counts, distinct_rows=5, matmul=_split_from_9)
+    bad = exact_blas.check_row_invariance(weights, counts, distinct_rows=5, matmul=_split_from_9, pads=())
     assert bad.first_failing == {"a": 9, "b": 9}
     assert bad.trusted == ()
     good = exact_blas.check_row_invariance(weights, counts, distinct_rows=5, matmul=_rows_alone)
-    assert good.first_failing == {"a": None, "b": None}
-    assert good.trusted == ((24, 64), (40, 64))
+    assert good.first_failing == {"a": None, "b": None} and good.pad_rows == {}
+    assert good.trusted == ((24, 64, 1), (40, 64, 1))
     info = good.describe()
     assert info["cublas"] == ["a", "b"] and info["row_counts_checked"] == 6 and info["max_rows"] == 300
     assert "rows differ from 9 rows" in bad.describe()["triton"]["a"]
+
+
+def _split_from_9_and_40(x, w, b=None):
+    """Halves of K added from 9 rows, quarters from 40: a second change of reduction further up."""
+    if x.shape[0] < 40:
+        return _split_from_9(x, w, b)
+    k = x.shape[1] // 4
+    out = sum(_rows_alone(x[:, i * k:(i + 1) * k], w[:, i * k:(i + 1) * k]) for i in range(4))
+    return out if b is None else out + b
+
+
+def test_a_failing_weight_passes_padded_to_the_first_pad_past_its_last_change():
+    gen = torch.Generator().manual_seed(5)
+    weights = {"a": (torch.randn(24, 64, generator=gen), torch.randn(24, generator=gen))}
+    counts = [1, 2, 8, 9, 17, 33, 40, 64, 300]
+    once = exact_blas.check_row_invariance(weights, counts, distinct_rows=5, matmul=_split_from_9)
+    assert once.first_failing == {"a": 9} and once.pad_rows == {"a": 16}  # every call of 16+ rows: the halves
+    assert once.trusted == ((24, 64, 16),)
+    assert "padded to 16 rows" in once.describe()["cublas_padded"]["a"] and once.describe()["triton"] == {}
+    twice = exact_blas.check_row_invariance(weights, counts, distinct_rows=5, matmul=_split_from_9_and_40,
+                                            pads=(32, 16, 64))
+    assert twice.first_failing == {"a": 9} and twice.pad_rows == {"a": 64}  # 16 and 32 still see the change at 40
+    never = exact_blas.check_row_invariance(weights, counts, distinct_rows=5, matmul=_split_from_9_and_40,
+                                            pads=(16, 32))
+    assert never.pad_rows == {} and never.trusted == ()
+    assert "rows differ from 9 rows" in never.describe()["triton"]["a"]
+
+
+def test_linear_padded_runs_one_call_of_at_least_the_pad():
+    seen = []
+
+    def recorder(x, w, b=None):
+        seen.append(tuple(x.shape))
+        return F.linear(x, w, b)
+
+    gen = torch.Generator().manual_seed(6)
+    w, b = torch.randn(8, 16, generator=gen), torch.randn(8, generator=gen)
+    x = torch.randn(2, 3, 16, generator=gen)
+    out = exact_blas.linear_padded(x, w, b, 16, matmul=recorder)
+    assert seen == [(16, 16)] and out.shape == (2, 3, 8)
+    assert torch.equal(out, recorder(torch.cat([x.reshape(6, 16), torch.zeros(10, 16)]), w, b)[:6].reshape(2, 3, 8))
+    exact_blas.linear_padded(x, w, b, 4, matmul=recorder)  # 6 rows >= 4: no padding
+    assert seen[-1] == (6, 16)
 
 
 @pytest.mark.parametrize("row", [-1, 12, 0])
@@ -98,11 +143,15 @@ def test_a_shape_shared_by_a_failing_weight_is_not_trusted():
             seen.append(weight)
         return _rows_alone(x, weight, b) if weight is seen[0] else _split_from_9(x, weight, b)
 
-    check = exact_blas.check_row_invariance({"first": (w, None), "second": (w.clone(), None)}, [1, 16], matmul=flaky,
-                                            distinct_rows=4)
+    pair = {"first": (w, None), "second": (w.clone(), None)}
+    check = exact_blas.check_row_invariance(pair, [1, 16], matmul=flaky, distinct_rows=4, pads=())
     assert all(not torch.equal(v, w) for v in seen)  # random weights of the shape, not the model's own values
     assert check.first_failing == {"first": None, "second": 16}
     assert check.trusted == ()
+    # padded, the second passes at 16: the shape goes to cuBLAS at the larger pad of its two weights
+    seen.clear()
+    padded = exact_blas.check_row_invariance(pair, [1, 16, 20], matmul=flaky, distinct_rows=4, pads=(16,))
+    assert padded.pad_rows == {"second": 16} and padded.trusted == ((16, 32, 16),)
 
 
 def test_engine_info_reports_exact_mode(tiny_engine_factory):
@@ -114,12 +163,17 @@ def test_engine_info_reports_exact_mode(tiny_engine_factory):
 def test_exact_forward_sends_only_trusted_shapes_to_torch(monkeypatch):
     from ddtree.models import exact_forward
 
-    calls = []
+    calls, pads = [], []
     monkeypatch.setattr(exact_forward.bi, "linear", lambda x, w, b=None: calls.append(tuple(w.shape)) or x @ w.T)
-    ops = exact_forward._Ops(triton=True, blas=frozenset({(24, 16)}))
+    padded = exact_blas.linear_padded
+    monkeypatch.setattr(exact_forward.exact_blas, "linear_padded",
+                        lambda x, w, b, rows: pads.append((tuple(w.shape), rows)) or padded(x, w, b, rows))
+    ops = exact_forward._Ops(triton=True, blas=((24, 16, 1), (12, 16, 8)))
     x = torch.randn(3, 16)
-    trusted, other = torch.randn(24, 16), torch.randn(8, 16)
+    trusted, small, other = torch.randn(24, 16), torch.randn(12, 16), torch.randn(8, 16)
     assert torch.equal(ops.linear(x, trusted), F.linear(x, trusted))  # torch's matmul, as the check measured it
+    ops.linear(x, small)
+    assert pads == [((24, 16), 1), ((12, 16), 8)]  # each trusted shape at its pad
     ops.linear(x, other)
     assert calls == [(8, 16)]  # the rest through the Triton kernel
 

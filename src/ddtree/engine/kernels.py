@@ -49,9 +49,10 @@ class KernelSet:
     # attention, models.batch_invariant) from the tree visibility, so tree_attention is on too (no dense mask); Triton
     # kernels where they can run, else the one-row-at-a-time torch path. The drafter is unaffected.
     exact: bool = False
-    # Exact mode's weights (N, K) that torch's cuBLAS computed row-invariantly at every row count this engine runs,
-    # measured at build (models.exact_blas; CUDA only): those go to cuBLAS, every other matmul to the Triton kernel.
-    exact_blas: tuple[tuple[int, int], ...] = ()
+    # Exact mode's weights (N, K, pad) that torch's cuBLAS computed row-invariantly at every row count this engine
+    # runs, calls of fewer rows padded to pad (1: none), measured at build (models.exact_blas; CUDA only): those go
+    # to cuBLAS, every other matmul to the Triton kernel.
+    exact_blas: tuple[tuple[int, int, int], ...] = ()
 
     @classmethod
     def torch(cls, *, blas_rule: bool = True) -> KernelSet:

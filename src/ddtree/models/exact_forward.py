@@ -54,18 +54,20 @@ def layer_weights(layer: DecoderLayer) -> dict[str, tuple[Tensor, Tensor | None]
 
 class _Ops:
     """The per-op choice of one exact forward: Triton kernels (``triton``) or the torch path one row at a time;
-    ``blas``: the (N, K) weight shapes whose torch matmul the engine measured row-invariant at every row count it
-    runs (:mod:`ddtree.models.exact_blas`), which go to cuBLAS instead of the Triton matmul."""
+    ``blas``: (N, K, pad) of the weight shapes whose torch matmul the engine measured row-invariant at every row
+    count it runs, calls of fewer than ``pad`` rows padded to it (:mod:`ddtree.models.exact_blas`), which go to
+    cuBLAS instead of the Triton matmul."""
 
-    def __init__(self, triton: bool, blas: frozenset[tuple[int, int]] = frozenset()) -> None:
+    def __init__(self, triton: bool, blas: tuple[tuple[int, int, int], ...] = ()) -> None:
         self.triton = triton
-        self.blas = blas
+        self.blas = {(n, k): pad for n, k, pad in blas}
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         if not self.triton:
             return bi.linear_rows(x, weight, bias)
-        if (weight.shape[0], weight.shape[1]) in self.blas:
-            return F.linear(x.contiguous(), weight, bias)  # the layout the start-up check measured
+        pad = self.blas.get((weight.shape[0], weight.shape[1]))
+        if pad is not None:  # one 2-D call of at least pad rows: the layout the start-up check measured
+            return exact_blas.linear_padded(x, weight, bias, pad)
         return bi.linear(x, weight, bias)
 
     def norm(self, x: Tensor, norm: RMSNorm) -> Tensor:
@@ -139,7 +141,7 @@ def _layer(layer: DecoderLayer, h: Tensor, cos: Tensor, sin: Tensor, ops: _Ops, 
 @torch.inference_mode()
 def forward(target, input_ids: Tensor, positions: Tensor, cache: KVCache, slots: Tensor, write_pos: Tensor,
             visibility: TreeVisibility, logits_at: Tensor | None, hidden_layers: tuple[int, ...], *,
-            triton: bool, blas: tuple[tuple[int, int], ...] = (), head: bool = True):
+            triton: bool, blas: tuple[tuple[int, int, int], ...] = (), head: bool = True):
     """:meth:`ddtree.models.target.TargetModel.forward`'s contract in exact mode -> its ``TargetOutput`` (logits
     [R, N, V] or None, hidden [R, T, len(hidden_layers) * hidden] or None; with ``head`` False the normed states
     instead of the logits, :func:`head_logits` gives them). ``visibility`` must be a :class:`TreeVisibility` (the new
@@ -183,10 +185,10 @@ def attender(target, cache: KVCache, slots: Tensor, write_pos: Tensor, positions
 
 
 def run(target, input_ids: Tensor, positions: Tensor, attend, logits_at: Tensor | None,
-        hidden_layers: tuple[int, ...], *, triton: bool, blas: tuple[tuple[int, int], ...] = (), head: bool = True):
+        hidden_layers: tuple[int, ...], *, triton: bool, blas: tuple[tuple[int, int, int], ...] = (), head: bool = True):
     """The target's layers in exact mode with ``attend`` as their attention (:func:`attender`, or a segmented
     forward's, :meth:`ddtree.models.target.TargetModel.forward_segments`) -> its ``TargetOutput``."""
-    ops = _Ops(triton, frozenset(blas))
+    ops = _Ops(triton, blas)
     weight = _head_weight(target)
     with exact_blas.pinned_blas(input_ids.device) if blas else contextlib.nullcontext():  # the library it checked
         return target.run_layers(input_ids, positions,
@@ -200,9 +202,9 @@ def _head_weight(target) -> Tensor:
 
 
 @torch.inference_mode()
-def head_logits(target, normed: Tensor, *, triton: bool, blas: tuple[tuple[int, int], ...] = ()) -> Tensor:
+def head_logits(target, normed: Tensor, *, triton: bool, blas: tuple[tuple[int, int, int], ...] = ()) -> Tensor:
     """Exact mode's head over a ``head=False`` forward's ``normed [R, N, H]`` -> logits ``[R, N, V]``, the same
     bits as the forward's own head (the same op and library choice)."""
-    ops = _Ops(triton, frozenset(blas))
+    ops = _Ops(triton, blas)
     with exact_blas.pinned_blas(normed.device) if blas else contextlib.nullcontext():
         return ops.linear(normed, _head_weight(target))
