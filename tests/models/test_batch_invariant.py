@@ -85,6 +85,42 @@ def test_linear_launches_give_the_same_bits(dtype, k):
         assert not torch.equal(other, bi.linear(x, w, None, tiles=tiles))
 
 
+def test_whole_waves_split_only_past_a_wave_with_a_rest_of_its_own_launch():
+    # Qwen3-8B's down on 132 SMs: 16 column tiles of 256 a row tile of 128 -> 8 row tiles (1024 rows) a wave
+    n, k, wave = 4096, 12288, 128 * (132 // 16)
+    assert bi.matmul_launch(n, k, 1088) == bi.MATMUL_WIDE_LAUNCH
+    assert bi._whole_waves(n, k, 1088, True, wave) == 1024  # DDTree 16 at 64 in flight: 1024 wide + 64 apart
+    assert bi._whole_waves(n, k, 1024 + 640, True, wave) == 1024  # a rest the flat 64-row launch takes
+    assert bi._whole_waves(n, k, 1024 + 641, True, wave) == 0  # a rest that is wide itself: one launch
+    assert bi._whole_waves(n, k, 2048, True, wave) == 0  # whole waves only
+    assert bi._whole_waves(n, k, 1000, True, wave) == 0  # one wave or less
+    assert bi._whole_waves(n, k, 1088, True, 0) == 0  # off CUDA
+    assert bi.matmul_wave_rows(n, k, torch.device("cpu")) == 0
+
+
+def test_linear_split_into_whole_waves_gives_the_same_bits(monkeypatch):
+    # the whole waves' rows and the rest in two launches writing two slices of one output: every row as in one
+    # launch (a small table here, so the interpreter's dots fit: wide = fused 32 x 32 from 41 rows, split below)
+    n, k = 40, 256
+    tiles = bi.MatmulTiles(block_k=64, split_k=4)
+    split, wide = bi.MatmulLaunch(16, 32, 4, 2, fused=False, tma=True), bi.MatmulLaunch(32, 32, 4, 2, fused=True,
+                                                                                       flat=True, tma=True)
+    seen = []
+    monkeypatch.setattr(bi, "matmul_launch", lambda n_, k_, m, tma=True: split if m <= 40 else wide)
+    into = bi._linear_into
+    monkeypatch.setattr(bi, "_linear_into", lambda x2, *a: seen.append(x2.shape[0]) or into(x2, *a))
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(n, k, generator=gen).to(DEVICE)
+    b = torch.randn(n, generator=gen).to(DEVICE)
+    x = torch.randn(100, k, generator=gen).to(DEVICE)
+    ref = bi.linear(x, w, b, tiles=tiles, launch=split)
+    for m, parts in ((100, [96, 4]), (70, [64, 6]), (64, [64]), (90, [64, 26])):
+        seen.clear()
+        y = bi.linear(x[:m].reshape(2, m // 2, k) if m % 2 == 0 else x[:m], w, b, tiles=tiles, wave_rows=32)
+        assert seen == parts, m
+        assert torch.equal(y.reshape(m, n), ref[:m]), f"{m} rows split as {parts}"
+
+
 def test_matmul_launch_by_rows():
     # decode: split programs in small row tiles; wide: fused programs in large tiles (matmul_tiles stays)
     assert not bi.matmul_launch(4096, 12288, 1).fused and bi.matmul_launch(4096, 12288, 1).block_m == 16
@@ -697,6 +733,23 @@ def test_gpu_split_and_fused_launches_agree_at_every_row_count(shape):
     for m in range(1, 2049):
         for launch in launches:
             assert torch.equal(bi.linear(x[:m], w, launch=launch), ref[:m]), f"{launch} at {m} rows"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shape", [(4096, 4096), (4096, 12288)])
+def test_gpu_default_launches_with_whole_waves_keep_every_row(shape):
+    # the engine's call (no launch given): past one wave of wide tiles the rows run as whole waves plus a rest;
+    # every row at every row count across the waves' edges equal to the pointer wide launch's
+    n, k = shape
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    x = torch.randn(2048, k, device="cuda", dtype=torch.bfloat16)
+    ref = bi.linear(x, w, launch=bi.MATMUL_POINTER_WIDE_LAUNCH)
+    wave = bi.matmul_wave_rows(n, k, x.device)
+    assert wave > 0
+    assert any(bi._whole_waves(n, k, m, True, wave) for m in range(1, 2049))  # the split runs somewhere
+    for m in range(1, 2049):
+        assert torch.equal(bi.linear(x[:m], w), ref[:m]), f"default launch at {m} rows"
 
 
 @pytest.mark.gpu

@@ -338,7 +338,7 @@ if triton is not None:
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, tiles: MatmulTiles | None = None,
-           launch: MatmulLaunch | None = None) -> Tensor:
+           launch: MatmulLaunch | None = None, wave_rows: int | None = None) -> Tensor:
     """``F.linear(x, weight, bias)`` with a fixed reduction order per output element: x [..., K], weight [N, K],
     bias [N] -> [..., N] in x's dtype (fp32 accumulation). Triton; CUDA tensors or the interpreter.
 
@@ -346,7 +346,13 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, tiles: Matm
     count) only how the programs are laid out: a segment's sum is the same in a split program or a fused one, and
     0 + s == s, so a row's bits do not depend on M. Both overrides exist for the tuning script and the tests. A
     ``tma`` launch whose tensors a descriptor cannot address (:func:`_descriptors_fit`) runs the pointer table's
-    launch for these rows instead: the same bits."""
+    launch for these rows instead: the same bits.
+
+    Whole waves (default launch only): a call of the wide launch with more rows than one wave of its tiles fills
+    (``wave_rows``, default :func:`matmul_wave_rows` of the device) runs as two launches, the whole waves' rows wide
+    and the rest at the launch of their own row count, so the last tiles do not take a second wave of the whole
+    tile time with most SMs idle (DDTree 16 at 64 in flight verifies 1088 rows: 144 tiles of 128 x 256 on 132 SMs).
+    Rows never meet in a matmul, so the split leaves every row's bits as they were."""
     if triton is None:
         raise ConfigError("batch_invariant.linear needs Triton; use linear_rows")
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
@@ -365,7 +371,50 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, tiles: Matm
     if m == 0:
         return out.reshape(*lead, n)
     tiles = tiles or matmul_tiles(n, k)
-    launch = launch or matmul_launch(n, k, m, tma=tma_loads(x2))
+    if launch is not None:
+        _linear_into(x2, weight, bias, out, tiles, launch)
+        return out.reshape(*lead, n)
+    tma = tma_loads(x2)
+    head = _whole_waves(n, k, m, tma, matmul_wave_rows(n, k, x2.device, tma) if wave_rows is None else wave_rows)
+    if head:
+        _linear_into(x2[:head], weight, bias, out[:head], tiles, matmul_launch(n, k, head, tma=tma))
+    if head < m:
+        _linear_into(x2[head:], weight, bias, out[head:], tiles, matmul_launch(n, k, m - head, tma=tma))
+    return out.reshape(*lead, n)
+
+
+_SM_COUNTS: dict[int, int] = {}
+
+
+def matmul_wave_rows(n: int, k: int, device: torch.device, tma: bool = True) -> int:
+    """Rows whose tiles of the wide launch fill the device's SMs once (one program an SM: the wide launch's shared
+    memory): ``block_m`` x (SMs // column tiles); 0 off CUDA or where one row of tiles is wider than the device."""
+    if device.type != "cuda":
+        return 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    wide = matmul_launch(n, k, 1 << 30, tma=tma)
+    return wide.block_m * (_SM_COUNTS[index] // -(-n // wide.block_n))
+
+
+def _whole_waves(n: int, k: int, m: int, tma: bool, wave_rows: int) -> int:
+    """How many of a call's m rows :func:`linear` runs as whole waves of the wide launch (0: the call runs as one
+    launch): where m takes the wide launch, is past one wave, and its rest past the whole waves takes a launch of
+    its own (the rest wide would be one more wave of the whole tile time either way)."""
+    wide = matmul_launch(n, k, 1 << 30, tma=tma)
+    if wave_rows <= 0 or m <= wave_rows or matmul_launch(n, k, m, tma=tma) != wide:
+        return 0
+    head = m // wave_rows * wave_rows
+    if head == m or matmul_launch(n, k, m - head, tma=tma) == wide:
+        return 0
+    return head
+
+
+def _linear_into(x2: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor, tiles: MatmulTiles,
+                 launch: MatmulLaunch) -> None:
+    """x2 [M, K] @ weight [N, K]^T (+ bias) into out [M, N] (row stride free, unit column stride) at ``launch``."""
+    m, n, k = x2.shape[0], weight.shape[0], weight.shape[1]
     k_blocks = -(-k // tiles.block_k)
     if k_blocks % tiles.split_k:
         raise ConfigError(f"batch_invariant.linear: {k_blocks} K blocks do not divide into {tiles.split_k} splits")
@@ -374,8 +423,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, tiles: Matm
     if launch.tma and not _descriptors_fit(x2, weight, *((out,) if stores_out else ())):
         launch = matmul_launch(n, k, m, tma=False)
     fused = launch.fused or tiles.split_k == 1
-    part = out if fused else torch.empty((tiles.split_k, m, n), dtype=torch.float32, device=x.device)
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    part = out if fused else torch.empty((tiles.split_k, m, n), dtype=torch.float32, device=x2.device)
+    precision = "ieee" if x2.dtype == torch.float32 else "tf32"
     grid = (-(-m // launch.block_m), -(-n // launch.block_n), 1 if fused else tiles.split_k)
     if launch.tma:
         descriptor = TensorDescriptor.from_tensor
@@ -400,7 +449,6 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, tiles: Matm
         _split_sum_kernel[(-(-(m * n) // block),)](part, weight if bias is None else bias, out, m, n, out.stride(0),
                                                     SPLITS=tiles.split_k, HAS_BIAS=bias is not None, BLOCK=block,
                                                     num_warps=4)
-    return out.reshape(*lead, n)
 
 
 def _descriptors_fit(*tensors: Tensor) -> bool:
