@@ -7,7 +7,7 @@ set -u
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 SECONDS=0
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-timeout 430 python3 benchmarks/profile_rounds.py --out "$OUT/c64" --methods ddtree-16 --concurrency 64 \
+timeout 270 python3 benchmarks/profile_rounds.py --out "$OUT/c64" --methods ddtree-16 --concurrency 64 \
   --context 1024 --new-tokens 512 --prefill-chunk 512 --prefill-every 1 > "$OUT/c64.log" 2>&1 \
   || echo "profile failed or timed out"
 grep "still allocated\|Error" "$OUT/c64.log" | head -5
