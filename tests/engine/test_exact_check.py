@@ -160,6 +160,22 @@ def test_engine_info_reports_exact_mode(tiny_engine_factory):
     assert engine.runner.kernels.exact_blas == ()
 
 
+def test_exact_mode_runs_with_the_torch_kernels(tiny_engine_factory):
+    """``gpu_kernels=False`` with exact mode: the torch kernel set keeps exact_blas a tuple (it once set every
+    field False, and the first exact forward failed iterating it), and its DDTree output is plain decoding's."""
+    from ddtree.engine import GenerationRequest, SamplingParams, TreeSettings
+
+    def run(engine, tree):
+        req = GenerationRequest(prompt_token_ids=[3, 5, 7, 9, 11], tree=tree,
+                                sampling=SamplingParams(max_tokens=12, ignore_eos=True))
+        return engine.generate([req])[0].token_ids
+
+    exact = tiny_engine_factory(exact=True, gpu_kernels=False, max_len=128)
+    assert exact.runner.kernels.exact_blas == ()
+    plain = tiny_engine_factory(max_len=128)
+    assert run(exact, TreeSettings(budget=8)) == run(plain, TreeSettings(method="ar"))
+
+
 def test_exact_forward_sends_only_trusted_shapes_to_torch(monkeypatch):
     from ddtree.models import exact_forward
 

@@ -57,7 +57,8 @@ class KernelSet:
     @classmethod
     def torch(cls, *, blas_rule: bool = True) -> KernelSet:
         """Every op on its torch reference (``blas_rule`` picks between torch's own cuBLAS front ends)."""
-        return cls(**{f.name: False for f in fields(cls) if f.name != "blas_rule"}, blas_rule=blas_rule)
+        return cls(**{f.name: False for f in fields(cls) if f.type in (bool, "bool") and f.name != "blas_rule"},
+                   blas_rule=blas_rule)
 
     @classmethod
     def resolve(cls, config: EngineConfig, target, drafter) -> KernelSet:
