@@ -339,6 +339,42 @@ def large_block_m(values: tuple[int, ...], gen: torch.Generator, warps: tuple[in
     return {"rows": rows_out, "values": list(values)}
 
 
+def tail_rows_table(values: tuple[int, ...], gen: torch.Generator, only: tuple[str, ...] = ()) -> dict:
+    """Exact attention on :data:`LARGE_SHAPES` (rows staggered by ``--stagger``) with the tail chunks' dots of each
+    of ``values`` rows (``batch_invariant.tail_rows`` replaced, so a chunk holds rows // G queries of one path and
+    the forward's table is laid out for it), each output against the engine's (a launch choice must keep every
+    bit), with the chunks a program runs on average. Why: in the fused launch a program's chunks run one after
+    another, each a gathered K and V tile or two and three dots; a served tree's long path in chunks of 4 queries
+    takes several, where wider chunks take one (at the cost of dots of more padding rows for the short paths)."""
+    rule = bi.tail_rows
+    rows_out = []
+    for name, rows, t, tree, ctx in LARGE_SHAPES:
+        if only and name not in only:
+            continue
+        x = inputs(rows, t, tree, ctx, gen, bucket=True)
+        x["tail"] = engine_tail(x)
+        ref = exact_call(x)().clone()
+        row = {"shape": name, "default_us": bench_us(default_call(x)), "engine_us": bench_us(exact_call(x)),
+               "fused": bi.launches_fused(t, HEADS // KV, rows * KV)}
+        for value in values:
+            bi.tail_rows = lambda group, value=value: max(value, rule(group))
+            try:
+                x["tail"] = engine_tail(x)
+                fn = exact_call(x)
+                out = fn().clone()
+                row[f"t{value}_us"] = bench_us(fn)
+                row[f"t{value}_chunks"] = round(float(x["tail"][..., 0].float().mean()), 2)
+                if not torch.equal(out, ref):
+                    row[f"t{value}_bits"] = "DIFFER"
+            except Exception as exc:  # a launch the device refuses (shared memory): recorded
+                row[f"t{value}_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+            finally:
+                bi.tail_rows = rule
+        rows_out.append(row)
+        print(" | ".join(f"{key}={val}" for key, val in row.items()), flush=True)
+    return {"rows": rows_out, "values": list(values), "stagger": STAGGER}
+
+
 def parse_settings(text: str) -> tuple[tuple[int, int, int, int], ...]:
     """``"64:512:4:2,64:1024:4:2"`` -> ((64, 512, 4, 2), (64, 1024, 4, 2)); a split that is not a multiple of its
     tile is refused here, before any kernel runs."""
@@ -369,6 +405,8 @@ def main() -> None:
                     "with these warps each, for example 8")
     ap.add_argument("--shapes", default=None, help="with --large-block-m: only these shapes of LARGE_SHAPES, "
                     "comma-separated names (for example 'served tree 17 C=64,chain C=64')")
+    ap.add_argument("--tail-rows", default=None, help="time the tail chunks' dots at these row counts (e.g. "
+                    "16,32,64) on LARGE_SHAPES (or --shapes), at the engine's key buckets")
     ap.add_argument("--stagger", type=int, default=0, metavar="N",
                     help="rows start at the context plus 0 to N - 1 positions (row 0 at the context): requests at "
                          "different lengths, as in the engine's rounds; 0: all at the context")
@@ -388,8 +426,8 @@ def main() -> None:
             ap.error("--large-warps times the programs of --large-block-m; pass --large-block-m with it")
         if not all(v.isdigit() and int(v) in (1, 2, 4, 8, 16) for v in args.large_warps.split(",")):
             ap.error(f"--large-warps: warps among 1, 2, 4, 8, 16, got {args.large_warps}")
-    if args.shapes is not None and args.large_block_m is None:
-        ap.error("--shapes picks shapes of --large-block-m; pass --large-block-m with it")
+    if args.shapes is not None and args.large_block_m is None and args.tail_rows is None:
+        ap.error("--shapes picks shapes of --large-block-m or --tail-rows; pass one of them with it")
     if args.settings is not None and not args.sweep:
         ap.error("--settings names settings for --sweep; pass --sweep with it")
     if args.bucket and args.sweep:
@@ -397,6 +435,15 @@ def main() -> None:
     settings = SWEEP if args.settings is None else parse_settings(args.settings)
     ref = load_ref(args.ref) if args.ref else None
     gen = torch.Generator().manual_seed(0)
+    if args.tail_rows is not None:
+        values = tuple(int(v) for v in args.tail_rows.split(","))
+        if any(v not in (16, 32, 64) for v in values):
+            ap.error(f"--tail-rows: values among 16, 32, 64, got {args.tail_rows}")
+        only = tuple(v.strip() for v in args.shapes.split(",")) if args.shapes else ()
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "exact_attention_tail_rows.json").write_text(json.dumps(tail_rows_table(values, gen, only), indent=1))
+        return
     if args.large_block_m is not None:
         values = tuple(int(v) for v in args.large_block_m.split(","))
         if any(v not in (16, 32, 64, 128) for v in values):

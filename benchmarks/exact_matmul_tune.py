@@ -75,6 +75,7 @@ LAUNCHES = {
     "split16x32w2": bi.MatmulLaunch(16, 32, 2, 4, fused=False),
     "split16x16w1": bi.MatmulLaunch(16, 16, 1, 4, fused=False),
 }
+DEFAULT = "default"  # not a launch: batch_invariant.linear's own choice per call (its table and whole waves)
 SPLITS_OF = {"o_proj": "1,2,4,8", "down": "1,2,4,8"}  # the others: S1 and their default only
 
 
@@ -137,13 +138,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cublas-rows", type=int, default=2048)
     ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts to time (at most 2048)")
     ap.add_argument("--launches", default=",".join(LAUNCHES), help="names of LAUNCHES to time (the bits reference, "
-                    "split64x128w4, is always computed)")
+                    f"split64x128w4, is always computed), and {DEFAULT!r}: linear's own launch choice per call")
     args = ap.parse_args(argv)
     wanted = args.launches.split(",")
     rows = tuple(int(v) for v in args.rows.split(","))
     if not rows or min(rows) < 1 or max(rows) > 2048:
         ap.error(f"--rows: counts in 1..2048, got {args.rows}")
-    unknown = [name for name in wanted if name not in LAUNCHES]
+    unknown = [name for name in wanted if name not in LAUNCHES and name != DEFAULT]
     if unknown:
         ap.error(f"--launches: unknown {unknown}; known: {list(LAUNCHES)}")
     out = Path(args.out)
@@ -169,8 +170,8 @@ def main(argv: list[str] | None = None) -> None:
             tiles = bi.MatmulTiles(64, s)
             ref = bi.linear(x, ws[0], tiles=tiles, launch=LAUNCHES["split64x128w4"])
             same = True
-            for lname, launch in LAUNCHES.items():
-                if launch.block_n > n or lname not in wanted:
+            for lname, launch in [(DEFAULT, None), *LAUNCHES.items()]:
+                if lname not in wanted or launch is not None and launch.block_n > n:
                     continue
                 key = f"S{s}/{lname}"
                 try:

@@ -90,8 +90,8 @@ def test_whole_waves_split_only_past_a_wave_with_a_rest_of_its_own_launch():
     n, k, wave = 4096, 12288, 128 * (132 // 16)
     assert bi.matmul_launch(n, k, 1088) == bi.MATMUL_WIDE_LAUNCH
     assert bi._whole_waves(n, k, 1088, True, wave) == 1024  # DDTree 16 at 64 in flight: 1024 wide + 64 apart
-    assert bi._whole_waves(n, k, 1024 + 640, True, wave) == 1024  # a rest the flat 64-row launch takes
-    assert bi._whole_waves(n, k, 1024 + 641, True, wave) == 0  # a rest that is wide itself: one launch
+    assert bi._whole_waves(n, k, 1024 + 512, True, wave) == 1024  # a rest the flat 128 x 128 launch takes
+    assert bi._whole_waves(n, k, 1024 + 513, True, wave) == 0  # a rest that is wide itself: one launch
     assert bi._whole_waves(n, k, 2048, True, wave) == 0  # whole waves only
     assert bi._whole_waves(n, k, 1000, True, wave) == 0  # one wave or less
     assert bi._whole_waves(n, k, 1088, True, 0) == 0  # off CUDA
@@ -125,6 +125,9 @@ def test_matmul_launch_by_rows():
     # decode: split programs in small row tiles; wide: fused programs in large tiles (matmul_tiles stays)
     assert not bi.matmul_launch(4096, 12288, 1).fused and bi.matmul_launch(4096, 12288, 1).block_m == 16
     assert bi.matmul_launch(4096, 12288, 768).fused and bi.matmul_launch(4096, 12288, 768).block_m == 128
+    # the flat launch's tiles by the waves they fill on 132 SMs at N = 4096: 64 x 128 to 256 rows, 128 x 128 to 512
+    assert [bi.matmul_launch(4096, 12288, m)[:2] for m in (256, 257, 512, 513)] == [(64, 128), (128, 128),
+                                                                                    (128, 128), (128, 256)]
     assert bi.matmul_launch(24576, 4096, 1).block_m == 64  # one segment: nothing for small tiles to spread
     # tensor-descriptor loads from 17 rows where the device has them, the pointer table elsewhere and for weights
     # of one K segment (timed on 4-segment weights only)

@@ -162,16 +162,20 @@ MATMUL_POINTER_LAUNCHES: tuple[tuple[int, MatmulLaunch], ...] = (  # (up to this
 )
 MATMUL_POINTER_WIDE_LAUNCH = MatmulLaunch(128, 128, 8, 4, fused=True, flat=True)
 # Tensor-descriptor loads (Hopper's TMA, where Triton has them): split programs of 64 x 128 tiles from 17 rows, the
-# flat launch from 193 rows (64 x 128 tiles up to 640 rows, 128 x 256 with 8 warps past it). us per call at 128 /
-# 320 / 512 / 1024 rows, H200 (docs/benchmarks.md, "Exact mode", tenth run): o_proj 17 / 28 / 30 / 50 and down 37 /
-# 77 / 84 / 137, against the pointer table's 23 / 35 / 54 / 78 and 53 / 95 / 140 / 216, cuBLAS 14 / 19 / 25 / 45 and
-# 35 / 48 / 70 / 130. Weights of one K segment (an LM head of a large vocabulary) keep the pointer table: the
+# flat launch from 193 rows (64 x 128 tiles up to 256 rows, 128 x 128 with 8 warps up to 512, 128 x 256 with 8 warps
+# past it). us per call at 128 / 320 / 512 / 1024 rows, H200 (docs/benchmarks.md, "Exact mode", tenth run): o_proj
+# 17 / 28 / 30 / 50 and down 37 / 77 / 84 / 137, against the pointer table's 23 / 35 / 54 / 78 and 53 / 95 / 140 /
+# 216, cuBLAS 14 / 19 / 25 / 45 and 35 / 48 / 70 / 130. The edges are whole waves of 132 SMs at N = 4096: a 128 x 128
+# launch fills them once up to 512 rows, 64 x 128 up to 256; past those they ran a second wave (down at 544 rows:
+# 159 us in 64 x 128 tiles against 128 in 128 x 256, at 512 82 in 128 x 128 against 92; H100, 2026-12-06, call A of
+# "prefill price"). Weights of one K segment (an LM head of a large vocabulary) keep the pointer table: the
 # descriptor launches were timed on 4-segment weights only.
 MATMUL_LAUNCHES: tuple[tuple[int, MatmulLaunch], ...] = (
     MATMUL_POINTER_LAUNCHES[0],
     (128, MatmulLaunch(64, 128, 4, 4, fused=False, tma=True)),
     (192, MatmulLaunch(64, 128, 4, 3, fused=False, tma=True)),
-    (640, MatmulLaunch(64, 128, 4, 4, fused=True, flat=True, tma=True)),
+    (256, MatmulLaunch(64, 128, 4, 4, fused=True, flat=True, tma=True)),
+    (512, MatmulLaunch(128, 128, 8, 4, fused=True, flat=True, tma=True)),
 )
 MATMUL_WIDE_LAUNCH = MatmulLaunch(128, 256, 8, 3, fused=True, flat=True, tma=True)
 
