@@ -119,7 +119,6 @@ def main(argv: list[str] | None = None) -> None:
             cell[mode] = {"ms": ms, "families_ms": fam, "kernels": kernels_us}
         report["chunks"][name] = cell
         d, e = cell["default"], cell["exact"]
-
         ratio = f"{e['ms'] / d['ms']:.2f}" if cuda else "-"
         dms = f"{d['ms']:.2f}" if cuda else "-"
         ems = f"{e['ms']:.2f}" if cuda else "-"
