@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warm-up", choices=WARM_UPS, default="cell",
                     help="untimed run before each cell: 'cell' runs it once in full (one prompt at C = 1), so every "
                          "graph bucket it reaches (rows x cache length) is captured before the clock starts; 'short' "
-                         "is sessions 8-9's staggered short prompts, which left captures inside the cells")
+                         "is the older warm-up, a few staggered short prompts, which left captures inside the cells")
     ap.add_argument("--no-retime", dest="retime", action="store_false",
                     help="keep a timed cell that captured a graph or compiled a kernel (by default it runs again)")
     ap.add_argument("--no-blas-rule", action="store_true",
