@@ -360,6 +360,9 @@ def test_a_size_one_round_made_look_poor_is_explored_again():
     assert chooser.choose(rows, cost, explore=False) == (1, 1)  # a follow-up check never explores
     dear = {**{b: 0.04 for b in (1,)}, 3: 0.08, 7: 0.09, 15: 0.1, 31: 0.11, 63: 0.12}.__getitem__
     assert chooser.choose(rows, dear) == (1, 1)  # b3 would cost half the objective: not explored
+    # a fifth dearer (as a 1024-row verify against a 512-row one at 64 in flight): beyond EXPLORE_SLACK, not explored
+    fifth = {**{b: 0.04 for b in (1,)}, 3: 0.05, 7: 0.06, 15: 0.07, 31: 0.08, 63: 0.09}.__getitem__
+    assert chooser.choose(rows, fifth) == (1, 1)
 
 
 def test_auto_rounds_report_their_accepted_paths(tiny_engine_factory, monkeypatch):

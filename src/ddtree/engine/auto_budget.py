@@ -80,9 +80,14 @@ MARGIN = 0.02  # another size must beat the previous round's by this fraction to
 GAIN_DECAY = 0.9  # weight of a row's older rounds in its calibration sums (about the last 10 rounds count)
 PRIOR_WEIGHT = 1.0  # the calibrated surrogate counts as this many rounds in a row's observed lengths
 # exploration: the next candidate above the best is verified once the rows' evidence on it has decayed below this
-# many rounds (0.9^11 = 0.31: about every 11 rounds) and its objective is within EXPLORE_SLACK of the best's
+# many rounds (0.9^11 = 0.31: about every 11 rounds) and its objective is within EXPLORE_SLACK of the best's.
+# An exploring round gives up at most EXPLORE_SLACK of one round's objective every ~11 rounds (less with newcomers,
+# whose evidence is 0): 0.25 let a b15 round in about every 9 at 64 in flight (H100, 2026-12-05: 11.6 % of auto's
+# row-rounds at b15, its verify 5 % and its round 6 % dearer than b7's for 0.8 % more tokens a round), where a
+# 1024-row verify costs nearly twice a 512-row one; 0.10 bounds the loss near 1 % and still lets in a size whose
+# cost barely rises (one row, a flat curve: the one-row trap this exists for).
 EXPLORE_EVIDENCE = 0.32
-EXPLORE_SLACK = 0.25
+EXPLORE_SLACK = 0.10
 
 
 def candidates(max_budget: int) -> tuple[int, ...]:

@@ -1,0 +1,180 @@
+"""Budget auto's chooser constants A/B'd on one engine: fixed budgets and auto variants, alternating, per cell.
+
+Why one process: between device calls the same cell's tok/s moved by up to 8 % (docs/benchmarks.md, "Arrivals at 64
+in flight": auto with the same code read 11085-11971 tok/s in four calls), as much as the differences auto's bar
+asks about. Here one engine (the Qwen3-8B stand-in, bf16, CUDA graphs, greedy, the engine's defaults, the cost curve
+measured at start) runs every config of a cell in turn, ``--repeats`` times, so a drift of the machine falls on all
+of them; a config's tok/s is its median.
+
+A variant sets module constants of :mod:`ddtree.engine.auto_budget` (read by the chooser at every round) before its
+runs: ``--variants "new:EXPLORE_SLACK=0.10 old:EXPLORE_SLACK=0.25"``. Each auto run also counts its exploring
+rounds (a launch whose size differs from the best, :meth:`AutoChooser.choose`).
+
+A cell is ``C:context``; it runs ``--waves`` x C prompts, C in flight (newcomers arrive as requests finish). Every
+config is warmed up once per cell (one wave), then timed. Writes ``OUT/auto_ab.json`` after every run; prints a
+table.
+
+    python benchmarks/auto_ab.py --out $OUT --cells 64:60,64:1024 --budgets 7 --repeats 3 \\
+        --variants "new:EXPLORE_SLACK=0.10 old:EXPLORE_SLACK=0.25"
+    python benchmarks/auto_ab.py --out /tmp/x --shape none --device cpu --cells 4:64 --budgets 4 --repeats 1 \\
+        --waves 1 --new-tokens 16 --variants "a:EXPLORE_SLACK=0.10"    # a dry run on a CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from ddtree.engine import Engine, EngineConfig, TreeSettings, auto_budget
+from ddtree.lab.bench.inprocess import run_cell, synchronize
+from ddtree.lab.bench.workload import held_out_token_stream, prompts_for
+
+
+def parse_variants(text: str) -> dict[str, dict[str, float]]:
+    """``"name:CONST=value,CONST=value name2:..."`` -> {name: {CONST: value}}; unknown constants fail here."""
+    out: dict[str, dict[str, float]] = {}
+    for part in text.split():
+        name, _, body = part.partition(":")
+        consts = {}
+        for item in filter(None, body.split(",")):
+            key, _, value = item.partition("=")
+            if not hasattr(auto_budget, key):
+                raise SystemExit(f"--variants: ddtree.engine.auto_budget has no constant {key!r}")
+            consts[key] = float(value)
+        out[name] = consts
+    return out
+
+
+class ExploreCounter:
+    """Counts the exploring choices (size != best) of :meth:`AutoChooser.choose` while installed."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._real = auto_budget.AutoChooser.choose
+
+    def __enter__(self) -> ExploreCounter:
+        real = self._real
+
+        def counted(chooser, *args, **kwargs):
+            size, best = real(chooser, *args, **kwargs)
+            self.count += size != best
+            return size, best
+
+        auto_budget.AutoChooser.choose = counted
+        return self
+
+    def __exit__(self, *exc) -> None:
+        auto_budget.AutoChooser.choose = self._real
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shape", default="qwen3-8b", help="stand-in shape, or 'none' for the demo pair as is")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--cells", default="64:60,64:1024", help="C:context,...")
+    ap.add_argument("--budgets", default="7", help="fixed budgets run beside auto in every cell")
+    ap.add_argument("--no-ar", action="store_true", help="leave AR out (it runs once a cell, first)")
+    ap.add_argument("--variants", default="default:", help="auto variants: 'name:CONST=value,... name2:...'")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--waves", type=int, default=4)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--time-budget", type=float, default=500.0, help="seconds from start after which no run starts")
+    args = ap.parse_args(argv)
+    cells = [tuple(int(x) for x in c.split(":")) for c in args.cells.split(",") if c]
+    budgets = [int(b) for b in args.budgets.split(",") if b]
+    variants = parse_variants(args.variants)
+    defaults = {k: getattr(auto_budget, k) for v in variants.values() for k in v}
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / "auto_ab.json"
+    t0 = time.perf_counter()
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+
+    from ddtree.models import load_tokenizer
+    from ddtree.models.standin import load_demo_benchmark_pair
+
+    dtype = torch.bfloat16 if cuda else torch.float32
+    target, drafter, tokenizer_dir = load_demo_benchmark_pair(args.shape, device, dtype)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    config = EngineConfig(max_batch=max(c for c, _ in cells), max_len=max(x for _, x in cells) + args.new_tokens + 16,
+                          max_budget=max(*budgets, 32), max_queue=4096, warmup="none", cost_curve="auto")
+    engine = Engine(target, drafter, tokenizer, config, model_name=f"standin-{args.shape}")
+    engine.start()
+    synchronize(device)
+    stream = held_out_token_stream(tokenizer, max(x for _, x in cells) * 2 + 4096)
+    report = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
+              "shape": args.shape, "new_tokens": args.new_tokens, "waves": args.waves, "variants": variants,
+              "defaults": defaults, "engine_start_s": time.perf_counter() - t0,
+              "prefill_every": engine.config.prefill_every, "runs": [], "skipped": []}
+    configs = ([] if args.no_ar else [("ar", TreeSettings(method="ar"), {})]) + [
+        (f"b{b}", TreeSettings(method="ddtree", budget=b), {}) for b in budgets] + [
+        (f"auto-{name}", TreeSettings(method="ddtree", budget="auto"), consts) for name, consts in variants.items()]
+    for conc, ctx in cells:
+        prompts = prompts_for(stream, ctx, conc * args.waves, salt=ctx)
+        refs: list | None = None
+        for rep in range(args.repeats):
+            for name, tree, consts in configs:
+                if name == "ar" and rep > 0:
+                    continue
+                key = {"concurrency": conc, "context": ctx, "config": name, "repeat": rep}
+                if time.perf_counter() > t0 + args.time_budget:
+                    report["skipped"].append(key)
+                    continue
+                for k, v in {**defaults, **consts}.items():
+                    setattr(auto_budget, k, v)
+                if rep == 0:  # graphs captured and kernels compiled outside the timed run
+                    run_cell(engine, prompts[:conc], tree, args.new_tokens, concurrency=conc)
+                with ExploreCounter() as explored:
+                    res = run_cell(engine, prompts, tree, args.new_tokens, concurrency=conc)
+                if name == "ar":
+                    refs = res["tokens"]
+                row = {**key, "tok_s": res["tok_s"], "accept_length": res["accept_length"],
+                       "round_ms": res["round_ms"], "ttft_s_mean": res["ttft_s_mean"],
+                       "stage_ms_per_round": {k: round(v, 3) for k, v in res["stage_ms_per_round"].items()},
+                       "auto_budgets": {str(b): n for b, n in sorted(res["auto_budgets"].items())},
+                       "explored_rounds": explored.count, "errors": res["errors"][:3],
+                       "identical_to_ar": None if refs is None else sum(a == b for a, b in zip(res["tokens"], refs,
+                                                                                                strict=True))}
+                report["runs"].append(row)
+                print(json.dumps(row), flush=True)
+                out.write_text(json.dumps(report, indent=1))
+    for k, v in defaults.items():
+        setattr(auto_budget, k, v)
+    engine.shutdown(drain_timeout=0)
+    report["total_s"] = time.perf_counter() - t0
+    out.write_text(json.dumps(report, indent=1))
+    print(table(report))
+
+
+def table(report: dict) -> str:
+    """Per cell and config: the median tok/s over the repeats (each repeat's), acceptance, round ms, explored
+    rounds, and the ratio to the cell's best fixed budget."""
+    lines = ["| C | ctx | config | tok/s median (each) | / best fixed | accept | round ms | explored | =AR |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    cells = list(dict.fromkeys((r["concurrency"], r["context"]) for r in report["runs"]))
+    for cell in cells:
+        runs = [r for r in report["runs"] if (r["concurrency"], r["context"]) == cell]
+        names = list(dict.fromkeys(r["config"] for r in runs))
+        med = {n: statistics.median(r["tok_s"] for r in runs if r["config"] == n) for n in names}
+        fixed = [n for n in names if n.startswith("b")]
+        best = max((med[n] for n in fixed), default=None)
+        for n in names:
+            mine = [r for r in runs if r["config"] == n]
+            each = ", ".join(f"{r['tok_s']:.0f}" for r in mine)
+            ratio = f"{med[n] / best:.3f}x" if best else "-"
+            lines.append(f"| {cell[0]} | {cell[1]} | {n} | {med[n]:.0f} ({each}) | {ratio} | "
+                         f"{statistics.mean(r['accept_length'] for r in mine):.3f} | "
+                         f"{statistics.mean(r['round_ms'] for r in mine):.2f} | "
+                         f"{sum(r['explored_rounds'] for r in mine)} | {mine[0]['identical_to_ar']} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
