@@ -84,6 +84,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--waves", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--prefill-chunk", type=int, default=None,
+                    help="EngineConfig.prefill_chunk (the cache keeps this much headroom per slot: 1024 lets C = 64 at "
+                         "8k fit one H200)")
     ap.add_argument("--time-budget", type=float, default=500.0, help="seconds from start after which no run starts")
     args = ap.parse_args(argv)
     cells = [tuple(int(x) for x in c.split(":")) for c in args.cells.split(",") if c]
@@ -104,7 +107,8 @@ def main(argv: list[str] | None = None) -> None:
     target, drafter, tokenizer_dir = load_demo_benchmark_pair(args.shape, device, dtype)
     tokenizer = load_tokenizer(tokenizer_dir)
     config = EngineConfig(max_batch=max(c for c, _ in cells), max_len=max(x for _, x in cells) + args.new_tokens + 16,
-                          max_budget=max(*budgets, 32), max_queue=4096, warmup="none", cost_curve="auto")
+                          max_budget=max(*budgets, 32), max_queue=4096, warmup="none", cost_curve="auto",
+                          **({} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}))
     engine = Engine(target, drafter, tokenizer, config, model_name=f"standin-{args.shape}")
     engine.start()
     synchronize(device)
@@ -112,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     report = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
               "shape": args.shape, "new_tokens": args.new_tokens, "waves": args.waves, "variants": variants,
               "defaults": defaults, "engine_start_s": time.perf_counter() - t0,
-              "prefill_every": engine.config.prefill_every, "runs": [], "skipped": []}
+              "prefill_every": engine.config.prefill_every, "prefill_chunk": engine.config.prefill_chunk, "runs": [], "skipped": []}
     configs = ([] if args.no_ar else [("ar", TreeSettings(method="ar"), {})]) + [
         (f"b{b}", TreeSettings(method="ddtree", budget=b), {}) for b in budgets] + [
         (f"auto-{name}", TreeSettings(method="ddtree", budget="auto"), consts) for name, consts in variants.items()]
