@@ -3,8 +3,8 @@
 Why one process: between device calls the same cell's tok/s moved by up to 8 % (docs/benchmarks.md, "Arrivals at 64
 in flight": auto with the same code read 11085-11971 tok/s in four calls), as much as the differences auto's bar
 asks about. Here one engine (the Qwen3-8B stand-in, bf16, CUDA graphs, greedy, the engine's defaults, the cost curve
-measured at start) runs every config of a cell in turn, ``--repeats`` times, so a drift of the machine falls on all
-of them; a config's tok/s is its median.
+measured at start, or by auto's first round with ``--cost-curve off``) runs every config of a cell in turn,
+``--repeats`` times, so a drift of the machine falls on all of them; a config's tok/s is its median.
 
 A variant sets module constants of :mod:`ddtree.engine.auto_budget` (read by the chooser at every round) before its
 runs: ``--variants "new:EXPLORE_SLACK=0.10 old:EXPLORE_SLACK=0.25"``. Each auto run also counts its exploring
@@ -87,6 +87,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prefill-chunk", type=int, default=None,
                     help="EngineConfig.prefill_chunk (the cache keeps this much headroom per slot: 1024 lets C = 64 at "
                          "8k fit one H200)")
+    ap.add_argument("--cost-curve", default="auto",
+                    help="EngineConfig.cost_curve: auto (measured at engine start, on the engine's grid), off (budget "
+                         "auto measures its own fallback curve at its first round, as `ddtree sweep` runs it), a path")
     ap.add_argument("--time-budget", type=float, default=500.0, help="seconds from start after which no run starts")
     args = ap.parse_args(argv)
     cells = [tuple(int(x) for x in c.split(":")) for c in args.cells.split(",") if c]
@@ -107,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     target, drafter, tokenizer_dir = load_demo_benchmark_pair(args.shape, device, dtype)
     tokenizer = load_tokenizer(tokenizer_dir)
     config = EngineConfig(max_batch=max(c for c, _ in cells), max_len=max(x for _, x in cells) + args.new_tokens + 16,
-                          max_budget=max(*budgets, 32), max_queue=4096, warmup="none", cost_curve="auto",
+                          max_budget=max(*budgets, 32), max_queue=4096, warmup="none", cost_curve=args.cost_curve,
                           **({} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}))
     engine = Engine(target, drafter, tokenizer, config, model_name=f"standin-{args.shape}")
     engine.start()
