@@ -103,12 +103,9 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device)
     cuda = device.type == "cuda"
 
-    from ddtree.models import load_tokenizer
-    from ddtree.models.standin import load_demo_benchmark_pair
+    from ddtree.models.standin import load_benchmark_models
 
-    dtype = torch.bfloat16 if cuda else torch.float32
-    target, drafter, tokenizer_dir = load_demo_benchmark_pair(args.shape, device, dtype)
-    tokenizer = load_tokenizer(tokenizer_dir)
+    target, drafter, tokenizer, dtype = load_benchmark_models(args.shape, device)
     config = EngineConfig(max_batch=max(c for c, _ in cells), max_len=max(x for _, x in cells) + args.new_tokens + 16,
                           max_budget=max(*budgets, 32), max_queue=4096, warmup="none", cost_curve=args.cost_curve,
                           **({} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}))

@@ -193,12 +193,9 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device)
     cuda = device.type == "cuda"
 
-    from ddtree.models import load_tokenizer
-    from ddtree.models.standin import load_demo_benchmark_pair
+    from ddtree.models.standin import load_benchmark_models
 
-    dtype = torch.bfloat16 if cuda else torch.float32
-    target, drafter, tokenizer_dir = load_demo_benchmark_pair(args.shape, device, dtype)
-    tokenizer = load_tokenizer(tokenizer_dir)
+    target, drafter, tokenizer, dtype = load_benchmark_models(args.shape, device)
     synchronize(device)
     cells = select(plan(args.quick), args.cells)
     stream = held_out_token_stream(tokenizer, 4096 * 2 + 4096)

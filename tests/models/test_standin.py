@@ -28,6 +28,7 @@ from ddtree.models.standin import (
     SHAPES,
     StandinShape,
     build_standin,
+    load_benchmark_models,
     logit_agreement,
     plan_standin,
     standin_configs,
@@ -314,3 +315,17 @@ def test_cli_refuses_half_a_pair_and_the_package_directory(cli_app, tiny_model_d
     inside = CliRunner().invoke(cli_app, ["standin", "--shape", "test", "--out",
                                           str(Path(ddtree.__file__).parent / "assets" / "standin"), "--device", "cpu"])
     assert isinstance(inside.exception, ConfigError) and "never shipped" in str(inside.exception)
+
+
+def test_benchmark_models_are_the_demo_pair_in_the_devices_dtype():
+    """What the GPU benchmark scripts load (``load_benchmark_models``): on a CPU the demo pair as shipped, in fp32,
+    with its own tokenizer; the same weights ``load_target`` gives."""
+    from ddtree.assets import demo_target_path
+
+    target, drafter, tokenizer, dtype = load_benchmark_models("none", torch.device("cpu"))
+    assert dtype is torch.float32
+    assert next(target.parameters()).dtype is torch.float32 and next(drafter.parameters()).dtype is torch.float32
+    shipped = load_target(demo_target_path(), dtype=torch.float32, device=torch.device("cpu"))
+    assert all(torch.equal(a, b) for a, b in zip(target.state_dict().values(), shipped.state_dict().values(),
+                                                 strict=True))
+    assert tokenizer.encode("def f(x):") == load_tokenizer(demo_target_path()).encode("def f(x):")

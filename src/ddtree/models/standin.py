@@ -51,7 +51,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -477,6 +477,16 @@ def load_demo_benchmark_pair(shape: str, device: torch.device, dtype: torch.dtyp
         target, drafter = build_standin(target, drafter, standin_shape(shape))
     return target, drafter, Path(demo_target_path())
 
+
+
+def load_benchmark_models(shape: str, device: torch.device) -> tuple[TargetModel, DFlashDrafter, Any, torch.dtype]:
+    """:func:`load_demo_benchmark_pair` in the benchmarks' dtype (bf16 on CUDA, fp32 elsewhere) with the pair's
+    tokenizer: (target, drafter, tokenizer, dtype)."""
+    from ddtree.models.tokenizer import load_tokenizer
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    target, drafter, tokenizer_dir = load_demo_benchmark_pair(shape, device, dtype)
+    return target, drafter, load_tokenizer(tokenizer_dir), dtype
 
 @torch.inference_mode()
 def logit_agreement(small: TargetModel, big: TargetModel, input_ids: Tensor) -> dict[str, float]:
