@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> None:
     report = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
               "shape": args.shape, "new_tokens": args.new_tokens, "waves": args.waves, "variants": variants,
               "defaults": defaults, "engine_start_s": time.perf_counter() - t0,
-              "prefill_every": engine.config.prefill_every, "prefill_chunk": engine.config.prefill_chunk, "runs": [], "skipped": []}
+              "prefill_every": engine.config.prefill_every, "prefill_chunk": engine.config.prefill_chunk,
+              "runs": [], "skipped": []}
     configs = ([] if args.no_ar else [("ar", TreeSettings(method="ar"), {})]) + [
         (f"b{b}", TreeSettings(method="ddtree", budget=b), {}) for b in budgets] + [
         (f"auto-{name}", TreeSettings(method="ddtree", budget="auto"), consts) for name, consts in variants.items()]

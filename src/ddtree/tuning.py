@@ -36,9 +36,9 @@ MIN_BLOCKS_PER_SPLIT = 4
 AUTO_MAX_SPLITS = 16  # what choose_splits picks at most (the kernel accepts up to tree_attention.MAX_SPLITS)
 # Calls of several new tokens a row (T > 1: verifies, the drafter's blocks) over long contexts (at least
 # LONG_CONTEXT keys) whose row programs are at most one per SM get at least LONG_CONTEXT_MIN_SPLITS splits even
-# where WAVES asks fewer (docs/benchmarks.md, run 28, K/V beyond L2: T = 129 at 8k 85.3 -> 79.4 us, T = 65 at 4k 36.4 ->
-# 34.2, 8 rows of T = 9 at 8k 103.2 -> 89.0, of T = 17 127.1 -> 120.5). Plain decoding (T = 1) lost with it (8 rows
-# at 8k: 74.8 -> 81.1 us) and keeps WAVES (run 29).
+# where WAVES asks fewer (docs/benchmarks.md, run 28, K/V beyond L2: T = 129 at 8k 85.3 -> 79.4 us, T = 65 at 4k
+# 36.4 -> 34.2, 8 rows of T = 9 at 8k 103.2 -> 89.0, of T = 17 127.1 -> 120.5). Plain decoding (T = 1) lost with it
+# (8 rows at 8k: 74.8 -> 81.1 us) and keeps WAVES (run 29).
 LONG_CONTEXT = 4096
 LONG_CONTEXT_MIN_SPLITS = 8
 # A single request with a short context is latency-bound: a handful of programs with little work each. There,

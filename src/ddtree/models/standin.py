@@ -478,7 +478,6 @@ def load_demo_benchmark_pair(shape: str, device: torch.device, dtype: torch.dtyp
     return target, drafter, Path(demo_target_path())
 
 
-
 def load_benchmark_models(shape: str, device: torch.device) -> tuple[TargetModel, DFlashDrafter, Any, torch.dtype]:
     """:func:`load_demo_benchmark_pair` in the benchmarks' dtype (bf16 on CUDA, fp32 elsewhere) with the pair's
     tokenizer: (target, drafter, tokenizer, dtype)."""
@@ -487,6 +486,7 @@ def load_benchmark_models(shape: str, device: torch.device) -> tuple[TargetModel
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target, drafter, tokenizer_dir = load_demo_benchmark_pair(shape, device, dtype)
     return target, drafter, load_tokenizer(tokenizer_dir), dtype
+
 
 @torch.inference_mode()
 def logit_agreement(small: TargetModel, big: TargetModel, input_ids: Tensor) -> dict[str, float]:
