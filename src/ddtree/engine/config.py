@@ -24,7 +24,11 @@ class EngineConfig:
     max_budget: int = 64  # largest tree budget a request may ask for
     max_block_size: int | None = None  # largest block size a request may ask for; None = drafter's trained size
     max_queue: int = 256  # requests waiting for a slot before new ones are refused
-    prefill_chunk: int = 512  # prompt tokens prefilled per engine step (long prompts are chunked)
+    # Prompt tokens prefilled per engine step, the step's budget across its prompts (long prompts are chunked); each
+    # slot keeps this many positions of cache headroom, and the warm-up plans prefill keys up to it. At 64 requests of
+    # 1k tokens on the H200 stand-in 512 held DDTree to 1.04x AR (a step took half a prompt; newcomers waited 1.3-1.8 s
+    # for a first token); runs with benchmarks/gpu.py's 2048 had 1.20x (docs/benchmarks.md, "Budget auto on the H200").
+    prefill_chunk: int = 512
     # Prompt tokens a decode round carries in its verify forward for requests still prefilling (a mixed round;
     # ddtree.engine.scheduler): the bound on the extra forward a decoding request waits for per round. 0 = prompts
     # are prefilled only in steps of their own (prefill_chunk tokens) between rounds. Off by default: on one H100 at
