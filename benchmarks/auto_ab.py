@@ -101,7 +101,6 @@ def main(argv: list[str] | None = None) -> None:
     out = out_dir / "auto_ab.json"
     t0 = time.perf_counter()
     device = torch.device(args.device)
-    cuda = device.type == "cuda"
 
     from ddtree.models.standin import load_benchmark_models
 
@@ -113,7 +112,8 @@ def main(argv: list[str] | None = None) -> None:
     engine.start()
     synchronize(device)
     stream = held_out_token_stream(tokenizer, max(x for _, x in cells) * 2 + 4096)
-    report = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
+    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "dtype": str(dtype),
               "shape": args.shape, "new_tokens": args.new_tokens, "waves": args.waves, "variants": variants,
               "defaults": defaults, "engine_start_s": time.perf_counter() - t0,
               "prefill_every": engine.config.prefill_every, "prefill_chunk": engine.config.prefill_chunk,
