@@ -10,6 +10,10 @@ A variant sets module constants of :mod:`ddtree.engine.auto_budget` (read by the
 runs: ``--variants "new:EXPLORE_SLACK=0.10 old:EXPLORE_SLACK=0.25"``. Each auto run also counts its exploring
 rounds (a launch whose size differs from the best, :meth:`AutoChooser.choose`).
 
+``--step-tokens 512,2048`` runs every config at each prefill step size (``EngineConfig.prefill_step_tokens``, set on
+the running engine between runs: the scheduler reads it at every step; the engine is built, and its warm-up
+planned, for the largest); a config's name then ends in ``@512``, and "/ best fixed" compares within one size.
+
 A cell is ``C:context``; it runs ``--waves`` x C prompts, C in flight (newcomers arrive as requests finish). Every
 config is warmed up once per cell (one wave), then timed. Writes ``OUT/auto_ab.json`` after every run; prints a
 table.
@@ -26,6 +30,7 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -87,6 +92,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prefill-chunk", type=int, default=None,
                     help="EngineConfig.prefill_chunk (the cache keeps this much headroom per slot: 1024 lets C = 64 at "
                          "8k fit one H200)")
+    ap.add_argument("--step-tokens", default="",
+                    help="prefill step sizes to run every config at, e.g. 512,2048 (default: the engine's own)")
     ap.add_argument("--cost-curve", default="auto",
                     help="EngineConfig.cost_curve: auto (measured at engine start, on the engine's grid), off (budget "
                          "auto measures its own fallback curve at its first round, as `ddtree sweep` runs it), a path")
@@ -95,6 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     cells = [tuple(int(x) for x in c.split(":")) for c in args.cells.split(",") if c]
     budgets = [int(b) for b in args.budgets.split(",") if b]
     variants = parse_variants(args.variants)
+    steps: list[int | None] = [int(x) for x in args.step_tokens.split(",") if x] or [None]
     defaults = {k: getattr(auto_budget, k) for v in variants.values() for k in v}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -107,7 +115,8 @@ def main(argv: list[str] | None = None) -> None:
     target, drafter, tokenizer, dtype = load_benchmark_models(args.shape, device)
     config = EngineConfig(max_batch=max(c for c, _ in cells), max_len=max(x for _, x in cells) + args.new_tokens + 16,
                           max_budget=max(*budgets, 32), max_queue=4096, warmup="none", cost_curve=args.cost_curve,
-                          **({} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}))
+                          **({} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}),
+                          **({} if steps == [None] else {"prefill_step_tokens": max(s for s in steps if s)}))
     engine = Engine(target, drafter, tokenizer, config, model_name=f"standin-{args.shape}")
     engine.start()
     synchronize(device)
@@ -117,16 +126,20 @@ def main(argv: list[str] | None = None) -> None:
               "shape": args.shape, "new_tokens": args.new_tokens, "waves": args.waves, "variants": variants,
               "defaults": defaults, "engine_start_s": time.perf_counter() - t0,
               "prefill_every": engine.config.prefill_every, "prefill_chunk": engine.config.prefill_chunk,
+              "prefill_step_tokens": engine.config.prefill_step_tokens,
               "runs": [], "skipped": []}
-    configs = ([] if args.no_ar else [("ar", TreeSettings(method="ar"), {})]) + [
+    built = engine.config
+    base = ([] if args.no_ar else [("ar", TreeSettings(method="ar"), {})]) + [
         (f"b{b}", TreeSettings(method="ddtree", budget=b), {}) for b in budgets] + [
         (f"auto-{name}", TreeSettings(method="ddtree", budget="auto"), consts) for name, consts in variants.items()]
+    configs = [(name if step is None else f"{name}@{step}", tree, consts, step)
+               for step in steps for name, tree, consts in base]
     for conc, ctx in cells:
         prompts = prompts_for(stream, ctx, conc * args.waves, salt=ctx)
         refs: list | None = None
         for rep in range(args.repeats):
-            for name, tree, consts in configs:
-                if name == "ar" and rep > 0:
+            for name, tree, consts, step in configs:
+                if name.split("@")[0] == "ar" and rep > 0:
                     continue
                 key = {"concurrency": conc, "context": ctx, "config": name, "repeat": rep}
                 if time.perf_counter() > t0 + args.time_budget:
@@ -134,11 +147,12 @@ def main(argv: list[str] | None = None) -> None:
                     continue
                 for k, v in {**defaults, **consts}.items():
                     setattr(auto_budget, k, v)
+                engine.config = replace(built, prefill_step_tokens=step or built.prefill_step_tokens)
                 if rep == 0:  # graphs captured and kernels compiled outside the timed run
                     run_cell(engine, prompts[:conc], tree, args.new_tokens, concurrency=conc)
                 with ExploreCounter() as explored:
                     res = run_cell(engine, prompts, tree, args.new_tokens, concurrency=conc)
-                if name == "ar":
+                if name.split("@")[0] == "ar":
                     refs = res["tokens"]
                 row = {**key, "tok_s": res["tok_s"], "accept_length": res["accept_length"],
                        "round_ms": res["round_ms"], "ttft_s_mean": res["ttft_s_mean"],
@@ -168,9 +182,9 @@ def table(report: dict) -> str:
         runs = [r for r in report["runs"] if (r["concurrency"], r["context"]) == cell]
         names = list(dict.fromkeys(r["config"] for r in runs))
         med = {n: statistics.median(r["tok_s"] for r in runs if r["config"] == n) for n in names}
-        fixed = [n for n in names if n.startswith("b")]
-        best = max((med[n] for n in fixed), default=None)
         for n in names:
+            fixed = [f for f in names if f.startswith("b") and f.partition("@")[2] == n.partition("@")[2]]
+            best = max((med[f] for f in fixed), default=None)
             mine = [r for r in runs if r["config"] == n]
             each = ", ".join(f"{r['tok_s']:.0f}" for r in mine)
             ratio = f"{med[n] / best:.3f}x" if best else "-"

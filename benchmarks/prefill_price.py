@@ -27,6 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 from ddtree.engine import EngineConfig
 from ddtree.engine.exact_check import check_target
 from ddtree.engine.kernels import KernelSet
+from ddtree.engine.prefill_budget import resolve_step_tokens
 from ddtree.lab.bench.kernel_timing import kernel_times, load_standin_pair, time_ms
 from ddtree.speculative.attention import TreeVisibility
 
@@ -88,7 +89,8 @@ def main(argv: list[str] | None = None) -> None:
     if cuda:
         t = time.perf_counter()
         check = check_target(target, max_batch=args.max_batch, max_budget=64, max_block=16,
-                             prefill_chunk=args.prefill_chunk, prefill_width=args.prefill_chunk, max_len=4096)
+                             prefill_chunk=args.prefill_chunk, prefill_width=args.prefill_chunk, max_len=4096,
+                             step_tokens=resolve_step_tokens(None, args.prefill_chunk, "cuda"))
         exact = replace(exact, exact_blas=check.trusted)
         report["exact_check"] = {"s": time.perf_counter() - t, **check.describe()}
         print(f"exact check {report['exact_check']['s']:.1f} s: {check.describe()}", flush=True)

@@ -325,10 +325,10 @@ def test_engine_start_measures_caches_and_reports_the_curve(tiny_pair, tiny_toke
 def test_default_grid_is_the_declared_one():
     from ddtree.engine.cost_measure import default_grid
 
-    g = default_grid(max_batch=16, max_budget=64, cache_len=4200, block_size=16, prefill_chunk=512)
+    g = default_grid(max_batch=16, max_budget=64, cache_len=4200, block_size=16, step_tokens=512)
     assert (g.rows, g.budgets, g.kv_lens, g.prefill_tokens) == ((1, 4, 16), (0, 3, 15, 63, 64), (64, 512, 4096),
                                                                 (16, 64, 256, 512))
-    g = default_grid(max_batch=64, max_budget=64, cache_len=700, block_size=16, prefill_chunk=512, buckets=False)
+    g = default_grid(max_batch=64, max_budget=64, cache_len=700, block_size=16, step_tokens=512, buckets=False)
     # the tightest budget is 4: its 16-token draft block from a root at kv_len - 5 ends inside the cache
     assert (g.rows, g.budgets, g.kv_lens) == ((1, 4, 16, 64), (0, 4, 16, 64), (64, 512, 700 - 16 + 4 - 1))
-    assert default_grid(max_batch=3, max_budget=8, cache_len=300, block_size=None, prefill_chunk=128).budgets == (0,)
+    assert default_grid(max_batch=3, max_budget=8, cache_len=300, block_size=None, step_tokens=128).budgets == (0,)

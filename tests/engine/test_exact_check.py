@@ -20,16 +20,20 @@ from ddtree.models import exact_blas
 
 def test_row_counts_by_hand():
     # rounds: 1-2 requests x 1..4 tokens (budget 3 -> node bucket 3 + the root; block 4) = 1 2 3 4 6 8;
-    # eager prefill: one row of 16 or 32 (padded), two rows of 16 or 32 -> 16 32 64; no prefill graphs
-    got = target_row_counts(max_batch=2, max_budget=3, max_block=4, prefill_chunk=32, prefill_width=None, max_len=64)
+    # eager prefill, steps of 64: one row of 16 or 32 (padded), two rows of 16 or 32 -> 16 32 64; no prefill graphs
+    got = target_row_counts(max_batch=2, max_budget=3, max_block=4, prefill_chunk=32, step_tokens=64,
+                            prefill_width=None, max_len=64)
     assert got == [1, 2, 3, 4, 6, 8, 16, 32, 64]
+    # steps of 32: two rows fit only at width 16 (2 x 16), so no 64
+    assert target_row_counts(max_batch=2, max_budget=3, max_block=4, prefill_chunk=32, step_tokens=32,
+                             prefill_width=None, max_len=64) == [1, 2, 3, 4, 6, 8, 16, 32]
     # graphed first chunks add rows bucket x width bucket (widths 16 and 32 here: already present) ...
-    with_graphs = target_row_counts(max_batch=2, max_budget=3, max_block=4, prefill_chunk=32, prefill_width=32,
-                                    max_len=64)
+    with_graphs = target_row_counts(max_batch=2, max_budget=3, max_block=4, prefill_chunk=32, step_tokens=64,
+                                    prefill_width=32, max_len=64)
     assert set(got) <= set(with_graphs) and max(with_graphs) == 64
     # ... and a wider budget widens the rounds: budget 8 -> 9 tokens a request
-    assert 18 in target_row_counts(max_batch=2, max_budget=8, max_block=4, prefill_chunk=32, prefill_width=None,
-                                   max_len=64)
+    assert 18 in target_row_counts(max_batch=2, max_budget=8, max_block=4, prefill_chunk=32, step_tokens=32,
+                                   prefill_width=None, max_len=64)
 
 
 def _rows_alone(x, w, b=None):

@@ -37,28 +37,34 @@ def _plan(cfg: EngineConfig, *, block: int = 16, drafts: bool = True) -> WarmupP
 
 def test_plan_of_the_module_docstring_example():
     # cache_len 117: rows {1, 2, 4}; lengths {64, 117} for AR and for b8 -> 3 x (2 + 2) round keys
-    cfg = EngineConfig(max_batch=4, max_len=100, max_budget=8, prefill_chunk=16,
+    cfg = EngineConfig(max_batch=4, max_len=100, max_budget=8, prefill_chunk=16, prefill_step_tokens=64,
                        default_tree=TreeSettings(budget=8))
     plan = _plan(cfg)
     assert len(plan.rounds) == 12
     assert {(k.rows, k.max_budget, k.kv_len) for k in plan.rounds} == {
         (r, n, length) for r in (1, 2, 4) for n in (0, 8) for length in (64, 117)}
     assert plan.prefills == tuple(PrefillKey(rows=r, width=16) for r in (1, 2, 4))
+    # a step of 32 holds two rows of 16 at most, one of 16 alone a step of 16 (the CPU default: prefill_chunk)
+    assert _plan(dataclasses.replace(cfg, prefill_step_tokens=32)).prefills == (PrefillKey(1, 16), PrefillKey(2, 16))
+    assert _plan(dataclasses.replace(cfg, prefill_step_tokens=None)).prefills == (PrefillKey(1, 16),)
     # no tree-attention dims (a dense engine): one eager chunk, the chunk's width over its length bucket
     assert plan.eager_chunks == (EagerChunk(1, 16, 64),)
 
 
 def test_plan_sizes_against_hand_counts():
     # max_batch 6 -> rows {1, 2, 4, 6}; cache_len 2000 + 65 = 2065 -> lengths {64, ..., 2048, 2065}: 7 per shape
-    cfg = EngineConfig(max_batch=6, max_len=2000, max_budget=8, prefill_chunk=64, default_tree=TreeSettings(budget=8))
+    cfg = EngineConfig(max_batch=6, max_len=2000, max_budget=8, prefill_chunk=64, prefill_step_tokens=512,
+                       default_tree=TreeSettings(budget=8))
     assert len(_plan(cfg).rounds) == 4 * 7 * 2  # fast: AR + the default b8
     # full: AR, the chain (nodes 15), DDTree nodes {1, 2, 3, 4, 7, 8}: 8 shapes x 3 sampling variants
     assert len(_plan(dataclasses.replace(cfg, warmup="full")).rounds) == 4 * 7 * 8 * 3
     # declared budgets 3 and 5 add nodes 3 and 7
     assert len(_plan(dataclasses.replace(cfg, warmup="3,5")).rounds) == 4 * 7 * 4
     assert len(_plan(dataclasses.replace(cfg, warmup="none")).rounds) == 0
-    # prefill: one row takes up to 64 - (rows - 1) >= 59 tokens, so every rows bucket meets widths 16, 32 and 64
+    # prefill: up to 8 rows (bucketed) of 64 fit a step of 512, so every rows bucket meets widths 16, 32 and 64;
+    # steps of 64: rows 1 at widths 16-64, 2 at 16-32, 3-4 at 16, 5-6 none (8 x 16 > 64)
     assert len(_plan(cfg).prefills) == 4 * 3
+    assert len(_plan(dataclasses.replace(cfg, prefill_step_tokens=64)).prefills) == 3 + 2 + 1
     # without a drafter every level is AR only
     assert len(_plan(dataclasses.replace(cfg, warmup="full"), drafts=False).rounds) == 4 * 7 * 3
 

@@ -20,6 +20,7 @@ from ddtree.engine.config import EngineConfig, resolve_prefill_every
 from ddtree.engine.cuda_graphs import AttentionDims
 from ddtree.engine.exact_check import check_target
 from ddtree.engine.kernels import KernelSet
+from ddtree.engine.prefill_budget import resolve_step_tokens
 from ddtree.engine.runner import ModelRunner
 from ddtree.engine.warmup import GraphDims, Warmup, WarmupPlan, build_steps, plan_bytes, plan_warmup
 from ddtree.errors import ConfigError
@@ -82,7 +83,9 @@ def build(target, drafter, tokenizer, config: EngineConfig, *, model_name: str) 
     param = next(target.parameters())
     config = config.validated()
     config = replace(config, device=str(param.device), dtype=str(param.dtype).split(".")[-1],
-                     prefill_every=resolve_prefill_every(config.prefill_every, param.device.type))
+                     prefill_every=resolve_prefill_every(config.prefill_every, param.device.type),
+                     prefill_step_tokens=resolve_step_tokens(config.prefill_step_tokens, config.prefill_chunk,
+                                                             param.device.type))
     device = param.device
     trained_block_size = int(drafter.trained_block_size) if drafter is not None else 2
     max_block = config.max_block_size or trained_block_size
@@ -131,7 +134,8 @@ def build(target, drafter, tokenizer, config: EngineConfig, *, model_name: str) 
     exact_blas = None
     if kernels.exact and device.type == "cuda":  # exact mode: which projections cuBLAS already computes row-invariantly
         exact_blas = check_target(target, max_batch=max_batch, max_budget=config.max_budget, max_block=max_block,
-                                  prefill_chunk=config.prefill_chunk, prefill_width=prefill_width,
+                                  prefill_chunk=config.prefill_chunk, step_tokens=config.prefill_step_tokens,
+                                  prefill_width=prefill_width,
                                   max_len=config.max_len)
         kernels = replace(kernels, exact_blas=exact_blas.trusted)
     plan = plan_for(max_batch)

@@ -24,11 +24,15 @@ class EngineConfig:
     max_budget: int = 64  # largest tree budget a request may ask for
     max_block_size: int | None = None  # largest block size a request may ask for; None = drafter's trained size
     max_queue: int = 256  # requests waiting for a slot before new ones are refused
-    # Prompt tokens prefilled per engine step, the step's budget across its prompts (long prompts are chunked); each
-    # slot keeps this many positions of cache headroom, and the warm-up plans prefill keys up to it. At 64 requests of
-    # 1k tokens on the H200 stand-in 512 held DDTree to 1.04x AR (a step took half a prompt; newcomers waited 1.3-1.8 s
-    # for a first token); runs with benchmarks/gpu.py's 2048 had 1.20x (docs/benchmarks.md, "Budget auto on the H200").
+    # Prompt tokens one prompt writes per prefill step (long prompts are chunked); each slot keeps this many positions
+    # of cache headroom (a chunk's padded width is written past the prompt's end).
     prefill_chunk: int = 512
+    # A prefill step's size across its prompts: rows and widest row rounded up to powers of two multiply to at most
+    # this (ddtree.engine.prefill_budget), so it bounds what a step computes with its padding. None = 2048 on CUDA,
+    # prefill_chunk elsewhere (resolve_step_tokens, at build). Why separate from prefill_chunk: the loop runs one step
+    # a round, so this sets the prefill rate; at 64 requests of 1k tokens on the H200 stand-in one 512-token step a
+    # round let the batch drain (DDTree 1.04x AR; 1.20x with 2048-token steps; docs/benchmarks.md).
+    prefill_step_tokens: int | None = None
     # Prompt tokens a decode round carries in its verify forward for requests still prefilling (a mixed round;
     # ddtree.engine.scheduler): the bound on the extra forward a decoding request waits for per round. 0 = prompts
     # are prefilled only in steps of their own (prefill_chunk tokens) between rounds. Off by default: on one H100 at
@@ -84,6 +88,11 @@ class EngineConfig:
         if isinstance(self.mixed_chunk, bool) or not isinstance(self.mixed_chunk, int) or self.mixed_chunk < 0:
             raise ConfigError(f"mixed_chunk must be an integer >= 0 (0: no prompt chunks in decode rounds), "
                               f"got {self.mixed_chunk!r}")
+        if self.prefill_step_tokens is not None and (
+                isinstance(self.prefill_step_tokens, bool) or not isinstance(self.prefill_step_tokens, int)
+                or self.prefill_step_tokens < self.prefill_chunk):
+            raise ConfigError(f"prefill_step_tokens must be an integer >= prefill_chunk ({self.prefill_chunk}) or left "
+                              f"unset (None: 2048 on CUDA, prefill_chunk elsewhere), got {self.prefill_step_tokens!r}")
         if self.prefill_every is not None and (isinstance(self.prefill_every, bool)
                                                or not isinstance(self.prefill_every, int) or self.prefill_every < 1):
             raise ConfigError(f"prefill_every must be an integer >= 1 (1: a prefill step every round) or left unset "

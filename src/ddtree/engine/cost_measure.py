@@ -78,7 +78,7 @@ def reach_limit(cache_len: int, budget: int, block_size: int) -> int:
     return cache_len - max(budget + 1, block_size) + budget - 1
 
 
-def default_grid(*, max_batch: int, max_budget: int, cache_len: int, block_size: int | None, prefill_chunk: int,
+def default_grid(*, max_batch: int, max_budget: int, cache_len: int, block_size: int | None, step_tokens: int,
                  budgets: Sequence[int] | None = None, repeats: int = 3, buckets: bool = True) -> CostGrid:
     """The grid engine start measures, at most 4 x 5 x 3 points (so a CPU engine pays seconds, not minutes):
 
@@ -86,7 +86,9 @@ def default_grid(*, max_batch: int, max_budget: int, cache_len: int, block_size:
     budgets: 0 (AR), 3, 15, 63 below ``max_budget`` and ``max_budget`` itself (with ``buckets``, CUDA graphs:
     2^k - 1 fills a node bucket exactly, the cheapest budget of its bucket; without, 4 and 16: a CPU round's cost
     is smooth in the budget), or 0 plus the ``budgets`` given; kv_lens: 64, 512 and 4096, capped at what
-    the cache leaves room for (:func:`reach_limit`); prefill steps of 16, 64, 256 .. tokens up to ``prefill_chunk``.
+    the cache leaves room for (:func:`reach_limit`); prefill steps of 16, 64, 256 .. tokens up to ``step_tokens``
+    (``EngineConfig.prefill_step_tokens``: a step's size, padding included; timed as one row, which costs about what
+    a step of as many tokens in several rows does once the step is compute-bound).
     ``block_size`` None (no drafter) measures AR only."""
     rows = sorted({1, max_batch} | {1 << i for i in range(2, 8, 2) if (1 << i) < max_batch})
     if len(rows) > 4:
@@ -104,7 +106,7 @@ def default_grid(*, max_batch: int, max_budget: int, cache_len: int, block_size:
     if top < 1:
         raise CostCurveError(f"cache length {cache_len} leaves no room to time a round of budget {max(chosen)}")
     kv = sorted({min(v, top) for v in (64, 512, 4096)})
-    prefill = sorted({min(16 * 4 ** i, prefill_chunk, cache_len) for i in range(5)})
+    prefill = sorted({min(16 * 4 ** i, step_tokens, cache_len) for i in range(5)})
     return CostGrid(tuple(rows), tuple(chosen), tuple(kv), block, tuple(prefill), repeats)
 
 
@@ -296,7 +298,7 @@ def engine_grid(parts: Any) -> CostGrid:
     config = parts.config
     block = int(config.default_tree.block_size or parts.trained_block_size) if parts.drafter is not None else None
     return default_grid(max_batch=config.max_batch, max_budget=config.max_budget, cache_len=parts.cache_len,
-                        block_size=block, prefill_chunk=config.prefill_chunk, buckets=parts.graphs is not None)
+                        block_size=block, step_tokens=config.prefill_step_tokens, buckets=parts.graphs is not None)
 
 
 def curve_at_start(parts: Any, *, cache_dir: Path | None = None,

@@ -10,29 +10,31 @@ computes a token's K/V and logits the same way in all of them (prefill and decod
 from __future__ import annotations
 
 from ddtree.engine.cuda_graphs import bucket_nodes
+from ddtree.engine.prefill_budget import step_shapes
 from ddtree.engine.warmup import prefill_keys
 from ddtree.models import exact_blas
 from ddtree.models.exact_forward import layer_weights
 
 
-def target_row_counts(*, max_batch: int, max_budget: int, max_block: int, prefill_chunk: int,
+def target_row_counts(*, max_batch: int, max_budget: int, max_block: int, prefill_chunk: int, step_tokens: int,
                       prefill_width: int | None, max_len: int) -> list[int]:
     """Every rows x tokens count of one target forward (sorted, distinct):
 
     - rounds: 1 .. max_batch requests (a superset of the graphed rows buckets) x 1 .. T tokens, T the widest verify
       (AR 1, a chain's block up to ``max_block``, a tree's node bucket of ``max_budget`` plus the root);
     - graphed first prefill chunks: each key's rows bucket x width bucket (``prefill_width`` None: no graphs);
-    - eager prefill chunks: r rows x the widest row padded to a multiple of 16, the widest taking at most
-      ``prefill_chunk - r + 1`` tokens (the scheduler's step budget)."""
+    - eager prefill chunks: r rows x the widest row padded to a multiple of 16, for every step the scheduler makes
+      (:func:`ddtree.engine.prefill_budget.step_shapes`: ``prefill_chunk`` a prompt, ``step_tokens`` a step)."""
     widest = max(1, bucket_nodes(max_budget) + 1, max_block)
     counts = {r * t for r in range(1, max_batch + 1) for t in range(1, widest + 1)}
     if prefill_width is not None:
         counts.update(k.rows * k.width for k in prefill_keys(max_batch=max_batch, prefill_chunk=prefill_chunk,
-                                                              max_width=prefill_width, max_len=max_len))
+                                                              step_tokens=step_tokens, max_width=prefill_width,
+                                                              max_len=max_len))
     top = -(-prefill_chunk // 16) * 16
-    for r in range(1, min(max_batch, prefill_chunk) + 1):
+    for r, widest in step_shapes(max_batch=max_batch, chunk=prefill_chunk, step_tokens=step_tokens):
         for w in range(16, top + 1, 16):
-            if max(1, w - 15) + r - 1 > prefill_chunk:
+            if w - 15 > widest:
                 break
             counts.add(r * w)
     return sorted(counts)

@@ -38,9 +38,11 @@ HELP: dict[str, str] = {
     "max_budget": "Largest tree budget a request may ask for.",
     "max_block_size": "Largest block size a request may ask for (default: the drafter's trained size).",
     "max_queue": "Requests waiting for a slot before new ones are refused (the server answers 503).",
-    "prefill_chunk": "Prompt tokens prefilled per engine step, across its prompts (each slot keeps this many "
-                     "positions of cache headroom). Many concurrent long prompts on a GPU want more: at 64 requests "
-                     "of 1k tokens (H200) 512 kept DDTree to 1.04x AR; runs with 2048 had 1.20x.",
+    "prefill_chunk": "Prompt tokens one prompt writes per prefill step (long prompts are chunked; each slot keeps "
+                     "this many positions of cache headroom).",
+    "prefill_step_tokens": "A prefill step's size across its prompts, padding included (rows and widest row rounded "
+                           "up to powers of two); the loop runs one step a round, so this sets the prefill rate. "
+                           "Default 2048 on CUDA, prefill_chunk elsewhere; at least prefill_chunk.",
     "mixed_chunk": "Prompt tokens a decode round carries in its verify forward for requests still prefilling "
                    "(mixed rounds: the extra forward a decoding request waits for per round); 0: prefill steps only.",
     "prefill_every": "While requests decode, start prefilling arriving prompts at most once every N rounds, so they "

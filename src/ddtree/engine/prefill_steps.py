@@ -3,7 +3,8 @@ first completion tokens they sample on the device and the host reads later.
 
 A mixin of :class:`ddtree.engine.scheduler.Scheduler` (its methods run on the engine thread and use the
 scheduler's state: ``config``, ``runner``, ``prefill_graphs``, ``_active``, ``_first``, ``_mixing``, ``_guarded``,
-``_emit``, ``_upload``). A newcomer's prompt is written in chunks of ``prefill_chunk`` tokens by prefill steps, or
+``_emit``, ``_upload``). A newcomer's prompt is written in chunks of ``prefill_chunk`` tokens by prefill steps (a
+step takes as many prompts as ``prefill_step_tokens`` holds: :mod:`ddtree.engine.prefill_budget`), or
 of ``mixed_chunk`` tokens inside the decode round's verify forward while someone decodes (``EngineConfig.mixed_chunk``
 above 0; not for requests that asked for log-probs); the step or round that ends a prompt samples its first token
 on the device (:class:`~ddtree.engine.flights.FirstTokens`), and its row joins the next round with the token
@@ -21,6 +22,7 @@ from ddtree.engine.api import MAX_STOP_IDS, TokenLogprob
 from ddtree.engine.cuda_graphs import eager_chunk_dims
 from ddtree.engine.flights import FirstTokens, any_filter, describe_current_exception, holds
 from ddtree.engine.logprobs import device_logprobs, host_entries
+from ddtree.engine.prefill_budget import step_takes
 from ddtree.engine.request_state import Phase, RequestState
 from ddtree.engine.round import PrefillInputs
 from ddtree.engine.runner import HostCopy, to_host
@@ -68,9 +70,18 @@ class PrefillSteps:
         if left:
             self._guarded(self._prefill_step, left)
 
+    def _step_rows(self, states: list[RequestState]) -> list[tuple[RequestState, int]]:
+        """(state, prompt tokens it takes) for a prefill step, in the states' order: ``prefill_chunk`` tokens of
+        each prompt at most, as many prompts as ``prefill_step_tokens`` holds with the step's padding
+        (:func:`ddtree.engine.prefill_budget.step_takes`)."""
+        takes = step_takes([len(s.prompt_ids) - s.prefilled for s in states], chunk=self.config.prefill_chunk,
+                           step_tokens=self.config.prefill_step_tokens)
+        return list(zip(states, takes, strict=False))
+
     @staticmethod
     def _chunk_rows(states: list[RequestState], budget: int) -> list[tuple[RequestState, int]]:
-        """(state, prompt tokens it takes) for a chunk of at most ``budget`` tokens, in the states' order."""
+        """(state, prompt tokens it takes) for a mixed round's chunk of at most ``budget`` tokens, in the states'
+        order."""
         rows: list[tuple[RequestState, int]] = []
         for state in states:
             if budget <= 0:
@@ -105,7 +116,7 @@ class PrefillSteps:
         )
 
     def _prefill_step(self, states: list[RequestState]) -> None:
-        rows = self._chunk_rows(states, self.config.prefill_chunk)
+        rows = self._step_rows(states)
         t0 = time.perf_counter()
         ids = self._chunk_ids(rows)
         width = ids.shape[1]

@@ -30,9 +30,10 @@ Levels (``EngineConfig.warmup``; docs/architecture.md "Start-up warm-up" counts 
   size), and every one of these tree shapes (AR included) greedy, sampled and sampled with a top-p / top-k filter.
 - ``"4,15,31"`` (a comma-separated list of DDTree budgets): ``fast`` plus DDTree at those budgets' buckets, greedy.
 
-Worked example: ``max_batch=4, max_len=100, max_budget=8, prefill_chunk=16``, drafter of block 16, default tree
-DDTree b8. cache_len = 100 + 17 = 117: rows buckets {1, 2, 4}; length buckets of AR (nodes 0): {64, 117}; of b8
-(nodes 8): {64, 117} (9 + 0 .. 117 -> 64 or the cap). ``fast`` = 3 rows x (2 + 2) = 12 round keys.
+Worked example: ``max_batch=4, max_len=100, max_budget=8, prefill_chunk=16, prefill_step_tokens=64``, drafter of
+block 16, default tree DDTree b8. cache_len = 100 + 17 = 117: rows buckets {1, 2, 4}; length buckets of AR (nodes
+0): {64, 117}; of b8 (nodes 8): {64, 117} (9 + 0 .. 117 -> 64 or the cap). ``fast`` = 3 rows x (2 + 2) = 12 round
+keys; prefill keys (1, 16), (2, 16), (4, 16): up to four rows of 16 fit a step of 64.
 
 Shapes outside the plan still capture lazily; :class:`Warmup` counts them (and any Triton compilation after the
 warm-up) as misses, reported by :meth:`Warmup.info` (``Engine.info()["warmup"]``, ``/server_info``).
@@ -62,6 +63,7 @@ from ddtree.engine.cuda_graphs import (
     shared_key,
     stage_key,
 )
+from ddtree.engine.prefill_budget import resolve_step_tokens, step_shapes
 from ddtree.engine.round import RoundShape
 
 log = logging.getLogger("ddtree.engine")
@@ -134,15 +136,15 @@ def tree_shapes(level: str, budgets: tuple[int, ...], *, drafts: bool, block_siz
     return sorted(shapes)
 
 
-def prefill_keys(*, max_batch: int, prefill_chunk: int, max_width: int, max_len: int,
+def prefill_keys(*, max_batch: int, prefill_chunk: int, step_tokens: int, max_width: int, max_len: int,
                  max_tokens: int = PREFILL_MAX_TOKENS) -> list[PrefillKey]:
-    """Every key of a first prefill chunk the scheduler can graph: r rows (1 .. max_batch) of widths up to w, where
-    one row takes w tokens and the others at least one each of the step's ``prefill_chunk`` (w + r - 1 <=
-    prefill_chunk), a prompt is shorter than max_len, and the key stays within ``max_width`` and ``max_tokens``
+    """Every key of a first prefill chunk the scheduler can graph: r rows (1 .. max_batch), the widest taking w
+    tokens, for every step the scheduler makes (:func:`ddtree.engine.prefill_budget.step_shapes`), a prompt
+    shorter than max_len, and the key within ``max_width`` and ``max_tokens``
     (:meth:`~ddtree.engine.cuda_graphs.PrefillGraphs.fits`)."""
     keys: set[PrefillKey] = set()
-    for r in range(1, min(max_batch, prefill_chunk) + 1):
-        for w in range(1, min(prefill_chunk - r + 1, max_len - 1) + 1):
+    for r, widest in step_shapes(max_batch=max_batch, chunk=prefill_chunk, step_tokens=step_tokens):
+        for w in range(1, min(widest, max_len - 1) + 1):
             key = prefill_key(r, w, max_batch)
             if key.width <= max_width and key.rows * key.width <= max_tokens:
                 keys.add(key)
@@ -158,11 +160,12 @@ def eager_chunk_variants(chunk: EagerChunk, attention: AttentionDims) -> tuple[t
     return variants(launch, chunk.width, d, has_first=False)
 
 
-def eager_chunks(*, max_batch: int, prefill_chunk: int, max_len: int, cache_len: int,
+def eager_chunks(*, max_batch: int, prefill_chunk: int, step_tokens: int, max_len: int, cache_len: int,
                  attention: AttentionDims | None) -> tuple[tuple[EagerChunk, ...], frozenset]:
     """The eager chunks to run at start-up and every variant they cover: for every chunk the scheduler can
-    launch eagerly (r rows, the widest taking up to ``prefill_chunk - r + 1`` tokens padded to w, a multiple of
-    16, over a length bucket in [w, bucket(max_len + w)]), its tree-attention variants; then the cheapest chunk
+    launch eagerly (r rows, the widest taking as many tokens as a step allows (:func:`ddtree.engine.prefill_budget.
+    step_shapes`) padded to w, a multiple of 16, over a length bucket in [w, bucket(max_len + w)]), its
+    tree-attention variants; then the cheapest chunk
     (rows x width, then length) of each variant. Without the kernel (``attention`` None) one chunk: the padding
     already gives every other kernel the width class (a multiple of 16) the graphed prefill chunks compile."""
     top = -(-prefill_chunk // 16) * 16
@@ -170,9 +173,9 @@ def eager_chunks(*, max_batch: int, prefill_chunk: int, max_len: int, cache_len:
         return (EagerChunk(1, top, bucket_length(top, cache_len)),), frozenset()
     lengths = length_buckets_of(cache_len)
     cheapest: dict[tuple, EagerChunk] = {}
-    for rows in range(1, min(max_batch, prefill_chunk) + 1):
+    for rows, widest in step_shapes(max_batch=max_batch, chunk=prefill_chunk, step_tokens=step_tokens):
         for width in range(16, top + 1, 16):
-            if max(1, width - 15) + rows - 1 > prefill_chunk:  # the widest row and one token for each other
+            if width - 15 > widest:  # the narrowest take this width pads from is past the step's widest
                 break
             most = bucket_length(max_len + width, cache_len)
             for length in lengths:
@@ -197,6 +200,7 @@ def plan_warmup(config: EngineConfig, *, cache_len: int, drafts: bool, block_siz
     level, budgets = parse_warmup(config.warmup)
     if level == "none":
         return WarmupPlan(level=config.warmup)
+    step_tokens = resolve_step_tokens(config.prefill_step_tokens, config.prefill_chunk, config.device.split(":")[0])
     sampling = SAMPLING_ALL if level == "full" else SAMPLING_GREEDY
 
     def auto_width(nodes: int, contiguous: bool) -> int:  # a default tree of budget "auto": its trees are auto rounds
@@ -214,10 +218,11 @@ def plan_warmup(config: EngineConfig, *, cache_len: int, drafts: bool, block_siz
                                              draft_kv_len=length, greedy=greedy, filtered=filtered,
                                              contiguous=contiguous, auto_width=auto_width(nodes, contiguous)), attention, cache_len))
     prefills = [] if prefill_max_width is None else prefill_keys(
-        max_batch=config.max_batch, prefill_chunk=config.prefill_chunk, max_width=prefill_max_width,
-        max_len=config.max_len)
+        max_batch=config.max_batch, prefill_chunk=config.prefill_chunk, step_tokens=step_tokens,
+        max_width=prefill_max_width, max_len=config.max_len)
     chunks, variants = eager_chunks(max_batch=config.max_batch, prefill_chunk=config.prefill_chunk,
-                                    max_len=config.max_len, cache_len=cache_len, attention=attention)
+                                    step_tokens=step_tokens, max_len=config.max_len, cache_len=cache_len,
+                                    attention=attention)
     return WarmupPlan(level=config.warmup, rounds=tuple(dict.fromkeys(rounds)), prefills=tuple(prefills),
                       eager_chunks=chunks, eager_variants=variants)
 

@@ -121,6 +121,8 @@ def predict_cmd(
     num_requests: int | None = typer.Option(None, help="With --cost-curve and no --run: requests per cell "
                                             "(default: the trace's sequences)."),
     prefill_chunk: int = typer.Option(512, help="With --cost-curve and no --run: the engine's prefill chunk."),
+    prefill_step_tokens: int | None = typer.Option(None, help="With --cost-curve and no --run: the engine's "
+                                                   "prefill step size (default: the engine's on the curve's device)."),
 ) -> None:
     """Print predicted acceptance length per setting (AR and the DFlash chain included); with --cost-curve also
     predicted tok/s per cell."""
@@ -171,14 +173,15 @@ def predict_cmd(
         sequences = cell_sequences([loaded.sequence(s)[0] for s in range(loaded.num_sequences)],
                                    cells.prompts(load_tokenizer(cells.tokenizer)[0]))
         ctxs, concs, reqs, chunk = cells.contexts, cells.concurrency, cells.num_requests, cells.prefill_chunk
+        step = cells.prefill_step_tokens
     else:
         ctxs = tuple(c for c in _list(contexts, what="contexts", optional=False) if c is not None)
         concs = tuple(c for c in _list(concurrency, what="concurrency", optional=False) if c is not None)
         reqs = {c: num_requests or loaded.num_sequences for c in concs}
-        chunk = prefill_chunk
+        chunk, step = prefill_chunk, prefill_step_tokens
     cells_out = predict_cells(predictions, curve, depth=loaded.depth, contexts=ctxs, concurrency=concs,
                               num_requests=reqs, max_tokens=loaded.max_tokens, sequences=sequences,
-                              prefill_chunk=chunk)
+                              prefill_chunk=chunk, step_tokens=step)
     tok = Table(title=f"predicted tok/s (cost curve {curve.device}, {curve.model}"
                       f"{'' if curve.prefill_tokens else '; prefill not modelled'})")
     keys = [(c, n) for c in ctxs for n in concs]
@@ -191,7 +194,7 @@ def predict_cmd(
                                        + ("*" if by[(p.setting.label, c, n)].extrapolated else "") for c, n in keys])
     Console().print(tok)
     doc = predicted_document(cells_out, curve=curve, curve_path=str(cost_curve), trace=loaded.metadata(),
-                             prefill_chunk=chunk)
+                             prefill_chunk=chunk, step_tokens=step)
     if run is not None:
         atomic_write_json(run / PREDICTED_FILE, doc)
         typer.echo(f"{run / PREDICTED_FILE} (* = outside the curve's grid: extrapolated)")

@@ -4,8 +4,10 @@ The model (stated, because every number it gives rests on it): a benchmark cell 
 ``context``-token prompt and ``max_tokens`` completion tokens, at most ``concurrency`` in flight (the bench's closed
 loop: a finished request's place goes to the next one at once), on one engine whose loop alternates
 
-* a **prefill step** when admitted requests still have prompt tokens: at most ``prefill_chunk`` of them, in
-  arrival order, costing :meth:`~ddtree.engine.cost_curve.CostCurve.prefill_step_seconds` of its tokens (zero
+* a **prefill step** when admitted requests still have prompt tokens: the scheduler's rule
+  (:func:`ddtree.engine.prefill_budget.step_takes`: at most ``prefill_chunk`` tokens a prompt, in arrival order, as
+  many prompts as ``step_tokens`` holds with the step's padding), costing
+  :meth:`~ddtree.engine.cost_curve.CostCurve.prefill_step_seconds` of its rows x widest row (what it computes; zero
   when the curve has no prefill points; said in the result); a request whose prompt completes gets its first
   token from it and decodes from then on;
 * a **decode round** for every decoding request: ``rows`` = those requests, ``kv_len`` = the keys the verify
@@ -35,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from ddtree.engine.cost_curve import CostCurve
+from ddtree.engine.prefill_budget import resolve_step_tokens, step_takes
 from ddtree.errors import ConfigError
 from ddtree.lab.replay.predict import Prediction, Setting
 
@@ -74,18 +77,26 @@ def round_budget(setting: Setting, depth: int) -> int:
     return int(setting.budget)
 
 
+def curve_step_tokens(curve: CostCurve, prefill_chunk: int, step_tokens: int | None) -> int:
+    """The step size an engine on the curve's device used: ``step_tokens``, or the engine's default there."""
+    return resolve_step_tokens(step_tokens, prefill_chunk, "cpu" if curve.device == "cpu" else "cuda")
+
+
 def simulate_cell(curve: CostCurve, commits: Sequence[Sequence[int]], *, context: int, concurrency: int,
-                  max_tokens: int, budget: int, prefill_chunk: int = 512) -> tuple[float, float, int, bool]:
+                  max_tokens: int, budget: int, prefill_chunk: int = 512,
+                  step_tokens: int | None = None) -> tuple[float, float, int, bool]:
     """Run the module's model for one cell. ``commits[i]``: request i's tokens committed per decode round (the
     first token comes from its prefill). Returns (round seconds, prefill seconds, rounds, extrapolated).
 
     Each engine step, as the scheduler's loop: requests the closed loop has sent take free places; one prefill
-    step takes up to ``prefill_chunk`` prompt tokens of the admitted requests in arrival order (a request whose
-    prompt completes decodes from this step on); then one round of every decoding request."""
+    step takes prompt tokens of the admitted requests in arrival order (``prefill_chunk`` a prompt, ``step_tokens``
+    a step, None: the engine's default on the curve's device; a request whose prompt completes decodes from this
+    step on); then one round of every decoding request."""
     if concurrency < 1 or not commits:
         raise ConfigError(f"a cell needs concurrency >= 1 and at least one request, got {concurrency}, {len(commits)}")
     if prefill_chunk < 1:
         raise ConfigError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+    step_tokens = curve_step_tokens(curve, prefill_chunk, step_tokens)
     waiting = deque(range(len(commits)))
     prefilling: deque[list[int]] = deque()  # [request, prompt tokens left]
     decoding: dict[int, list[int]] = {}  # request -> [next round index, tokens committed]
@@ -96,14 +107,10 @@ def simulate_cell(curve: CostCurve, commits: Sequence[Sequence[int]], *, context
         while waiting and len(prefilling) + len(decoding) < concurrency:
             prefilling.append([waiting.popleft(), context])
         if prefilling:
-            room, step = prefill_chunk, 0
-            for entry in prefilling:
-                take = min(entry[1], room)
+            takes = step_takes([entry[1] for entry in prefilling], chunk=prefill_chunk, step_tokens=step_tokens)
+            for entry, take in zip(prefilling, takes, strict=False):
                 entry[1] -= take
-                room -= take
-                step += take
-                if room == 0:
-                    break
+            step = len(takes) * max(takes)
             cost = curve.prefill_step_seconds(step)
             if cost is not None:
                 prefill_s += cost
@@ -130,7 +137,7 @@ def simulate_cell(curve: CostCurve, commits: Sequence[Sequence[int]], *, context
 def predict_cells(predictions: Sequence[Prediction], curve: CostCurve, *, depth: int, contexts: Sequence[int],
                   concurrency: Sequence[int], num_requests: int | Mapping[int, int], max_tokens: int,
                   sequences: Mapping[tuple[int, int], Sequence[int]] | None = None,
-                  prefill_chunk: int = 512) -> list[CellPrediction]:
+                  prefill_chunk: int = 512, step_tokens: int | None = None) -> list[CellPrediction]:
     """Every setting of ``predictions`` (which must carry per-round ``commits``) at every (context, concurrency).
 
     num_requests: requests per run of a cell, one number or one per concurrency; sequences: the trace sequences
@@ -157,7 +164,7 @@ def predict_cells(predictions: Sequence[Prediction], curve: CostCurve, *, depth:
                     commits = [per_seq[s] for s in run]
                     r_s, p_s, r_n, r_extra = simulate_cell(curve, commits, context=ctx, concurrency=conc,
                                                            max_tokens=max_tokens, budget=budget,
-                                                           prefill_chunk=prefill_chunk)
+                                                           prefill_chunk=prefill_chunk, step_tokens=step_tokens)
                     speeds.append(n * max_tokens / (r_s + p_s) if r_s + p_s > 0 else math.inf)
                     round_s, prefill_s, rounds, extra = round_s + r_s, prefill_s + p_s, rounds + r_n, extra or r_extra
                     verify_rounds += sum(len(c) for c in commits)
@@ -172,15 +179,18 @@ def predict_cells(predictions: Sequence[Prediction], curve: CostCurve, *, depth:
 
 
 def predicted_document(cells: Sequence[CellPrediction], *, curve: CostCurve, curve_path: str | None,
-                       trace: Mapping[str, Any], prefill_chunk: int) -> dict[str, Any]:
+                       trace: Mapping[str, Any], prefill_chunk: int,
+                       step_tokens: int | None = None) -> dict[str, Any]:
     """The JSON ``ddtree replay predict --cost-curve`` writes (``predicted.json`` in a run directory)."""
     return {
         "schema": TOK_S_SCHEMA,
-        "model": ("closed loop; per engine step: one prefill step of at most prefill_chunk prompt tokens, then one "
+        "model": ("closed loop; per engine step: one prefill step (prefill_chunk tokens a prompt, rows x widest row "
+                  "within prefill_step_tokens, powers of two), then one "
                   "round of every decoding request at round_seconds(rows, budget, keys read: furthest root + budget + 1); host "
                   "work between rounds not modelled (ddtree.lab.replay.throughput)"),
         "prefill_modelled": bool(curve.prefill_tokens),
         "prefill_chunk": prefill_chunk,
+        "prefill_step_tokens": curve_step_tokens(curve, prefill_chunk, step_tokens),
         "trace": dict(trace),
         "cost_curve": {"path": curve_path, "device": curve.device, "model": curve.model, "rows": list(curve.rows),
                        "budgets": list(curve.budgets), "kv_lens": list(curve.kv_lens)},
@@ -201,6 +211,7 @@ class SweepCells:
     text: str
     tokenizer: str | None  # the served model's tokenizer (None: the demo pair's)
     prefill_chunk: int
+    prefill_step_tokens: int | None  # None: the engine's default on its device
 
     @classmethod
     def from_run(cls, run_dir: Path) -> SweepCells:
@@ -220,7 +231,8 @@ class SweepCells:
         return cls(workload.contexts, workload.concurrency, workload.output_tokens,
                    {c: workload.requests_for(c) for c in workload.concurrency}, workload.repeats, workload.seed,
                    workload.text, target.get("tokenizer") or engine.get("target"),
-                   int(engine.get("prefill_chunk") or 512))
+                   int(engine.get("prefill_chunk") or 512),
+                   None if engine.get("prefill_step_tokens") is None else int(engine["prefill_step_tokens"]))
 
     def prompts(self, tokenizer: Any) -> dict[tuple[int, int], list[list[int]]]:
         """Every cell's prompt ids, all repeats in order, exactly as the bench builds them (same seed and tags)."""
