@@ -85,13 +85,18 @@ def test_prefill_steps_are_added():
     # C=1: each request's 2-token prompt is one step of 0.002 s; C=2: one step of both prompts, 4 tokens, 0.004 s
     assert c1.prefill_seconds == pytest.approx(0.004) and c1.tok_s == pytest.approx(10 / (0.08 + 0.004))
     assert c2.prefill_seconds == pytest.approx(0.004) and c2.tok_s == pytest.approx(10 / (2 * 0.03 + 0.004))
-    # a prefill chunk of 3 tokens: step 1 completes request 0's prompt and 1 token of request 1's, so request 0's
-    # first round runs alone (1 row, 0.02 s); step 2 completes request 1 and both decode (0.03 s); then request 1
-    # alone (0.02 s)
+    # a prefill chunk of 3 tokens and steps of 3 (the CPU default: the chunk): a second row would pad the step to
+    # 2 x 16 tokens, so step 1 takes request 0's prompt alone (2 tokens, 0.002 s) and its first round runs alone
+    # (1 row, 0.02 s); step 2 takes request 1's and both decode (0.03 s); then request 1 alone (0.02 s)
     round_s, prefill_s, rounds, _ = simulate_cell(curve, [[3, 1], [3, 1]], context=2, concurrency=2, max_tokens=5,
                                                   budget=2, prefill_chunk=3)
-    assert prefill_s == pytest.approx(0.003 + 0.001)
+    assert prefill_s == pytest.approx(0.002 + 0.002)
     assert (round_s, rounds) == (pytest.approx(0.02 + 0.03 + 0.02), 3)
+    # steps of 32 hold both (2 rows x 16 padded): one step of 2 rows x 2 tokens (0.004 s), then two rounds of both
+    round_s, prefill_s, rounds, _ = simulate_cell(curve, [[3, 1], [3, 1]], context=2, concurrency=2, max_tokens=5,
+                                                  budget=2, prefill_chunk=3, step_tokens=32)
+    assert prefill_s == pytest.approx(0.004)
+    assert (round_s, rounds) == (pytest.approx(0.03 + 0.03), 2)
 
 
 def test_rounds_read_the_furthest_root():
