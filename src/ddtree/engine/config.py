@@ -30,8 +30,9 @@ class EngineConfig:
     # A prefill step's size across its prompts: rows and widest row rounded up to powers of two multiply to at most
     # this (ddtree.engine.prefill_budget), so it bounds what a step computes with its padding. None = 2048 on CUDA,
     # prefill_chunk elsewhere (resolve_step_tokens, at build). Why separate from prefill_chunk: the loop runs one step
-    # a round, so this sets the prefill rate; at 64 requests of 1k tokens on the H200 stand-in one 512-token step a
-    # round let the batch drain (DDTree 1.04x AR; 1.20x with 2048-token steps; docs/benchmarks.md).
+    # a round, so this sets the prefill rate; at 64 requests of 1k tokens one 512-token step a round let the batch
+    # drain (the H200 stand-in: DDTree 1.04x AR); steps of 2048 gave b7 +27 % and auto +31 % on one H100, 1.36x AR
+    # (docs/benchmarks.md, "Prefill steps sized apart from the chunk").
     prefill_step_tokens: int | None = None
     # Prompt tokens a decode round carries in its verify forward for requests still prefilling (a mixed round;
     # ddtree.engine.scheduler): the bound on the extra forward a decoding request waits for per round. 0 = prompts
