@@ -97,9 +97,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--c1-prompts", type=int, default=3, help="prompts run one after another in concurrency-1 cells")
     ap.add_argument("--no-prefill-graphs", action="store_true", help="EngineConfig(prefill_graphs=False)")
     ap.add_argument("--draft-fp8", action="store_true", help="EngineConfig(draft_fp8=True): fp8 drafter projections")
-    ap.add_argument("--prefill-chunk", type=int, default=2048,
-                    help="EngineConfig.prefill_chunk; the cache keeps this many positions of headroom per slot, so "
-                         "1024 lets C=64 at 8k fit one H200")
+    ap.add_argument("--prefill-chunk", type=int, default=EngineConfig.prefill_chunk,
+                    help="EngineConfig.prefill_chunk: tokens of one prompt a prefill step takes, and the cache "
+                         "headroom every slot keeps (runs up to git ec91f7b used 2048; 1024 let C=64 at 8k fit one "
+                         "H200 then)")
+    ap.add_argument("--prefill-step-tokens", type=int, default=EngineConfig.prefill_step_tokens,
+                    help="EngineConfig.prefill_step_tokens: a prefill step's size across its prompts, padding "
+                         "included (default: the engine's, 2048 on CUDA)")
     ap.add_argument("--mixed-chunk", type=int, default=EngineConfig.mixed_chunk,
                     help="EngineConfig.mixed_chunk: prompt tokens a decode round carries for arriving requests "
                          "(0: prefill steps of their own only)")
@@ -161,8 +165,9 @@ def _run(args: argparse.Namespace, compiles: CompileLog, listening: bool) -> Non
                       retime=args.retime, auto=args.auto, chain=args.chain).validated()
     max_len = max(contexts) + args.new_tokens + 16
     config = EngineConfig(max_batch=max(concurrency), max_len=max_len, max_budget=max(*budgets, 32),
-                          prefill_chunk=args.prefill_chunk, mixed_chunk=args.mixed_chunk,
-                          prefill_every=args.prefill_every, max_queue=4096, cuda_graphs=True, gpu_kernels=not args.no_kernels,
+                          prefill_chunk=args.prefill_chunk, prefill_step_tokens=args.prefill_step_tokens,
+                          mixed_chunk=args.mixed_chunk, prefill_every=args.prefill_every, max_queue=4096,
+                          cuda_graphs=True, gpu_kernels=not args.no_kernels,
                           prefill_graphs=not args.no_prefill_graphs, draft_fp8=args.draft_fp8,
                           blas_rule=not args.no_blas_rule, warmup=args.engine_warmup,
                           cost_curve=args.cost_curve or ("auto" if args.auto else "off"))
@@ -177,6 +182,7 @@ def _run(args: argparse.Namespace, compiles: CompileLog, listening: bool) -> Non
     report = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
               "shape": args.shape,
               "gpu_kernels": not args.no_kernels, "prefill_chunk": args.prefill_chunk,
+              "prefill_step_tokens": engine.config.prefill_step_tokens,
               "mixed_chunk": args.mixed_chunk,
               "prefill_every": resolve_prefill_every(args.prefill_every, "cuda" if cuda else "cpu"),
               "draft_fp8": args.draft_fp8, "blas_rule": not args.no_blas_rule, "compile_log": listening,

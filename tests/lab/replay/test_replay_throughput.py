@@ -13,6 +13,7 @@ from ddtree.errors import ConfigError
 from ddtree.lab.replay import Trace, predict
 from ddtree.lab.replay.throughput import (
     cell_sequences,
+    curve_step_tokens,
     predict_cells,
     predicted_document,
     simulate_cell,
@@ -97,6 +98,12 @@ def test_prefill_steps_are_added():
                                                   budget=2, prefill_chunk=3, step_tokens=32)
     assert prefill_s == pytest.approx(0.004)
     assert (round_s, rounds) == (pytest.approx(0.03 + 0.03), 2)
+    # unset, the step is the engine's default on the curve's device: the chunk on a CPU, 2048 on a GPU
+    gpu = make_curve("NVIDIA H200", "hand", (1, 2), (0, 2), (1, 100), lambda r, b, k: 0.01 * r + 0.005 * b,
+                     prefill_tokens=(1, 4), prefill_seconds=(0.001, 0.004))
+    assert (curve_step_tokens(curve, 3, None), curve_step_tokens(gpu, 3, None), curve_step_tokens(gpu, 3, 8)) == (3, 2048, 8)
+    assert simulate_cell(gpu, [[3, 1], [3, 1]], context=2, concurrency=2, max_tokens=5, budget=2,
+                         prefill_chunk=3)[1] == pytest.approx(0.004)
 
 
 def test_rounds_read_the_furthest_root():
@@ -183,7 +190,10 @@ def test_sweep_cells_are_the_manifest_ones_and_their_prompts_the_benchs(tmp_path
                   resume=False)
     cells = SweepCells.from_run(tmp_path / "run")
     assert (cells.contexts, cells.concurrency, cells.output_tokens, cells.num_requests, cells.repeats,
-            cells.prefill_chunk) == ((24, 40), (1, 2), 8, {1: 3, 2: 3}, 2, 128)
+            cells.prefill_chunk, cells.prefill_step_tokens) == ((24, 40), (1, 2), 8, {1: 3, 2: 3}, 2, 128, None)
+    Manifest.open(RunLayout(tmp_path / "run2"), config, {"mode": "inprocess", "engine_config": {
+        "prefill_chunk": 128, "prefill_step_tokens": 1024}}, resume=False)
+    assert SweepCells.from_run(tmp_path / "run2").prefill_step_tokens == 1024
     prompts = cells.prompts(tiny_tokenizer)
     assert sorted(prompts) == [(24, 1), (24, 2), (40, 1), (40, 2)]
     assert all(len(v) == 6 and all(len(p) == ctx for p in v) for (ctx, _), v in prompts.items())
