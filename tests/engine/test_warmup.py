@@ -126,13 +126,16 @@ _ENGINES: dict[str, object] = {}
 
 
 def _engine(level: str, tiny_pair, tiny_tokenizer):
-    """One CPU engine per level (the tiny pair, block 8), its rounds' shapes and prefill chunks recorded."""
+    """One CPU engine per level (the tiny pair, block 8), its rounds' shapes and prefill chunks recorded. A level
+    ``"fast@96"`` is ``fast`` with prefill steps of 96 tokens (four chunks; the CPU default is one)."""
     if level not in _ENGINES:
         from ddtree.engine import Engine
 
         target, drafter = tiny_pair
+        warmup, _, step = level.partition("@")
         cfg = EngineConfig(max_batch=MAX_BATCH, max_len=MAX_LEN, max_budget=MAX_BUDGET, prefill_chunk=CHUNK,
-                           overlap_rounds=True, warmup=level, default_tree=TreeSettings(budget=6))
+                           prefill_step_tokens=int(step) if step else None, overlap_rounds=True, warmup=warmup,
+                           default_tree=TreeSettings(budget=6))
         engine = Engine.from_models(target, drafter, tiny_tokenizer, cfg, model_name="tiny")
         engine.shapes, engine.prefills = [], []
         queue, prefill = engine._queue, engine.runner.prefill
@@ -162,6 +165,7 @@ def _shutdown_engines():
 
 def _requests(draw, level: str) -> tuple[list[GenerationRequest], int]:
     """A random request mix inside what ``level`` declares (see ddtree.engine.warmup's module docstring)."""
+    level = level.partition("@")[0]
     _, budgets = parse_warmup(level)
     n = draw(st.integers(1, 7))
     out = []
@@ -216,7 +220,7 @@ def _check_covered(engine, plan: WarmupPlan) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("level", ["fast", "full", "3,9"])
+@pytest.mark.parametrize("level", ["fast", "full", "3,9", "fast@96"])
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_random_request_mixes_stay_inside_the_plan(level, data, tiny_pair, tiny_tokenizer):
@@ -228,6 +232,8 @@ def test_random_request_mixes_stay_inside_the_plan(level, data, tiny_pair, tiny_
     outputs = engine.generate(requests, max_in_flight=in_flight)
     assert all(o.error is None for o in outputs), [o.error for o in outputs]
     _check_covered(engine, plan)
+    step = engine.config.prefill_step_tokens
+    assert all(rows == 1 or (1 << (rows - 1).bit_length()) * width <= step for rows, width, _, _ in engine.prefills)
 
 
 @pytest.mark.slow
