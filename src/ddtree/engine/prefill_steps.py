@@ -51,10 +51,11 @@ class PrefillSteps:
         """Whether the prefilling ``states`` (not riding in a round) take a prefill step in this iteration: always,
         unless some request decodes and ``EngineConfig.prefill_every`` is above 1; then once that many rounds were
         queued since the last step, or when one of them is past its first chunk (a long prompt goes on as before),
-        or when their prompts fill a step (``prefill_chunk``). Why: at 64 in flight one request arrives about every
-        round, and each arrival's own step of a 60-token prompt cost the whole batch about a read of the target's
-        weights (the H200 stand-in: DDTree's round 2.7 ms past its device stages, docs/benchmarks.md "Rounds that
-        take in newcomers"); arrivals that share a step pay that once."""
+        or when their prompts hold a whole chunk (``prefill_chunk``: a step that large costs its compute, so
+        sharing it saves little). Why: at 64 in flight one request arrives about every round, and each arrival's
+        own step of a 60-token prompt cost the whole batch about a read of the target's weights (the H200
+        stand-in: DDTree's round 2.7 ms past its device stages, docs/benchmarks.md "Rounds that take in
+        newcomers"); arrivals that share a step pay that once."""
         every = self.config.prefill_every
         if every <= 1 or not self._someone_decodes():
             return True

@@ -163,10 +163,10 @@ def eager_chunk_variants(chunk: EagerChunk, attention: AttentionDims) -> tuple[t
 def eager_chunks(*, max_batch: int, prefill_chunk: int, step_tokens: int, max_len: int, cache_len: int,
                  attention: AttentionDims | None) -> tuple[tuple[EagerChunk, ...], frozenset]:
     """The eager chunks to run at start-up and every variant they cover: for every chunk the scheduler can
-    launch eagerly (r rows, the widest taking as many tokens as a step allows (:func:`ddtree.engine.prefill_budget.
-    step_shapes`) padded to w, a multiple of 16, over a length bucket in [w, bucket(max_len + w)]), its
-    tree-attention variants; then the cheapest chunk
-    (rows x width, then length) of each variant. Without the kernel (``attention`` None) one chunk: the padding
+    launch eagerly (r rows, the widest taking as many tokens as a step allows, per
+    :func:`ddtree.engine.prefill_budget.step_shapes`, padded to w, a multiple of 16, over a length bucket in
+    [w, bucket(max_len + w)]), its tree-attention variants; then the cheapest chunk (rows x width, then length) of
+    each variant. Without the kernel (``attention`` None) one chunk: the padding
     already gives every other kernel the width class (a multiple of 16) the graphed prefill chunks compile."""
     top = -(-prefill_chunk // 16) * 16
     if attention is None:
