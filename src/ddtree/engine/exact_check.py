@@ -10,7 +10,7 @@ computes a token's K/V and logits the same way in all of them (prefill and decod
 from __future__ import annotations
 
 from ddtree.engine.cuda_graphs import bucket_nodes
-from ddtree.engine.prefill_budget import step_shapes
+from ddtree.engine.prefill_budget import eager_steps
 from ddtree.engine.warmup import prefill_keys
 from ddtree.models import exact_blas
 from ddtree.models.exact_forward import layer_weights
@@ -31,12 +31,7 @@ def target_row_counts(*, max_batch: int, max_budget: int, max_block: int, prefil
         counts.update(k.rows * k.width for k in prefill_keys(max_batch=max_batch, prefill_chunk=prefill_chunk,
                                                               step_tokens=step_tokens, max_width=prefill_width,
                                                               max_len=max_len))
-    top = -(-prefill_chunk // 16) * 16
-    for r, widest in step_shapes(max_batch=max_batch, chunk=prefill_chunk, step_tokens=step_tokens):
-        for w in range(16, top + 1, 16):
-            if w - 15 > widest:
-                break
-            counts.add(r * w)
+    counts.update(r * w for r, w in eager_steps(max_batch=max_batch, chunk=prefill_chunk, step_tokens=step_tokens))
     return sorted(counts)
 
 

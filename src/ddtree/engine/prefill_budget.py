@@ -59,17 +59,22 @@ def step_takes(left: Sequence[int], *, chunk: int, step_tokens: int) -> list[int
 
 def step_shapes(*, max_batch: int, chunk: int, step_tokens: int) -> Iterator[tuple[int, int]]:
     """Every (rows, widest row's largest take) of a step the scheduler can make, rows ascending; the warm-up plan
-    and exact mode enumerate widths up to the second number."""
+    and exact mode enumerate widths up to the second number. :func:`step_fits` is monotone in the width and
+    changes only where its power of two does, so the largest fitting take is the chunk or a power of two below it."""
+    candidates = [chunk] + [1 << k for k in range(chunk.bit_length()) if 1 << k < chunk]
     for rows in range(1, max_batch + 1):
-        widest = chunk if rows == 1 else min(chunk, _widest_for(rows, step_tokens))
+        widest = max((w for w in candidates if step_fits(rows, w, chunk=chunk, step_tokens=step_tokens)), default=0)
         if widest < 1:
             return
         yield rows, widest
 
 
-def _widest_for(rows: int, step_tokens: int) -> int:
-    """The largest width w with pow2(rows) * max(16, pow2(w)) <= step_tokens (0: none)."""
-    room = step_tokens // _pow2(rows)
-    if room < 16:
-        return 0
-    return 1 << (room.bit_length() - 1)
+def eager_steps(*, max_batch: int, chunk: int, step_tokens: int) -> Iterator[tuple[int, int]]:
+    """Every (rows, padded width) of an eager step: the widest take rounded up to a multiple of 16
+    (:func:`ddtree.engine.cuda_graphs.eager_chunk_dims`), for every step :func:`step_shapes` allows."""
+    top = -(-chunk // 16) * 16
+    for rows, widest in step_shapes(max_batch=max_batch, chunk=chunk, step_tokens=step_tokens):
+        for width in range(16, top + 1, 16):
+            if width - 15 > widest:  # the narrowest take this width pads from is past the step's widest
+                break
+            yield rows, width

@@ -63,7 +63,7 @@ from ddtree.engine.cuda_graphs import (
     shared_key,
     stage_key,
 )
-from ddtree.engine.prefill_budget import resolve_step_tokens, step_shapes
+from ddtree.engine.prefill_budget import eager_steps, resolve_step_tokens, step_shapes
 from ddtree.engine.round import RoundShape
 
 log = logging.getLogger("ddtree.engine")
@@ -173,18 +173,15 @@ def eager_chunks(*, max_batch: int, prefill_chunk: int, step_tokens: int, max_le
         return (EagerChunk(1, top, bucket_length(top, cache_len)),), frozenset()
     lengths = length_buckets_of(cache_len)
     cheapest: dict[tuple, EagerChunk] = {}
-    for rows, widest in step_shapes(max_batch=max_batch, chunk=prefill_chunk, step_tokens=step_tokens):
-        for width in range(16, top + 1, 16):
-            if width - 15 > widest:  # the narrowest take this width pads from is past the step's widest
-                break
-            most = bucket_length(max_len + width, cache_len)
-            for length in lengths:
-                if width <= length <= most:
-                    chunk = EagerChunk(rows, width, length)
-                    for variant in eager_chunk_variants(chunk, attention):
-                        have = cheapest.get(variant)
-                        if have is None or (rows * width, length) < (have.rows * have.width, have.kv_len):
-                            cheapest[variant] = chunk
+    for rows, width in eager_steps(max_batch=max_batch, chunk=prefill_chunk, step_tokens=step_tokens):
+        most = bucket_length(max_len + width, cache_len)
+        for length in lengths:
+            if width <= length <= most:
+                chunk = EagerChunk(rows, width, length)
+                for variant in eager_chunk_variants(chunk, attention):
+                    have = cheapest.get(variant)
+                    if have is None or (rows * width, length) < (have.rows * have.width, have.kv_len):
+                        cheapest[variant] = chunk
     chunks = sorted(set(cheapest.values()), key=lambda c: (c.rows * c.width, c.kv_len, c.rows))
     return tuple(chunks), frozenset(cheapest)
 
