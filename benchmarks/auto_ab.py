@@ -10,9 +10,13 @@ A variant sets module constants of :mod:`ddtree.engine.auto_budget` (read by the
 runs: ``--variants "new:EXPLORE_SLACK=0.10 old:EXPLORE_SLACK=0.25"``. Each auto run also counts its exploring
 rounds (a launch whose size differs from the best, :meth:`AutoChooser.choose`).
 
-``--step-tokens 512,2048`` runs every config at each prefill step size (``EngineConfig.prefill_step_tokens``, set on
-the running engine between runs: the scheduler reads it at every step; the engine is built, and its warm-up
-planned, for the largest); a config's name then ends in ``@512``, and "/ best fixed" compares within one size.
+``--settings "steps:prefill_step_tokens=2048 mixed:mixed_chunk=2048"`` runs every config under each named set of
+engine settings (``EngineConfig`` fields the scheduler reads at every round or step: ``prefill_step_tokens``,
+``mixed_chunk``, ``prefill_every``), set on the running engine between runs; the engine is built with the largest
+value of each field (its cache headroom and mixed graphs' widths follow ``mixed_chunk``), and every field a setting
+leaves out keeps the built value, except ``mixed_chunk``, which is 0 unless a setting names it. A config's name then
+ends in ``@name``, and "/ best fixed" compares within one setting. ``--step-tokens 512,2048`` is short for
+``--settings "512:prefill_step_tokens=512 2048:prefill_step_tokens=2048"``.
 
 A cell is ``C:context``; it runs ``--waves`` x C prompts, C in flight (newcomers arrive as requests finish). Every
 config is warmed up once per cell (one wave), then timed. Writes ``OUT/auto_ab.json`` after every run; prints a
@@ -20,6 +24,8 @@ table.
 
     python benchmarks/auto_ab.py --out $OUT --cells 64:60,64:1024 --budgets 7 --repeats 3 \\
         --variants "new:EXPLORE_SLACK=0.10 old:EXPLORE_SLACK=0.25"
+    python benchmarks/auto_ab.py --out $OUT --cells 64:1024 --budgets 7 --repeats 2 --variants "new:" \\
+        --settings "off: mixed:mixed_chunk=2048"
     python benchmarks/auto_ab.py --out /tmp/x --shape none --device cpu --cells 4:64 --budgets 4 --repeats 1 \\
         --waves 1 --new-tokens 16 --variants "a:EXPLORE_SLACK=0.10"    # a dry run on a CPU
 """
@@ -53,6 +59,29 @@ def parse_variants(text: str) -> dict[str, dict[str, float]]:
             consts[key] = float(value)
         out[name] = consts
     return out
+
+
+SETTABLE = ("prefill_step_tokens", "mixed_chunk", "prefill_every")  # read by the scheduler at every round or step
+
+
+def parse_settings(text: str, step_tokens: str) -> list[tuple[str | None, dict[str, int]]]:
+    """``"name:FIELD=value,... name2:..."`` (or ``--step-tokens`` "512,2048") -> [(name, {field: value})];
+    [(None, {})] when neither is given (the engine as built). Fields outside :data:`SETTABLE` fail here."""
+    if text and step_tokens:
+        raise SystemExit("--settings and --step-tokens: give one")
+    if step_tokens:
+        return [(x, {"prefill_step_tokens": int(x)}) for x in step_tokens.split(",") if x]
+    out: list[tuple[str | None, dict[str, int]]] = []
+    for part in text.split():
+        name, _, body = part.partition(":")
+        fields = {}
+        for item in filter(None, body.split(",")):
+            key, _, value = item.partition("=")
+            if key not in SETTABLE:
+                raise SystemExit(f"--settings: {key!r} is not one of {', '.join(SETTABLE)}")
+            fields[key] = int(value)
+        out.append((name, fields))
+    return out or [(None, {})]
 
 
 class ExploreCounter:
@@ -94,6 +123,9 @@ def main(argv: list[str] | None = None) -> None:
                          "8k fit one H200)")
     ap.add_argument("--step-tokens", default="",
                     help="prefill step sizes to run every config at, e.g. 512,2048 (default: the engine's own)")
+    ap.add_argument("--settings", default="",
+                    help="named engine settings to run every config under: 'name:FIELD=value,... name2:...' "
+                         f"(fields: {', '.join(SETTABLE)})")
     ap.add_argument("--cost-curve", default="auto",
                     help="EngineConfig.cost_curve: auto (measured at engine start, on the engine's grid), off (budget "
                          "auto measures its own fallback curve at its first round, as `ddtree sweep` runs it), a path")
@@ -102,7 +134,9 @@ def main(argv: list[str] | None = None) -> None:
     cells = [tuple(int(x) for x in c.split(":")) for c in args.cells.split(",") if c]
     budgets = [int(b) for b in args.budgets.split(",") if b]
     variants = parse_variants(args.variants)
-    steps: list[int | None] = [int(x) for x in args.step_tokens.split(",") if x] or [None]
+    settings = parse_settings(args.settings, args.step_tokens)
+    largest = {f: max(fields[f] for _, fields in settings if f in fields)
+               for f in SETTABLE if any(f in fields for _, fields in settings)}
     defaults = {k: getattr(auto_budget, k) for v in variants.values() for k in v}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -116,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     config = EngineConfig(max_batch=max(c for c, _ in cells), max_len=max(x for _, x in cells) + args.new_tokens + 16,
                           max_budget=max(*budgets, 32), max_queue=4096, warmup="none", cost_curve=args.cost_curve,
                           **({} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}),
-                          **({} if steps == [None] else {"prefill_step_tokens": max(s for s in steps if s)}))
+                          **largest)
     engine = Engine(target, drafter, tokenizer, config, model_name=f"standin-{args.shape}")
     engine.start()
     synchronize(device)
@@ -126,19 +160,20 @@ def main(argv: list[str] | None = None) -> None:
               "shape": args.shape, "new_tokens": args.new_tokens, "waves": args.waves, "variants": variants,
               "defaults": defaults, "engine_start_s": time.perf_counter() - t0,
               "prefill_every": engine.config.prefill_every, "prefill_chunk": engine.config.prefill_chunk,
-              "prefill_step_tokens": engine.config.prefill_step_tokens,
+              "prefill_step_tokens": engine.config.prefill_step_tokens, "mixed_chunk": engine.config.mixed_chunk,
+              "settings": {name: fields for name, fields in settings if name is not None},
               "runs": [], "skipped": []}
     built = engine.config
     base = ([] if args.no_ar else [("ar", TreeSettings(method="ar"), {})]) + [
         (f"b{b}", TreeSettings(method="ddtree", budget=b), {}) for b in budgets] + [
         (f"auto-{name}", TreeSettings(method="ddtree", budget="auto"), consts) for name, consts in variants.items()]
-    configs = [(name if step is None else f"{name}@{step}", tree, consts, step)
-               for step in steps for name, tree, consts in base]
+    configs = [(name if setting is None else f"{name}@{setting}", tree, consts, fields)
+               for setting, fields in settings for name, tree, consts in base]
     for conc, ctx in cells:
         prompts = prompts_for(stream, ctx, conc * args.waves, salt=ctx)
         refs: list | None = None
         for rep in range(args.repeats):
-            for name, tree, consts, step in configs:
+            for name, tree, consts, fields in configs:
                 if name.split("@")[0] == "ar" and rep > 0:
                     continue
                 key = {"concurrency": conc, "context": ctx, "config": name, "repeat": rep}
@@ -147,9 +182,10 @@ def main(argv: list[str] | None = None) -> None:
                     continue
                 for k, v in {**defaults, **consts}.items():
                     setattr(auto_budget, k, v)
-                engine.config = replace(built, prefill_step_tokens=step or built.prefill_step_tokens)
+                engine.config = replace(built, **{"mixed_chunk": 0, **fields})
                 if rep == 0:  # graphs captured and kernels compiled outside the timed run
                     run_cell(engine, prompts[:conc], tree, args.new_tokens, concurrency=conc)
+                mixed_before = engine._counters.mixed_rounds_total
                 with ExploreCounter() as explored:
                     res = run_cell(engine, prompts, tree, args.new_tokens, concurrency=conc)
                 if name.split("@")[0] == "ar":
@@ -158,7 +194,8 @@ def main(argv: list[str] | None = None) -> None:
                        "round_ms": res["round_ms"], "ttft_s_mean": res["ttft_s_mean"],
                        "stage_ms_per_round": {k: round(v, 3) for k, v in res["stage_ms_per_round"].items()},
                        "auto_budgets": {str(b): n for b, n in sorted(res["auto_budgets"].items())},
-                       "explored_rounds": explored.count, "errors": res["errors"][:3],
+                       "explored_rounds": explored.count,
+                       "mixed_rounds": engine._counters.mixed_rounds_total - mixed_before, "errors": res["errors"][:3],
                        "identical_to_ar": None if refs is None else sum(a == b for a, b in zip(res["tokens"], refs,
                                                                                                 strict=True))}
                 report["runs"].append(row)
@@ -174,9 +211,11 @@ def main(argv: list[str] | None = None) -> None:
 
 def table(report: dict) -> str:
     """Per cell and config: the median tok/s over the repeats (each repeat's), acceptance, round ms, explored
-    rounds, and the ratio to the cell's best fixed budget."""
-    lines = ["| C | ctx | config | tok/s median (each) | / best fixed | accept | round ms | explored | =AR |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    rounds, and the ratio to the cell's best fixed budget. "stages ms": a round's device stages (draft, tree, verify,
+    commit) summed, so "round ms" past it is what the loop spends beside them (host work, prefill steps)."""
+    lines = ["| C | ctx | config | tok/s median (each) | / best fixed | accept | round ms | stages ms | TTFT s | explored "
+             "| =AR |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     cells = list(dict.fromkeys((r["concurrency"], r["context"]) for r in report["runs"]))
     for cell in cells:
         runs = [r for r in report["runs"] if (r["concurrency"], r["context"]) == cell]
@@ -191,6 +230,8 @@ def table(report: dict) -> str:
             lines.append(f"| {cell[0]} | {cell[1]} | {n} | {med[n]:.0f} ({each}) | {ratio} | "
                          f"{statistics.mean(r['accept_length'] for r in mine):.3f} | "
                          f"{statistics.mean(r['round_ms'] for r in mine):.2f} | "
+                         f"{statistics.mean(sum(r['stage_ms_per_round'].values()) for r in mine):.2f} | "
+                         f"{statistics.mean(r['ttft_s_mean'] for r in mine):.3f} | "
                          f"{sum(r['explored_rounds'] for r in mine)} | {mine[0]['identical_to_ar']} |")
     return "\n".join(lines)
 
