@@ -185,7 +185,8 @@ def main(argv: list[str] | None = None) -> None:
                 engine.config = replace(built, **{"mixed_chunk": 0, **fields})
                 if rep == 0:  # graphs captured and kernels compiled outside the timed run
                     run_cell(engine, prompts[:conc], tree, args.new_tokens, concurrency=conc)
-                mixed_before = engine._counters.mixed_rounds_total
+                mixed_before = engine._counters.mixed_rounds_total, engine._counters.mixed_deferred_total
+                captures_before = 0 if engine.graphs is None else engine.graphs.mixed_captures
                 with ExploreCounter() as explored:
                     res = run_cell(engine, prompts, tree, args.new_tokens, concurrency=conc)
                 if name.split("@")[0] == "ar":
@@ -195,7 +196,10 @@ def main(argv: list[str] | None = None) -> None:
                        "stage_ms_per_round": {k: round(v, 3) for k, v in res["stage_ms_per_round"].items()},
                        "auto_budgets": {str(b): n for b, n in sorted(res["auto_budgets"].items())},
                        "explored_rounds": explored.count,
-                       "mixed_rounds": engine._counters.mixed_rounds_total - mixed_before, "errors": res["errors"][:3],
+                       "mixed_rounds": engine._counters.mixed_rounds_total - mixed_before[0],
+                       "mixed_deferred": engine._counters.mixed_deferred_total - mixed_before[1],
+                       "mixed_captures": (0 if engine.graphs is None else engine.graphs.mixed_captures) - captures_before,
+                       "errors": res["errors"][:3],
                        "identical_to_ar": None if refs is None else sum(a == b for a, b in zip(res["tokens"], refs,
                                                                                                 strict=True))}
                 report["runs"].append(row)
@@ -211,11 +215,12 @@ def main(argv: list[str] | None = None) -> None:
 
 def table(report: dict) -> str:
     """Per cell and config: the median tok/s over the repeats (each repeat's), acceptance, round ms, explored
-    rounds, and the ratio to the cell's best fixed budget. "stages ms": a round's device stages (draft, tree, verify,
-    commit) summed, so "round ms" past it is what the loop spends beside them (host work, prefill steps)."""
+    rounds, mixed rounds and rounds whose riders were deferred (the capture budget), and the ratio to the cell's best
+    fixed budget. "stages ms": a round's device stages (draft, tree, verify, commit) summed, so "round ms" past it is
+    what the loop spends beside them (host work, prefill steps)."""
     lines = ["| C | ctx | config | tok/s median (each) | / best fixed | accept | round ms | stages ms | TTFT s | explored "
-             "| =AR |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| mixed / deferred | =AR |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     cells = list(dict.fromkeys((r["concurrency"], r["context"]) for r in report["runs"]))
     for cell in cells:
         runs = [r for r in report["runs"] if (r["concurrency"], r["context"]) == cell]
@@ -232,7 +237,9 @@ def table(report: dict) -> str:
                          f"{statistics.mean(r['round_ms'] for r in mine):.2f} | "
                          f"{statistics.mean(sum(r['stage_ms_per_round'].values()) for r in mine):.2f} | "
                          f"{statistics.mean(r['ttft_s_mean'] for r in mine):.3f} | "
-                         f"{sum(r['explored_rounds'] for r in mine)} | {mine[0]['identical_to_ar']} |")
+                         f"{sum(r['explored_rounds'] for r in mine)} | "
+                         f"{sum(r.get('mixed_rounds', 0) for r in mine)} / {sum(r.get('mixed_deferred', 0) for r in mine)} | "
+                         f"{mine[0]['identical_to_ar']} |")
     return "\n".join(lines)
 
 

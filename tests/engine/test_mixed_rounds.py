@@ -14,7 +14,7 @@ import pytest
 import torch
 from engine_helpers import plain_greedy, submit_staggered
 
-from ddtree.engine import EngineConfig, GenerationRequest, SamplingParams, TreeSettings
+from ddtree.engine import EngineConfig, GenerationRequest, SamplingParams, TreeSettings, prefill_steps
 from ddtree.engine.runner import ModelRunner
 from ddtree.errors import ConfigError
 
@@ -348,14 +348,8 @@ class _Replays:
         return [self.record(fn, pool, stage=stage) for stage, fn in stages]
 
 
-@pytest.mark.parametrize("mixed_chunk", [16, 0])
-def test_graphed_mixed_rounds_give_the_plain_decoders_tokens(mixed_chunk, tiny_engine_factory, references,
-                                                             monkeypatch, queued_rides):
-    """The graphed path of mixed rounds (RoundGraphs.run_mixed: the chunk's layers graph per round key and chunk
-    bucket in place of the shared layers graph) with replays emulated on the CPU (:class:`_Replays`): a value the
-    capture fixed (the chunk's last token), an output not written where the key's choice graph reads it, or a
-    wrong copy of the first tokens' states changes tokens. Several chunk keys must really be captured, and rounds
-    queued from the device must carry chunks too."""
+def _emulated_graphs(tiny_engine_factory, monkeypatch, mixed_chunk: int):
+    """An engine whose rounds replay graphs emulated on the CPU (:class:`_Replays`)."""
     from ddtree.engine.cuda_graphs import RoundGraphs
 
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
@@ -364,6 +358,19 @@ def test_graphed_mixed_rounds_give_the_plain_decoders_tokens(mixed_chunk, tiny_e
     engine = tiny_engine_factory(oracle=True, max_batch=4, mixed_chunk=mixed_chunk)
     engine.graphs = RoundGraphs(engine.runner, max_rows=4, cache_len=engine.cache_len,
                                 recorder=_Replays(monkeypatch), max_chunk_width=16)
+    return engine
+
+
+@pytest.mark.parametrize("mixed_chunk", [16, 0])
+def test_graphed_mixed_rounds_give_the_plain_decoders_tokens(mixed_chunk, tiny_engine_factory, references,
+                                                             monkeypatch, queued_rides):
+    """The graphed path of mixed rounds (RoundGraphs.run_mixed: the chunk's layers graph per round key and chunk
+    bucket in place of the shared layers graph) with replays emulated on the CPU (:class:`_Replays`): a value the
+    capture fixed (the chunk's last token), an output not written where the key's choice graph reads it, or a
+    wrong copy of the first tokens' states changes tokens. Several chunk keys must really be captured, and rounds
+    queued from the device must carry chunks too."""
+    monkeypatch.setattr(prefill_steps, "MIXED_CAPTURE_SHARE", 1e9)  # every capture at once (the budget's test below)
+    engine = _emulated_graphs(tiny_engine_factory, monkeypatch, mixed_chunk)
     prompts, trees = PROMPTS * 2, TREES * 2
     outs = _staggered(engine, _greedy(prompts, trees))
     for out, p in zip(outs, prompts, strict=True):
@@ -372,3 +379,22 @@ def test_graphed_mixed_rounds_give_the_plain_decoders_tokens(mixed_chunk, tiny_e
     assert chunk_keys >= 2 if mixed_chunk else chunk_keys == 0
     assert engine.graphs.mixed_captures == chunk_keys  # none dropped (max_mixed), each counted once
     assert any(carried for _, carried in queued_rides) == bool(mixed_chunk), queued_rides
+
+
+def test_mixed_graph_captures_past_their_share_send_riders_to_prefill_steps(tiny_engine_factory, references,
+                                                                             monkeypatch):
+    """With no time for captures (``MIXED_CAPTURE_SHARE`` 0: only the first, when none has cost anything yet), a
+    round whose riders' layers graph is not captured leaves them out, and they take a prefill step in the same
+    iteration: exactly one chunk key is captured, rounds were deferred, prompts still rode where that graph serves,
+    and every output equals the plain decoder's (a refused rider that nobody prefilled would hang, one prefilled
+    twice or not at all would change tokens)."""
+    monkeypatch.setattr(prefill_steps, "MIXED_CAPTURE_SHARE", 0.0)
+    engine = _emulated_graphs(tiny_engine_factory, monkeypatch, 16)
+    prompts, trees = PROMPTS * 3, TREES * 3
+    outs = _staggered(engine, _greedy(prompts, trees))
+    for out, p in zip(outs, prompts, strict=True):
+        assert out == references[p]
+    snap = engine.snapshot()
+    assert engine.graphs.mixed_captures == 1 == sum(len(c.mixed) for c in engine.graphs.graphs.values())
+    assert snap.mixed_deferred_total > 0
+    assert snap.mixed_rounds_total > 0

@@ -371,6 +371,13 @@ class RoundGraphs:
         return (cap.work.result[:rows], PackedRows(cap.front.packed.longs[:, :rows], cap.front.packed.floats[:, :rows]),
                 prompt)
 
+    def mixed_captured(self, shape: RoundShape, chunk: ChunkRows) -> bool:
+        """Whether :meth:`run_mixed` of ``shape`` with ``chunk`` riding would replay a layers graph already
+        captured (no capture on the way: the scheduler's capture budget, ``MIXED_CAPTURE_SHARE``)."""
+        cap = self.graphs.get(self.key_for(shape))
+        ckey = chunk_key(chunk, max_rows=self.max_rows, max_width=self.max_chunk_width, cache_len=self.cache_len)
+        return cap is not None and ckey in cap.mixed
+
     def _captured(self, shape: RoundShape, rows_in: PackedRows) -> tuple[RoundShape, _Captured, PackedRows]:
         """The key of ``shape`` and its capture (made now if new); ``rows_in`` cloned when a capture would reset
         the buffers it is a view of."""

@@ -64,6 +64,7 @@ class EngineSnapshot:
     stage_seconds_total: dict[str, float]
     mixed_rounds_total: int = 0  # decode rounds that carried prompt chunks (EngineConfig.mixed_chunk)
     mixed_prompt_tokens_total: int = 0  # prompt tokens those rounds carried
+    mixed_deferred_total: int = 0  # rounds whose riders took a prefill step: mixed graph captures over their share
 
 
 class Engine(Scheduler):
@@ -354,6 +355,7 @@ class Engine(Scheduler):
                 stage_seconds_total=dict(c.stage_seconds_total),
                 mixed_rounds_total=c.mixed_rounds_total,
                 mixed_prompt_tokens_total=c.mixed_prompt_tokens_total,
+                mixed_deferred_total=c.mixed_deferred_total,
             )
 
     def info(self) -> dict[str, Any]:

@@ -2,8 +2,8 @@
 first completion tokens they sample on the device and the host reads later.
 
 A mixin of :class:`ddtree.engine.scheduler.Scheduler` (its methods run on the engine thread and use the
-scheduler's state: ``config``, ``runner``, ``prefill_graphs``, ``_active``, ``_first``, ``_mixing``, ``_guarded``,
-``_emit``, ``_upload``). A newcomer's prompt is written in chunks of ``prefill_chunk`` tokens by prefill steps (a
+scheduler's state: ``config``, ``runner``, ``graphs``, ``prefill_graphs``, ``_active``, ``_first``, ``_mixing``,
+``_serving_since``, ``_counters``, ``_guarded``, ``_emit``, ``_upload``). A newcomer's prompt is written in chunks of ``prefill_chunk`` tokens by prefill steps (a
 step takes as many prompts as ``prefill_step_tokens`` holds: :mod:`ddtree.engine.prefill_budget`), or
 of ``mixed_chunk`` tokens inside the decode round's verify forward while someone decodes (``EngineConfig.mixed_chunk``
 above 0; not for requests that asked for log-probs); the step or round that ends a prompt samples its first token
@@ -29,6 +29,10 @@ from ddtree.engine.runner import HostCopy, to_host
 
 log = logging.getLogger("ddtree.engine")
 
+# Mixed rounds' graph captures take at most this share of the time since the engine loop started (PrefillSteps
+# ._may_ride); past it, riders whose layers graph is not captured take a prefill step instead.
+MIXED_CAPTURE_SHARE = 0.05
+
 
 class PrefillSteps:
     """Prefill steps, mixed rounds' riders and first tokens (module docstring)."""
@@ -42,6 +46,24 @@ class PrefillSteps:
         if not self._someone_decodes():
             return []
         return [s for s in prefilling if s.sampling.prompt_logprobs is None and s.sampling.logprobs is None]
+
+    def _may_ride(self, shape, chunk) -> bool:
+        """Whether a graphed round of ``shape`` (a RoundShape) may carry ``chunk`` (its riders' ChunkRows): its
+        layers graph with that chunk is captured, or capturing it now keeps the mixed captures' time within
+        :data:`MIXED_CAPTURE_SHARE` of the time since the loop started. Why: a mixed graph's key (the round's and
+        the chunk's buckets) is known only when a chunk rides, so the warm-up cannot plan it, and each capture stalls
+        the whole batch (an eager pass and a recording of the target's layers: 0.27 s on the H100 stand-in); without
+        a budget a fresh server's first arrivals would meet one capture after another. Refused riders take a prefill
+        step in the same iteration, as with mixing off; later rounds of the same buckets capture once the budget
+        allows (the graphs of a steady load are few: 14-25 in a whole C = 64 cell of docs/benchmarks.md)."""
+        graphs = self.graphs
+        if graphs.mixed_captured(shape, chunk):
+            return True
+        if graphs.mixed_capture_s <= MIXED_CAPTURE_SHARE * (time.perf_counter() - self._serving_since):
+            return True
+        with self._lock:
+            self._counters.mixed_deferred_total += 1
+        return False
 
     def _someone_decodes(self) -> bool:
         """Whether some admitted request decodes (prompts then ride in its rounds or wait for a shared step)."""

@@ -85,6 +85,7 @@ class _Counters:
     stage_seconds_total: dict[str, float] = field(default_factory=dict)
     mixed_rounds_total: int = 0  # rounds that carried prompt chunks in their verify forward
     mixed_prompt_tokens_total: int = 0  # prompt tokens those rounds carried
+    mixed_deferred_total: int = 0  # rounds whose riders took a prefill step instead (capture budget: _may_ride)
 
 
 class Scheduler(PrefillSteps, FollowUps):
@@ -120,6 +121,7 @@ class Scheduler(PrefillSteps, FollowUps):
         self._cost_waiters: list[threading.Event] = []  # prepare_auto calls waiting for the loop to measure
         self._first: FirstTokens | None = None  # first tokens a prefill step or a mixed round sampled, until read
         self._mixing = True  # mixed rounds allowed (off for good once one fails in its graphs)
+        self._serving_since = time.perf_counter()  # the loop's start: mixed graph captures' budget (_may_ride)
         self._rounds_queued = 0  # Flight.seq
         self._prefill_round = 0  # _rounds_queued at the last prefill step (EngineConfig.prefill_every)
 
@@ -137,6 +139,7 @@ class Scheduler(PrefillSteps, FollowUps):
         """One iteration: admit, one prefill step, then read the round in flight, launch the next and only then
         emit what was read, so detokenizing, stop checks and callbacks overlap the device's next round."""
         flight: Flight | None = None
+        self._serving_since = time.perf_counter()
         while not self._stopping:
             self._drain_inbox()
             self._admit()
@@ -179,8 +182,11 @@ class Scheduler(PrefillSteps, FollowUps):
                     self._prefill_alone(riders)
                 worked = True
             self._emit_results(results)
-            if riders and flight is None:  # every decoding row finished on the tokens just read: no round to ride
-                self._prefill_alone(riders)
+            # riders with no round to ride in (every decoding row finished on the tokens just read), or that the
+            # round left out (its mixed graph not captured and the capture budget spent: _may_ride)
+            left = [s for s in riders if flight is None or not holds(flight.riders, s)]
+            if left:
+                self._prefill_alone(left)
                 worked = True
             if not worked:
                 self._wake.wait(timeout=0.05)
@@ -339,10 +345,14 @@ class Scheduler(PrefillSteps, FollowUps):
         ride = self._ride_rows(riders) if riders else []
         first_logits = None
         graphed = self.graphs is not None and self.graphs.can_run(len(states))
+        chunk = None
         if ride and graphed:
             ids = self._chunk_ids(ride)
             chunk = ChunkRows(ids=ids, slots=tuple(s.slot for s, _ in ride), start=tuple(s.prefilled for s, _ in ride),
                               valid_len=tuple(t for _, t in ride))
+            if not self._may_ride(shape, chunk):  # the loop prefills them in a step of their own
+                ride, riders, chunk = [], [], None
+        if chunk is not None:
             try:
                 result, rows, prompt = self.graphs.run_mixed(rows, shape, timer, chunk, patch=patch)
                 first_logits = self.runner.chunk_logits(prompt)

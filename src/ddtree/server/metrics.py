@@ -159,6 +159,9 @@ class _EngineCollector(Collector):
                       get("mixed_rounds_total"))
         yield counter("mixed_prompt_tokens", "Prompt tokens prefilled inside decode rounds.",
                       get("mixed_prompt_tokens_total"))
+        yield counter("mixed_deferred", "Decode rounds whose riders took a prefill step instead: their mixed-round "
+                      "graph was not captured and captures had spent their share of the time.",
+                      get("mixed_deferred_total"))
 
         hist = [] if snap is None else list(snap.accept_hist)
         rounds = sum(hist)
