@@ -41,6 +41,7 @@ class _Spy:
 
     def __init__(self, monkeypatch) -> None:
         self.calls: list[tuple[str, int, int, bool]] = []
+        self.ride_takes: list[list[int]] = []  # each mixed round's prompt tokens per rider row
         self.engine = None
         real_round, real_prefill = ModelRunner.round, ModelRunner.prefill
         spy = self
@@ -48,6 +49,8 @@ class _Spy:
         def round_(runner, inp, timer, work=None):
             carried = 0 if inp.prefill is None else int(inp.prefill.valid_len.sum())
             spy.calls.append(("round", inp.shape.rows, carried, True))
+            if carried:
+                spy.ride_takes.append(inp.prefill.valid_len.tolist())
             return real_round(runner, inp, timer, work)
 
         def prefill(runner, inp, **kw):
@@ -113,6 +116,27 @@ def test_mixed_rounds_give_the_plain_decoders_tokens_within_the_chunk_bound(tiny
     snap = engine.snapshot()
     assert snap.mixed_rounds_total == len(rides)
     assert snap.mixed_prompt_tokens_total == sum(c[2] for c in rides)
+
+
+def test_riders_follow_a_prefill_steps_rule_with_mixed_chunk_as_its_size(tiny_engine_factory, references,
+                                                                          monkeypatch):
+    """With chunks of 16 and mixed rounds of 64: no rider's row takes more than 16 prompt tokens (the cache keeps
+    only a chunk's headroom, whatever mixed_chunk is), the riders' rows padded to powers of two fit 64
+    (prefill_budget.step_fits), rounds really carry several riders, and outputs equal the plain decoder's."""
+    from ddtree.engine.prefill_budget import step_fits
+
+    spy = _Spy(monkeypatch)
+    engine = tiny_engine_factory(oracle=True, max_batch=8, prefill_chunk=16, mixed_chunk=64)
+    spy.engine = engine
+    assert engine.cache_len - engine.config.max_len < 64  # the headroom of chunks of 16 and trees of 32, not of 64
+    prompts, trees = PROMPTS * 2, TREES * 2
+    outs = _staggered(engine, _greedy(prompts, trees), gap=0.01)
+    for out, p in zip(outs, prompts, strict=True):
+        assert out == references[p]
+    assert spy.ride_takes
+    for takes in spy.ride_takes:
+        assert max(takes) <= 16 and step_fits(len(takes), max(takes), chunk=16, step_tokens=64), takes
+    assert max(len(t) for t in spy.ride_takes) > 1, spy.ride_takes
 
 
 def test_rounds_queued_before_the_flight_is_read_carry_riders(tiny_engine_factory, references, queued_rides):

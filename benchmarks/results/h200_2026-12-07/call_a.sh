@@ -1,7 +1,8 @@
 #!/bin/bash
 # One device call (2026-12-07): issue 23's C = 64 bar (DDTree at least 1.3x AR at contexts 60 and 1k) with the
-# defaults of git 1f3f4e8 (prefill steps of 2048 tokens, prefill_every 3, chunk 512), beside mixed rounds
-# (--mixed-chunk 2048) on the same engine, alternating, two repeats; then C = 32 at 60 tokens (budgets 4 and 7,
+# engine's defaults (prefill steps of 2048 tokens, 512 a prompt, prefill_every 3), beside mixed rounds
+# (--mixed-chunk 2048: riders under the prefill step's rule, 512 tokens a prompt, mixed graph captures within 5 % of
+# the loop's time) on the same engine, alternating, two repeats; then C = 32 at 60 tokens (budgets 4 and 7,
 # defaults); then the exact-mode GPU test of mixed rounds (the image has no fastapi: files named).
 # Run from the repository root with OUT set: bash benchmarks/results/h200_2026-12-07/call_a.sh
 set -u

@@ -108,8 +108,9 @@ def build(target, drafter, tokenizer, config: EngineConfig, *, model_name: str) 
     _check_fp8_sharing(drafter, config.draft_fp8)
     if config.draft_fp8:
         _quantize_drafter(target, drafter, tokenizer)
-    # an eager prefill chunk pads its width to a multiple of 16 (cuda_graphs.eager_chunk_dims)
-    headroom = max(-(-max(config.prefill_chunk, config.mixed_chunk) // 16) * 16, config.max_budget + 1, max_block) + 1
+    # an eager prefill chunk pads its width to a multiple of 16 (cuda_graphs.eager_chunk_dims); a mixed round's rider
+    # takes at most prefill_chunk tokens too (PrefillSteps._ride_rows)
+    headroom = max(-(-config.prefill_chunk // 16) * 16, config.max_budget + 1, max_block) + 1
     max_batch = config.max_batch
     graphed = bool(config.cuda_graphs and device.type == "cuda")
     prefill_width = min(PREFILL_GRAPH_MAX_WIDTH, config.prefill_chunk) if config.prefill_graphs else None
@@ -150,7 +151,7 @@ def build(target, drafter, tokenizer, config: EngineConfig, *, model_name: str) 
         recorder = Recorder(device)  # one capture stream and one clock for both graph sets
         graphs = RoundGraphs(runner, max_rows=max_batch, cache_len=cache_len, max_graphs=96 + len(plan.rounds),
                              attention=attention, recorder=recorder,
-                             max_chunk_width=-(-max(config.mixed_chunk, 16) // 16) * 16)
+                             max_chunk_width=-(-max(min(config.mixed_chunk, config.prefill_chunk), 16) // 16) * 16)
         if config.prefill_graphs:
             prefill_graphs = PrefillGraphs(runner, max_rows=max_batch, max_width=prefill_width,
                                            max_graphs=max(32, len(plan.prefills) + 8), recorder=recorder)

@@ -218,12 +218,13 @@ class ChunkKey:
     """The bucket of a mixed round's prompt chunk (:meth:`RoundGraphs.run_mixed`): rows, width, key length."""
 
     rows: int  # riders bucket (powers of two)
-    width: int  # tokens per row: a power of two >= 16, at most the engine's mixed_chunk rounded up to 16
+    width: int  # tokens per row: a power of two >= 16, at most min(mixed_chunk, prefill_chunk) rounded up to 16
     kv_len: int  # bucket_length of the furthest row's start + width
 
 
 def chunk_key(chunk: ChunkRows, *, max_rows: int, max_width: int, cache_len: int) -> ChunkKey:
-    """The key of ``chunk``; ``max_width``: EngineConfig.mixed_chunk rounded up to 16 (the cache's headroom)."""
+    """The key of ``chunk``; ``max_width``: the widest rider's row, min(mixed_chunk, prefill_chunk) rounded up to 16
+    (inside the cache's headroom)."""
     take = chunk.ids.shape[1]
     width = min(max(16, 1 << (take - 1).bit_length()), max(max_width, -(-take // 16) * 16))
     return ChunkKey(rows=bucket_rows(len(chunk.slots), max_rows), width=width,
@@ -276,8 +277,8 @@ class RoundGraphs:
                  max_chunk_width: int = 16) -> None:
         """attention: the launches' dimensions (:meth:`AttentionDims.of`): keys that launch alike share graphs.
         recorder: how captures run (:class:`~ddtree.engine.graph_capture.Recorder`: an eager pass per new signature).
-        max_chunk_width: the widest chunk row of a mixed round (EngineConfig.mixed_chunk rounded up to 16: inside
-        the cache's headroom)."""
+        max_chunk_width: the widest chunk row of a mixed round (min(mixed_chunk, prefill_chunk) rounded up to 16:
+        inside the cache's headroom)."""
         self.runner = runner
         self.attention = attention
         self.max_rows = max_rows

@@ -43,8 +43,9 @@ HELP: dict[str, str] = {
     "prefill_step_tokens": "A prefill step's size across its prompts, padding included (rows and widest row rounded "
                            "up to powers of two); the loop runs one step a round, so this sets the prefill rate. "
                            "Default 2048 on CUDA, prefill_chunk elsewhere; at least prefill_chunk.",
-    "mixed_chunk": "Prompt tokens a decode round carries in its verify forward for requests still prefilling "
-                   "(mixed rounds: the extra forward a decoding request waits for per round); 0: prefill steps only.",
+    "mixed_chunk": "Prompt tokens a decode round carries in its verify forward for requests still prefilling, "
+                   "padding included, at most prefill_chunk a prompt (mixed rounds: the extra forward a decoding "
+                   "request waits for per round); 0: prefill steps only.",
     "prefill_every": "While requests decode, start prefilling arriving prompts at most once every N rounds, so they "
                      "share one prefill step (a newcomer waits at most N rounds); 1: every round; default 3 on "
                      "CUDA, 1 elsewhere.",

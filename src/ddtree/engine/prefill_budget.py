@@ -1,5 +1,6 @@
 """How many prompts a prefill step takes: each prompt's share (``prefill_chunk``) and the step's padded size
-(``prefill_step_tokens``), one rule for the scheduler, the warm-up plan, exact mode's check and replay's model.
+(``prefill_step_tokens``), one rule for the scheduler, the warm-up plan, exact mode's check and replay's model, and
+for the prompt chunks a mixed round carries (``mixed_chunk`` as the step's size: ``PrefillSteps._ride_rows``).
 
 Why two numbers: ``prefill_chunk`` is also the cache headroom every slot keeps (a chunk's padded width is written
 past the prompt's end), so it stays small, while the step's size sets the prefill rate the batch can sustain. At 64

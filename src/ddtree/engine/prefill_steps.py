@@ -3,12 +3,13 @@ first completion tokens they sample on the device and the host reads later.
 
 A mixin of :class:`ddtree.engine.scheduler.Scheduler` (its methods run on the engine thread and use the
 scheduler's state: ``config``, ``runner``, ``graphs``, ``prefill_graphs``, ``_active``, ``_first``, ``_mixing``,
-``_serving_since``, ``_counters``, ``_guarded``, ``_emit``, ``_upload``). A newcomer's prompt is written in chunks of ``prefill_chunk`` tokens by prefill steps (a
-step takes as many prompts as ``prefill_step_tokens`` holds: :mod:`ddtree.engine.prefill_budget`), or
-of ``mixed_chunk`` tokens inside the decode round's verify forward while someone decodes (``EngineConfig.mixed_chunk``
-above 0; not for requests that asked for log-probs); the step or round that ends a prompt samples its first token
-on the device (:class:`~ddtree.engine.flights.FirstTokens`), and its row joins the next round with the token
-patched into its root there, before the host has read it.
+``_serving_since``, ``_counters``, ``_guarded``, ``_emit``, ``_upload``). A newcomer's prompt is written in chunks
+of at most ``prefill_chunk`` tokens by prefill steps (a step takes as many prompts as ``prefill_step_tokens`` holds:
+:mod:`ddtree.engine.prefill_budget`), or inside the decode round's verify forward while someone decodes
+(``EngineConfig.mixed_chunk`` above 0: the same rule with ``mixed_chunk`` as the step's size; not for requests that
+asked for log-probs); the step or round that ends a prompt samples its first token on the device
+(:class:`~ddtree.engine.flights.FirstTokens`), and its row joins the next round with the token patched into its root
+there, before the host has read it.
 """
 
 from __future__ import annotations
@@ -100,19 +101,6 @@ class PrefillSteps:
         takes = step_takes([len(s.prompt_ids) - s.prefilled for s in states], chunk=self.config.prefill_chunk,
                            step_tokens=self.config.prefill_step_tokens)
         return list(zip(states, takes, strict=False))
-
-    @staticmethod
-    def _chunk_rows(states: list[RequestState], budget: int) -> list[tuple[RequestState, int]]:
-        """(state, prompt tokens it takes) for a mixed round's chunk of at most ``budget`` tokens, in the states'
-        order."""
-        rows: list[tuple[RequestState, int]] = []
-        for state in states:
-            if budget <= 0:
-                break
-            take = min(len(state.prompt_ids) - state.prefilled, budget)
-            rows.append((state, take))
-            budget -= take
-        return rows
 
     @staticmethod
     def _chunk_ids(rows: list[tuple[RequestState, int]]) -> torch.Tensor:
@@ -227,8 +215,14 @@ class PrefillSteps:
         self._first = FirstTokens(states=finished, tokens=chosen, copy=HostCopy(chosen), started=t0, round_seq=seq)
 
     def _ride_rows(self, riders: list[RequestState]) -> list[tuple[RequestState, int]]:
-        """The chunk rows of a mixed round: ``EngineConfig.mixed_chunk`` prompt tokens among the riders, in order."""
-        return self._chunk_rows(riders, self.config.mixed_chunk)
+        """The chunk rows of a mixed round, in the riders' order: a prefill step's rule
+        (:func:`~ddtree.engine.prefill_budget.step_takes`) with ``mixed_chunk`` as the step's padded size and each
+        prompt's share at most ``prefill_chunk`` (and ``mixed_chunk``), so a rider's row never passes the cache
+        headroom a prefill step keeps."""
+        mixed = self.config.mixed_chunk
+        takes = step_takes([len(s.prompt_ids) - s.prefilled for s in riders],
+                           chunk=min(self.config.prefill_chunk, mixed), step_tokens=mixed)
+        return list(zip(riders, takes, strict=False))
 
     def _first_token(self, state: RequestState, token: int, logprobs: list[TokenLogprob] | None = None) -> None:
         """A request's first completion token, read: it decodes from now on (and may finish on it)."""

@@ -15,11 +15,11 @@ Scheduling: requests wait in a bounded FIFO queue until a KV slot is free; a new
 so running requests keep decoding while long prompts load: by prefill steps of ``prefill_chunk`` tokens between rounds
 (while others decode, arrivals start at most once every ``prefill_every`` rounds and share a step:
 :meth:`~ddtree.engine.prefill_steps.PrefillSteps._prefill_due`), or, with ``EngineConfig.mixed_chunk`` above 0 and
-some request decoding, inside the decode round's own verify forward (a mixed round: ``mixed_chunk`` prompt tokens a
-round, in admission order; requests that asked for log-probs still take prefill steps). A mixed round reads the
-target's weights once for both, and a decoding request waits for at most ``mixed_chunk`` extra tokens of forward per
-round; prompts are admitted at that rate, which is why it is off by default (docs/benchmarks.md, "Mixed rounds"). A
-slot is freed the moment its request finishes or is cancelled.
+some request decoding, inside the decode round's own verify forward (a mixed round: the riders' chunks under a
+prefill step's rule with ``mixed_chunk`` as its size, in admission order; requests that asked for log-probs still
+take prefill steps). A mixed round reads the target's weights once for both, and a decoding request waits for at
+most ``mixed_chunk`` extra tokens of forward per round (padding included); prompts are admitted at that rate. Off
+by default (docs/benchmarks.md, "Mixed rounds"). A slot is freed the moment its request finishes or is cancelled.
 
 Where the rest lives: prefill steps, mixed rounds' riders and first tokens in :mod:`ddtree.engine.prefill_steps`,
 rounds queued before the flight is read in :mod:`ddtree.engine.follow_ups` (both mixins of :class:`Scheduler`),
