@@ -10,18 +10,23 @@ export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 SECONDS=0
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"
-timeout 370 python3 benchmarks/auto_ab.py --out "$OUT/c64" --cells 64:1024,64:60 --budgets 7 --repeats 2 \
-  --settings "steps: mixed:mixed_chunk=2048" --time-budget 320 --variants "new:" > "$OUT/c64.log" 2>&1 \
+LIMIT=${LIMIT:-570}
+# the C = 64 cells get about 60 % of the call (mixing beside the defaults only if that is 300 s or more)
+c64=$((LIMIT * 6 / 10))
+settings="steps: mixed:mixed_chunk=2048"
+[ $c64 -lt 300 ] && settings=""
+timeout $c64 python3 benchmarks/auto_ab.py --out "$OUT/c64" --cells 64:1024,64:60 --budgets 7 --repeats 2 \
+  ${settings:+--settings "$settings"} --time-budget $((c64 - 45)) --variants "new:" > "$OUT/c64.log" 2>&1 \
   || echo "auto_ab.py (C=64) failed or timed out"
 grep -v '^{' "$OUT/c64.log" | grep -v Warning | tail -16
 echo "C=64 done at ${SECONDS}s"
-left=$((560 - SECONDS - 60))
-if [ $left -gt 90 ]; then
+left=$((LIMIT - SECONDS - 80))
+if [ $left -gt 100 ]; then
   timeout $left python3 benchmarks/auto_ab.py --out "$OUT/c32" --cells 32:60 --budgets 4,7 --repeats 2 \
     --time-budget $((left - 40)) --variants "new:" > "$OUT/c32.log" 2>&1 || echo "auto_ab.py (C=32) failed or timed out"
   grep -v '^{' "$OUT/c32.log" | grep -v Warning | tail -8
 fi
 echo "C=32 done at ${SECONDS}s"
-timeout $((585 - SECONDS)) python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_mixed_rounds.py \
+timeout $((LIMIT + 10 - SECONDS)) python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_mixed_rounds.py \
   > "$OUT/gpu_tests.log" 2>&1; echo "gpu tests rc $?"; tail -3 "$OUT/gpu_tests.log" | cut -c1-300
 echo "all done at ${SECONDS}s"

@@ -13,8 +13,9 @@ timeout 110 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_mi
   tests/engine/test_warmup_gpu.py > "$OUT/gpu_tests.log" 2>&1; echo "gpu tests rc $?"
 tail -3 "$OUT/gpu_tests.log" | cut -c1-300
 echo "tests done at ${SECONDS}s"
-timeout $((440 - SECONDS)) python3 benchmarks/auto_ab.py --out "$OUT/c64" --cells 64:1024,64:60 --budgets 7 \
-  --repeats 2 --settings "steps: mixed:mixed_chunk=2048" --time-budget $((390 - SECONDS)) --variants "new:" \
+LIMIT=${LIMIT:-440}
+timeout $((LIMIT - SECONDS)) python3 benchmarks/auto_ab.py --out "$OUT/c64" --cells 64:1024,64:60 --budgets 7 \
+  --repeats 2 --settings "steps: mixed:mixed_chunk=2048" --time-budget $((LIMIT - 50 - SECONDS)) --variants "new:" \
   > "$OUT/c64.log" 2>&1 || echo "auto_ab.py (C=64) failed or timed out"
 grep -v '^{' "$OUT/c64.log" | grep -v Warning | tail -16
 echo "all done at ${SECONDS}s"
