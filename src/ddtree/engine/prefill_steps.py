@@ -25,7 +25,7 @@ from ddtree.engine.flights import FirstTokens, any_filter, describe_current_exce
 from ddtree.engine.logprobs import device_logprobs, host_entries
 from ddtree.engine.prefill_budget import step_takes
 from ddtree.engine.request_state import Phase, RequestState
-from ddtree.engine.round import PrefillInputs
+from ddtree.engine.round import ChunkRows, PrefillInputs, RoundShape
 from ddtree.engine.runner import HostCopy, to_host
 
 log = logging.getLogger("ddtree.engine")
@@ -48,10 +48,10 @@ class PrefillSteps:
             return []
         return [s for s in prefilling if s.sampling.prompt_logprobs is None and s.sampling.logprobs is None]
 
-    def _may_ride(self, shape, chunk) -> bool:
-        """Whether a graphed round of ``shape`` (a RoundShape) may carry ``chunk`` (its riders' ChunkRows): its
-        layers graph with that chunk is captured, or capturing it now keeps the mixed captures' time within
-        :data:`MIXED_CAPTURE_SHARE` of the time since the loop started. Why: a mixed graph's key (the round's and
+    def _may_ride(self, shape: RoundShape, chunk: ChunkRows) -> bool:
+        """Whether a graphed round of ``shape`` may carry ``chunk`` (its riders' rows): its layers graph with that
+        chunk is captured, or capturing it now keeps the mixed captures' time within :data:`MIXED_CAPTURE_SHARE` of
+        the time since the loop started. Why: a mixed graph's key (the round's and
         the chunk's buckets) is known only when a chunk rides, so the warm-up cannot plan it, and each capture stalls
         the whole batch (an eager pass and a recording of the target's layers: 0.27 s on the H100 stand-in); without
         a budget a fresh server's first arrivals would meet one capture after another. Refused riders take a prefill
