@@ -51,12 +51,12 @@ class PrefillSteps:
     def _may_ride(self, shape: RoundShape, chunk: ChunkRows) -> bool:
         """Whether a graphed round of ``shape`` may carry ``chunk`` (its riders' rows): its layers graph with that
         chunk is captured, or capturing it now keeps the mixed captures' time within :data:`MIXED_CAPTURE_SHARE` of
-        the time since the loop started. Why: a mixed graph's key (the round's and
-        the chunk's buckets) is known only when a chunk rides, so the warm-up cannot plan it, and each capture stalls
-        the whole batch (an eager pass and a recording of the target's layers: 0.27 s on the H100 stand-in); without
-        a budget a fresh server's first arrivals would meet one capture after another. Refused riders take a prefill
-        step in the same iteration, as with mixing off; later rounds of the same buckets capture once the budget
-        allows (the graphs of a steady load are few: 14-25 in a whole C = 64 cell of docs/benchmarks.md)."""
+        the time since the loop started. Why: a mixed graph's key (the round's and the chunk's buckets) is known only
+        when a chunk rides, so the warm-up cannot plan it, and each capture stalls the whole batch (an eager pass and
+        a recording of the target's layers: 0.27 s on the H100 stand-in); without a budget a fresh server's first
+        arrivals would meet one capture after another. Refused riders take a prefill step in the same iteration, as
+        with mixing off; later rounds of the same buckets capture once the budget allows (the graphs of a steady
+        load are few: 14-25 in a whole C = 64 cell of docs/benchmarks.md)."""
         graphs = self.graphs
         if graphs.mixed_captured(shape, chunk):
             return True
