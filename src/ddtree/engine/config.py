@@ -37,11 +37,11 @@ class EngineConfig:
     # Prompt tokens a decode round carries in its verify forward for requests still prefilling (a mixed round;
     # ddtree.engine.scheduler), padding included, at most prefill_chunk a prompt (a prefill step's rule,
     # ddtree.engine.prefill_budget, with this as the step's size): the bound on the extra forward a decoding
-    # request waits for per round. 0 = prompts are prefilled only in prefill steps between rounds. Off by default:
-    # on one H100 at 64 in flight (2026-12-05) 2048 kept DDTree's rounds within 1-4 % of their device stages (15-102 %
-    # without) at 0.97-1.05x the tok/s, a latency knob more than a throughput one; the warm-up cannot plan its graphs
-    # (each shape captures on first use, within a share of the loop's time: PrefillSteps._may_ride;
-    # docs/benchmarks.md, "Arrivals at 64 in flight").
+    # request waits for per round. 0 = prompts are prefilled only in prefill steps between rounds. Off by default, a
+    # latency knob: on one H100 at 64 in flight (2026-12-07) 2048 kept every config's rounds within 1-6 % of their
+    # device stages once its graphs were captured (DDTree 13-126 % past with the default prefill steps) at 0.90-0.98x
+    # their tok/s; the warm-up cannot plan its graphs (each shape captures on first use, within a share of the
+    # loop's time: PrefillSteps._may_ride; docs/benchmarks.md, "Prefill steps against mixed rounds at 64 in flight").
     mixed_chunk: int = 0
     # While requests decode, prompts of arriving requests start prefilling at most once every this many rounds, so
     # the arrivals of those rounds share one prefill step (a short prompt's step costs about a weight read, whatever
