@@ -20,7 +20,7 @@ ends in ``@name``, and "/ best fixed" compares within one setting. ``--step-toke
 
 A cell is ``C:context``; it runs ``--waves`` x C prompts, C in flight (newcomers arrive as requests finish). Every
 config is warmed up once per cell (``--warm-waves``, 2: arrivals while others decode), then timed. Writes
-``OUT/auto_ab.json`` after every run; prints a table.
+``OUT/auto_ab.json`` after every run (and ``OUT/cost_curve.json``, the curve auto divided by); prints a table.
 
     python benchmarks/auto_ab.py --out $OUT --cells 64:60,64:1024 --budgets 7 --repeats 3 \\
         --variants "new:EXPLORE_SLACK=0.10 old:EXPLORE_SLACK=0.25"
@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from ddtree.engine import Engine, EngineConfig, TreeSettings, auto_budget, prefill_steps
+from ddtree.engine.cost_curve import save_curve
 from ddtree.lab.bench.inprocess import run_cell, synchronize
 from ddtree.lab.bench.workload import held_out_token_stream, prompts_for
 
@@ -169,6 +170,8 @@ def main(argv: list[str] | None = None) -> None:
     engine = Engine(target, drafter, tokenizer, config, model_name=f"standin-{args.shape}")
     engine.start()
     synchronize(device)
+    if engine.cost_curve is not None:  # what auto divided by (the H100's was lost on 2026-12-07): replay reads it
+        save_curve(engine.cost_curve, out_dir / "cost_curve.json")
     stream = held_out_token_stream(tokenizer, max(x for _, x in cells) * 2 + 4096)
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "dtype": str(dtype),
