@@ -211,6 +211,8 @@ def _run(args: argparse.Namespace, compiles: CompileLog, listening: bool) -> Non
     if engine.graphs is not None:  # mixed rounds' layer graphs, captured lazily inside the cells
         report["mixed_graph_captures"] = engine.graphs.mixed_captures
         report["mixed_graph_capture_s"] = round(engine.graphs.mixed_capture_s, 3)
+    # rounds whose riders took a prefill step: their mixed graph not captured and captures past their share
+    report["mixed_deferred_rounds"] = engine.snapshot().mixed_deferred_total
     engine.shutdown(drain_timeout=0)
     del engine
     import gc
