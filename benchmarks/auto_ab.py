@@ -13,8 +13,8 @@ rounds (a launch whose size differs from the best, :meth:`AutoChooser.choose`).
 ``--settings "steps:prefill_step_tokens=2048 mixed:mixed_chunk=2048"`` runs every config under each named set of
 engine settings (``EngineConfig`` fields the scheduler reads at every round or step: ``prefill_step_tokens``,
 ``mixed_chunk``, ``prefill_every``), set on the running engine between runs; the engine is built with the largest
-value of each field (its cache headroom and mixed graphs' widths follow ``mixed_chunk``), and every field a setting
-leaves out keeps the built value, except ``mixed_chunk``, which is 0 unless a setting names it. A config's name then
+value of each field (the warm-up plan follows ``prefill_step_tokens``), and every field a setting leaves out keeps
+the built value, except ``mixed_chunk``, which is 0 unless a setting names it. A config's name then
 ends in ``@name``, and "/ best fixed" compares within one setting. ``--step-tokens 512,2048`` is short for
 ``--settings "512:prefill_step_tokens=512 2048:prefill_step_tokens=2048"``.
 
