@@ -18,6 +18,11 @@ the built value, except ``mixed_chunk``, which is 0 unless a setting names it. A
 ends in ``@name``, and "/ best fixed" compares within one setting. ``--step-tokens 512,2048`` is short for
 ``--settings "512:prefill_step_tokens=512 2048:prefill_step_tokens=2048"``.
 
+``--old-grid`` runs every auto variant twice: as measured (the engine's grid), and as ``auto-<name>~oldgrid``
+dividing by the same measurements restricted to the grid engine start measured before 2026-12-07 (rows 1/4/16 and
+``max_batch``, budgets 0/3/15 and ``max_budget``) and read as that code read it (a drafting budget interpolated
+toward AR's point: :class:`OldGridCurve`), so the grid's effect is timed on one engine.
+
 A cell is ``C:context``; it runs ``--waves`` x C prompts, C in flight (newcomers arrive as requests finish). Every
 config is warmed up once per cell (``--warm-waves``, 2: arrivals while others decode), then timed. Writes
 ``OUT/auto_ab.json`` after every run (and ``OUT/cost_curve.json``, the curve auto divided by); prints a table.
@@ -36,13 +41,14 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import fields as dataclass_fields
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from ddtree.engine import Engine, EngineConfig, TreeSettings, auto_budget, prefill_steps
-from ddtree.engine.cost_curve import save_curve
+from ddtree.engine.cost_curve import CostCurve, _segment, save_curve
 from ddtree.lab.bench.inprocess import run_cell, synchronize
 from ddtree.lab.bench.workload import held_out_token_stream, prompts_for
 
@@ -107,6 +113,25 @@ class ExploreCounter:
         auto_budget.AutoChooser.choose = self._real
 
 
+class OldGridCurve(CostCurve):
+    """A curve read as ``CostCurve.round_seconds`` read it before 2026-12-07: trilinear over the whole budget axis,
+    so a b1 round is a third of the way from AR's point to b3's (the A/B of ``--old-grid``)."""
+
+    def round_seconds(self, rows: int, budget: int, kv_len: int) -> float:
+        segments = (_segment(self.rows, rows), _segment(self.budgets, budget), _segment(self.kv_lens, kv_len))
+        inside = self._blend(tuple((i, j, min(w, 1.0)) for i, j, w in segments))
+        return max(inside, self._blend(segments)) if any(w > 1.0 for _, _, w in segments) else inside
+
+
+def old_grid(curve: CostCurve, max_batch: int, max_budget: int) -> OldGridCurve:
+    """``curve`` on the grid engine start measured before 2026-12-07 (rows 1, 4, 16 below ``max_batch`` and
+    ``max_batch``; budgets 0, 3, 15 below ``max_budget`` and ``max_budget``), every point its own measurement."""
+    rows = sorted({1, max_batch} | {r for r in (4, 16) if r < max_batch})
+    budgets = sorted({0, max_budget} | {b for b in (3, 15) if b < max_budget})
+    sub = curve.restricted(rows=rows, budgets=budgets)
+    return OldGridCurve(**{f.name: getattr(sub, f.name) for f in dataclass_fields(CostCurve)})
+
+
 def warm_up(engine: Engine, prompts: list, tree: TreeSettings, new_tokens: int, conc: int) -> None:
     """An untimed run of ``prompts``, ``conc`` in flight, with mixed graph captures unbudgeted
     (``prefill_steps.MIXED_CAPTURE_SHARE``): with two waves or more, newcomers arrive while others decode, so a mixed
@@ -145,6 +170,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cost-curve", default="auto",
                     help="EngineConfig.cost_curve: auto (measured at engine start, on the engine's grid), off (budget "
                          "auto measures its own fallback curve at its first round, as `ddtree sweep` runs it), a path")
+    ap.add_argument("--old-grid", action="store_true",
+                    help="also run each auto variant on the same curve restricted to the pre-2026-12-07 grid")
     ap.add_argument("--time-budget", type=float, default=500.0, help="seconds from start after which no run starts")
     args = ap.parse_args(argv)
     cells = [tuple(int(x) for x in c.split(":")) for c in args.cells.split(",") if c]
@@ -184,7 +211,13 @@ def main(argv: list[str] | None = None) -> None:
     built = engine.config
     base = ([] if args.no_ar else [("ar", TreeSettings(method="ar"), {})]) + [
         (f"b{b}", TreeSettings(method="ddtree", budget=b), {}) for b in budgets] + [
-        (f"auto-{name}", TreeSettings(method="ddtree", budget="auto"), consts) for name, consts in variants.items()]
+        (f"auto-{name}{twin}", TreeSettings(method="ddtree", budget="auto"), consts)
+        for name, consts in variants.items() for twin in ("", "~oldgrid")[: 1 + args.old_grid]]
+    curves = {"": engine.cost_curve}
+    if args.old_grid:
+        if engine.cost_curve is None:
+            raise SystemExit("--old-grid needs the curve measured at engine start (--cost-curve auto)")
+        curves["~oldgrid"] = old_grid(engine.cost_curve, config.max_batch, config.max_budget)
     configs = [(name if setting is None else f"{name}@{setting}", tree, consts, fields)
                for setting, fields in settings for name, tree, consts in base]
     for conc, ctx in cells:
@@ -201,6 +234,8 @@ def main(argv: list[str] | None = None) -> None:
                 for k, v in {**defaults, **consts}.items():
                     setattr(auto_budget, k, v)
                 engine.config = replace(built, **{"mixed_chunk": 0, **fields})
+                if args.old_grid:
+                    engine.cost_curve = curves["~oldgrid" if name.split("@")[0].endswith("~oldgrid") else ""]
                 if rep == 0:  # graphs captured and kernels compiled outside the timed run
                     warm_up(engine, prompts[: conc * args.warm_waves], tree, args.new_tokens, conc)
                 mixed_before = engine._counters.mixed_rounds_total, engine._counters.mixed_deferred_total

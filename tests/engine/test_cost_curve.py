@@ -41,8 +41,10 @@ def curve(**kw) -> CostCurve:
     ((4, 8, 576), 0.080),                      # a grid point
     ((1, 0, 320), 0.020),                      # half way along kv: (0.010 + 0.030) / 2
     ((4, 8, 320), 0.060),                      # (0.040 + 0.080) / 2
-    ((2, 4, 64), 2 / 3 * 0.015 + 1 / 3 * 0.028),  # rows 1/3 of the way, budget half: rows 1 (0.010, 0.020), rows 4 (0.016, 0.040)
-    ((2, 4, 320), 2 / 3 * (0.010 + 0.030 + 0.020 + 0.050) / 4 + 1 / 3 * (0.016 + 0.040 + 0.040 + 0.080) / 4),
+    ((2, 0, 64), 2 / 3 * 0.010 + 1 / 3 * 0.016),  # rows 1/3 of the way from 1 to 4
+    ((2, 8, 320), 2 / 3 * (0.020 + 0.050) / 2 + 1 / 3 * (0.040 + 0.080) / 2),  # and half way along kv
+    ((2, 4, 64), 2 / 3 * 0.020 + 1 / 3 * 0.040),  # b4 below the smallest drafting budget: b8's time, not toward AR
+    ((1, 1, 576), 0.050),
     ((1, 0, 10), 0.010),                       # below the first kv point: the first point's value
     ((7, 0, 64), 0.022),                       # one more rows span past 4: 0.010 + 2 x (0.016 - 0.010)
     ((100, 0, 64), 0.022),                     # capped at that span, held flat past it
@@ -50,6 +52,28 @@ def curve(**kw) -> CostCurve:
 ])
 def test_interpolation_matches_hand_computed_values(point, expected):
     assert curve().round_seconds(*point) == pytest.approx(expected, rel=1e-12)
+
+
+def test_drafting_budgets_interpolate_among_themselves():
+    """Between two drafting budgets the curve is linear; below the smallest one it is that one's time (a drafting
+    round pays the draft forward whatever its budget), where interpolating toward AR's point would make it cheap."""
+    c = CostCurve("cpu", "m", rows=(1,), budgets=(0, 1, 3, 15), kv_lens=(64,), seconds=(0.005, 0.010, 0.012, 0.024))
+    assert c.round_seconds(1, 0, 64) == pytest.approx(0.005)
+    assert c.round_seconds(1, 1, 64) == pytest.approx(0.010)
+    assert c.round_seconds(1, 2, 64) == pytest.approx(0.011)
+    assert c.round_seconds(1, 7, 64) == pytest.approx(0.012 + 4 / 12 * 0.012)
+    coarse = c.restricted(budgets=(0, 3, 15))
+    assert coarse.budgets == (0, 3, 15) and coarse.seconds == (0.005, 0.012, 0.024)
+    assert coarse.round_seconds(1, 1, 64) == pytest.approx(0.012)  # not 0.005 + (0.012 - 0.005) / 3
+    assert c.restricted() == c
+    with pytest.raises(CostCurveError, match=r"budgets \[7\] are not on the curve's axis"):
+        c.restricted(budgets=(0, 7))
+
+
+def test_restricted_picks_each_point_from_its_place_in_the_grid():
+    c = curve()
+    sub = c.restricted(rows=(4,), kv_lens=(576,))
+    assert (sub.rows, sub.budgets, sub.kv_lens, sub.seconds) == ((4,), (0, 8), (576,), (0.040, 0.080))
 
 
 def test_falling_slope_is_not_extrapolated_below_the_edge():
@@ -304,7 +328,7 @@ def test_engine_start_measures_caches_and_reports_the_curve(tiny_pair, tiny_toke
     engine = Engine.from_models(target, drafter, tiny_tokenizer, config, model_name="tiny")
     first = curve_at_start(engine.parts, cache_dir=tmp_path)
     assert first.source == "measured" and Path(first.path).parent == tmp_path
-    assert first.curve.rows == (1, 2) and first.curve.budgets == (0, 4, 16)  # no graphs: no node buckets
+    assert first.curve.rows == (1, 2) and first.curve.budgets == (0, 1, 4, 16)  # no graphs: no node buckets
     assert all(s > 0 for s in first.curve.seconds)
     again = curve_at_start(engine.parts, cache_dir=tmp_path)
     assert again.source == "cache" and again.curve == first.curve
@@ -325,10 +349,13 @@ def test_engine_start_measures_caches_and_reports_the_curve(tiny_pair, tiny_toke
 def test_default_grid_is_the_declared_one():
     from ddtree.engine.cost_measure import default_grid
 
+    # graphs: every rows bucket and every node bucket auto chooses from, AR and max_budget
     g = default_grid(max_batch=16, max_budget=64, cache_len=4200, block_size=16, step_tokens=512)
-    assert (g.rows, g.budgets, g.kv_lens, g.prefill_tokens) == ((1, 4, 16), (0, 3, 15, 63, 64), (64, 512, 4096),
-                                                                (16, 64, 256, 512))
+    assert (g.rows, g.budgets, g.kv_lens, g.prefill_tokens) == ((1, 2, 4, 8, 16), (0, 1, 3, 7, 15, 31, 63, 64),
+                                                                (64, 512, 4096), (16, 64, 256, 512))
+    assert default_grid(max_batch=48, max_budget=32, cache_len=4200, block_size=16, step_tokens=512).rows == (
+        1, 2, 4, 8, 16, 32, 48)
     g = default_grid(max_batch=64, max_budget=64, cache_len=700, block_size=16, step_tokens=512, buckets=False)
-    # the tightest budget is 4: its 16-token draft block from a root at kv_len - 5 ends inside the cache
-    assert (g.rows, g.budgets, g.kv_lens) == ((1, 4, 16, 64), (0, 4, 16, 64), (64, 512, 700 - 16 + 4 - 1))
+    # the tightest budget is 1: its 16-token draft block from a root at kv_len - 2 ends inside the cache
+    assert (g.rows, g.budgets, g.kv_lens) == ((1, 4, 16, 64), (0, 1, 4, 16, 64), (64, 512, 700 - 16 + 1 - 1))
     assert default_grid(max_batch=3, max_budget=8, cache_len=300, block_size=None, step_tokens=128).budgets == (0,)

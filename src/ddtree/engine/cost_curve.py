@@ -9,10 +9,17 @@ Terms:
              ``StageTimer`` and round timing measure it (the one host sync included).
 
 A curve is a grid of measured points, ``seconds[r, b, k]`` for ``rows[r]``, ``budgets[b]``, ``kv_lens[k]``, stored
-flattened in that (C) order. Worked example: rows (1, 4), budgets (0, 8), kv_lens (64,) and seconds
-(0.010, 0.020, 0.016, 0.040) mean a 4-row b8 round at 64 tokens takes 40 ms; 2 rows b4 interpolates to
-``2/3 * (0.010 + 0.020) / 2 + 1/3 * (0.016 + 0.040) / 2`` = 19.3 ms (2 rows is 1/3 of the way from 1 to 4, b4 half
-the way from 0 to 8), and any kv_len reads the one kv_len point.
+flattened in that (C) order. Worked example: rows (1, 4), budgets (0, 4, 8), kv_lens (64,) and seconds
+(0.010, 0.016, 0.020, 0.016, 0.028, 0.040) mean a 4-row b8 round at 64 tokens takes 40 ms; 2 rows b6 interpolates
+to ``2/3 * (0.016 + 0.020) / 2 + 1/3 * (0.028 + 0.040) / 2`` = 23.3 ms (2 rows is 1/3 of the way from 1 to 4, b6
+half the way from 4 to 8), and any kv_len reads the one kv_len point.
+
+Budget 0 (AR) is a round of another kind: it runs no draft forward and no tree stage, which every drafting round
+pays whatever its budget. So a drafting budget is never interpolated toward the AR point: below the grid's smallest
+drafting budget it costs that budget's time (b2 above costs what b4 does). Interpolating from AR made small trees
+look nearly free: with budgets (0, 3, 15) a b1 round was timed at a third of the way from AR to b3, and auto chose
+b1 and b3 where b7 was best (docs/benchmarks.md, "The cost curve's grid"). The grids the engine measures hold
+budget 1 (:func:`ddtree.engine.cost_measure.default_grid`), so this matters only for a curve without it.
 
 Interpolation is piecewise-linear along each axis (trilinear on the grid cell): a round's cost is close to linear
 in the rows it verifies once the forward is past its bandwidth-bound knee (below it, extra rows ride almost free,
@@ -42,7 +49,7 @@ import logging
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -151,10 +158,13 @@ class CostCurve:
         return self.seconds[(r * len(self.budgets) + b) * len(self.kv_lens) + k]
 
     def round_seconds(self, rows: int, budget: int, kv_len: int) -> float:
-        """One round's wall seconds for ``rows`` requests at ``budget`` reading ``kv_len`` keys (trilinear)."""
+        """One round's wall seconds for ``rows`` requests at ``budget`` reading ``kv_len`` keys (trilinear; a drafting
+        budget below the grid's smallest drafting budget is read there, never toward AR's point)."""
         for name, v, lo in (("rows", rows, 1), ("budget", budget, 0), ("kv_len", kv_len, 0)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < lo:
                 raise CostCurveError(f"round_seconds: {name} must be a number >= {lo}, got {v!r}")
+        if budget > 0 and len(self.budgets) > 1 and self.budgets[0] == 0:
+            budget = max(budget, self.budgets[1])  # a drafting round never blends with AR's point (module doc)
         segments = (_segment(self.rows, rows), _segment(self.budgets, budget), _segment(self.kv_lens, kv_len))
         inside = self._blend(tuple((i, j, min(w, 1.0)) for i, j, w in segments))
         # past the grid's last point, follow the last segment only upwards: a slope that falls is held flat
@@ -191,6 +201,24 @@ class CostCurve:
         """The seconds as a nested ``[rows][budgets][kv_lens]`` list (e.g. ``torch.tensor(curve.table())``)."""
         nb, nk = len(self.budgets), len(self.kv_lens)
         return [[[self.point(r, b, k) for k in range(nk)] for b in range(nb)] for r in range(len(self.rows))]
+
+    def restricted(self, *, rows: Sequence[int] | None = None, budgets: Sequence[int] | None = None,
+                   kv_lens: Sequence[int] | None = None) -> CostCurve:
+        """The curve over a sub-grid of its own points (None: the whole axis), e.g. to see what a coarser grid
+        would have chosen from the same measurements; a value not on the axis is a :class:`CostCurveError`."""
+        picked = []
+        for name, axis, want in (("rows", self.rows, rows), ("budgets", self.budgets, budgets),
+                                 ("kv_lens", self.kv_lens, kv_lens)):
+            want = axis if want is None else tuple(sorted(set(want)))
+            missing = [v for v in want if v not in axis]
+            if missing:
+                raise CostCurveError(f"restricted: {name} {missing} are not on the curve's axis {list(axis)}")
+            picked.append([axis.index(v) for v in want])
+        ri, bi, ki = picked
+        return replace(
+            self, rows=tuple(self.rows[r] for r in ri), budgets=tuple(self.budgets[b] for b in bi),
+            kv_lens=tuple(self.kv_lens[k] for k in ki),
+            seconds=tuple(self.point(r, b, k) for r in ri for b in bi for k in ki))
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -80,28 +80,45 @@ def reach_limit(cache_len: int, budget: int, block_size: int) -> int:
 
 def default_grid(*, max_batch: int, max_budget: int, cache_len: int, block_size: int | None, step_tokens: int,
                  budgets: Sequence[int] | None = None, repeats: int = 3, buckets: bool = True) -> CostGrid:
-    """The grid engine start measures, at most 4 x 5 x 3 points (so a CPU engine pays seconds, not minutes):
+    """The grid engine start measures.
 
-    rows: 1, ``max_batch`` and up to two powers of two between, spread by factors of 4 (CUDA rows buckets);
-    budgets: 0 (AR), 3, 15, 63 below ``max_budget`` and ``max_budget`` itself (with ``buckets``, CUDA graphs:
-    2^k - 1 fills a node bucket exactly, the cheapest budget of its bucket; without, 4 and 16: a CPU round's cost
-    is smooth in the budget), or 0 plus the ``budgets`` given; kv_lens: 64, 512 and 4096, capped at what
-    the cache leaves room for (:func:`reach_limit`); prefill steps of 16, 64, 256 .. tokens up to ``step_tokens``
+    With ``buckets`` (CUDA graphs) the grid holds the points the engine's rounds are padded to, so a choice reads
+    measured points, never an interpolation: rows are the rows buckets (powers of two up to ``max_batch``, and
+    ``max_batch``), budgets 0 (AR), budget auto's candidates ``2^k - 1`` up to ``max_budget`` (each fills a node
+    bucket exactly) and ``max_budget`` itself. Why every bucket: a round's cost is flat below a knee in the tokens
+    it verifies and steep past it, and a line between far points misplaces the knee: rows 1/4/16/64 and budgets
+    0/3/15 (the grid before 2026-12-07) read a 32-row b15 round a quarter of the way from 16 rows to 64 and a b1
+    round a third of the way from AR to b3 (docs/benchmarks.md, "The cost curve's grid"). It costs start-up time
+    once per device, model and config: 7 x 7 x 3 points at 64 rows and budget 32, cached on disk
+    (:func:`curve_at_start`).
+
+    Without ``buckets`` (a CPU engine pays seconds, not minutes: at most 4 x 5 x 3 points): rows 1, ``max_batch``
+    and up to two powers of four between; budgets 0, 1 (the smallest drafting round: a draft forward and a tree
+    stage that AR lacks, module doc of :mod:`ddtree.engine.cost_curve`), 4, 16 below ``max_budget`` and
+    ``max_budget`` (a CPU round's cost is smooth in the budget past the draft).
+
+    ``budgets`` given: 0 plus those. kv_lens: 64, 512 and 4096, capped at what the cache leaves room for
+    (:func:`reach_limit`); prefill steps of 16, 64, 256 .. tokens up to ``step_tokens``
     (``EngineConfig.prefill_step_tokens``: a step's size, padding included; timed as one row, which costs about what
-    a step of as many tokens in several rows does once the step is compute-bound).
-    ``block_size`` None (no drafter) measures AR only."""
-    rows = sorted({1, max_batch} | {1 << i for i in range(2, 8, 2) if (1 << i) < max_batch})
-    if len(rows) > 4:
-        rows = [rows[0], rows[len(rows) // 3], rows[2 * len(rows) // 3], rows[-1]]
+    a step of as many tokens in several rows does once the step is compute-bound). ``block_size`` None (no
+    drafter) measures AR only."""
+    if buckets:
+        rows = sorted({1 << k for k in range(16) if 1 << k <= max_batch} | {max_batch})
+    else:
+        rows = sorted({1, max_batch} | {1 << i for i in range(2, 8, 2) if (1 << i) < max_batch})
+        if len(rows) > 4:
+            rows = [rows[0], rows[len(rows) // 3], rows[2 * len(rows) // 3], rows[-1]]
     if block_size is None or block_size < 2:
         chosen: list[int] = [0]
         block = 1
     else:
         block = block_size
-        if budgets is None:
-            chosen = sorted({0, max_budget} | {b for b in ((3, 15, 63) if buckets else (4, 16)) if b < max_budget})
-        else:
+        if budgets is not None:
             chosen = sorted({int(b) for b in budgets} | {0})
+        elif buckets:
+            chosen = sorted({0, max_budget} | {(1 << k) - 1 for k in range(1, 16) if (1 << k) - 1 < max_budget})
+        else:
+            chosen = sorted({0, max_budget} | {b for b in (1, 4, 16) if b < max_budget})
     top = min(reach_limit(cache_len, b, block if b else 1) for b in chosen)
     if top < 1:
         raise CostCurveError(f"cache length {cache_len} leaves no room to time a round of budget {max(chosen)}")
