@@ -208,6 +208,46 @@ def test_measurement_on_the_demo_pair_covers_the_declared_grid(demo_engine):
 
 
 @pytest.mark.slow
+def test_round_graphs_keep_every_point_captured_through_the_passes(demo_engine):
+    """Past the round graphs' LRU cap, passes over the grid in order would evict each key before its next use, and
+    every timed round would include a capture: the measurement lifts the cap to hold the grid's keys, and puts it
+    back after. A recording double stands in for the CUDA-only graphs (an LRU cache of keys, rounds run eagerly)."""
+    from collections import OrderedDict
+
+    from ddtree.engine.round import RoundInputs
+
+    runner = demo_engine.runner
+
+    class Graphs:
+        def __init__(self):
+            self.graphs, self.max_graphs, self.captures = OrderedDict(), 3, 0
+
+        def can_run(self, rows):
+            return True
+
+        def key_for(self, shape):
+            return (shape.rows, shape.max_budget, shape.kv_len)
+
+        def run(self, packed, shape, timer):
+            key = self.key_for(shape)
+            if key in self.graphs:
+                self.graphs.move_to_end(key)
+            else:
+                self.captures += 1
+                self.graphs[key] = True
+                while len(self.graphs) > self.max_graphs:
+                    self.graphs.popitem(last=False)
+            return runner.round(RoundInputs.from_packed(packed.to(runner.device), shape), timer), packed
+
+    graphs = Graphs()
+    grid = CostGrid(rows=(1, 2), budgets=(0, 4), kv_lens=(16, 64), block_size=demo_engine.trained_block_size,
+                    repeats=2)
+    measure_cost_curve(runner, grid, graphs=graphs, device_name="cpu", model="demo")
+    assert graphs.captures == 8  # one per point (8 keys), none in the timed passes
+    assert graphs.max_graphs == 3  # the cap as it was
+
+
+@pytest.mark.slow
 def test_prefill_points_replay_the_prefill_graphs_where_the_scheduler_would(demo_engine):
     """A prefill point goes through the engine's prefill graphs when they take that chunk (as the scheduler's
     prefill step does), else eagerly. A recording double stands in for the CUDA-only graphs: it takes chunks of at

@@ -193,14 +193,18 @@ def measure_cost_curve(runner: Any, grid: CostGrid, *, graphs: Any = None, prefi
     began = time.perf_counter()
     pad = RowInputs.padding(scratch)
 
-    def one_round(rows: int, budget: int, kv_len: int) -> float:
-        block = grid.block_size if budget else 1
+    def point_shape(rows: int, budget: int, kv_len: int) -> RoundShape:
         start = max(kv_len - budget - 1, 1)  # the root: the verify reads start + budget + 1 keys
-        row_list = [dataclasses.replace(pad, slot=i if grid.slots == "free" else scratch, root_token=0, start=start,
-                                        budget=budget, depth_limit=block - 1, window=NO_WINDOW) for i in range(rows)]
         width = curve_width(budget, grid.auto_candidates) if grid.auto_candidates and budget else 0
-        shape = RoundShape(rows=rows, max_budget=budget, block_size=block, kv_len=start + budget + 1,
-                           draft_kv_len=start, greedy=True, filtered=False, contiguous=budget == 0, auto_width=width)
+        return RoundShape(rows=rows, max_budget=budget, block_size=grid.block_size if budget else 1,
+                          kv_len=start + budget + 1, draft_kv_len=start, greedy=True, filtered=False,
+                          contiguous=budget == 0, auto_width=width)
+
+    def one_round(rows: int, budget: int, kv_len: int) -> float:
+        shape = point_shape(rows, budget, kv_len)
+        row_list = [dataclasses.replace(pad, slot=i if grid.slots == "free" else scratch, root_token=0,
+                                        start=shape.draft_kv_len, budget=budget, depth_limit=shape.block_size - 1,
+                                        window=NO_WINDOW) for i in range(rows)]
         t0 = time.perf_counter()
         packed = PackedRows.pack(row_list)
         timer = StageTimer(runner.device)
@@ -212,8 +216,18 @@ def measure_cost_curve(runner: Any, grid: CostGrid, *, graphs: Any = None, prefi
         return time.perf_counter() - t0
 
     points = [(r, b, k) for r in grid.rows for b in grid.budgets for k in grid.kv_lens]  # storage order
-    seconds = sample_points(points, one_round, repeats=grid.repeats, long_round_s=grid.long_round_s,
-                            statistic=grid.statistic, warm_counts=graphs is None)
+    kept = None if graphs is None else graphs.max_graphs
+    if graphs is not None:
+        # Every point's graph stays captured through the passes: past the graphs' LRU cap a pass in grid order
+        # would evict each key before its next use, and every timed round would include a capture.
+        keys = {graphs.key_for(point_shape(*point)) for point in points if graphs.can_run(point[0])}
+        graphs.max_graphs = max(kept, len(graphs.graphs) + len(keys))
+    try:
+        seconds = sample_points(points, one_round, repeats=grid.repeats, long_round_s=grid.long_round_s,
+                                statistic=grid.statistic, warm_counts=graphs is None)
+    finally:
+        if graphs is not None:
+            graphs.max_graphs = kept  # the next capture trims the cache back to it
     if progress is not None:
         for (r, b, k), sec in zip(points, seconds, strict=True):
             progress(f"rows {r} budget {b} kv_len {k}: {sec * 1e3:.2f} ms")
