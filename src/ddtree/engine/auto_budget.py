@@ -63,9 +63,9 @@ size ``m`` up to the size it verified, the ``E(m)`` the choice weighed for the r
 committed (:func:`size_update`), and keeps per size decayed sums over every row of both; the choice multiplies each
 auto row's ``E(m)`` by their ratio (:func:`size_factor`, with a pseudo-count so a few rounds move it little). Why:
 the choice is made where a size's estimate is high, and on the H100 stand-in at 32 in flight and 60 tokens the
-rounds auto ran at b15 committed about 1.23x b7's tokens where their estimates had to exceed the 1.33x their cost
-(the curve's, as served) to be chosen: auto 0.97x of b7 with or without exploration (docs/benchmarks.md, "The cost
-curve's grid"). Predictions are out of sample: with follow-ups the weighed curve may be the next round's, computed
+rounds auto ran at b15 committed about 1.25x b7's tokens (estimated from its mix of sizes and its acceptance) where
+their estimates had to exceed the 1.33x they cost (the curve's, as served) to be chosen: auto 0.97-0.98x of b7 with
+or without exploration (docs/benchmarks.md, "The cost curve's grid"). Predictions are out of sample: with follow-ups the weighed curve may be the next round's, computed
 before this round was read. Only sizes a round verified are checked, so a size the engine does not run keeps the
 factor it had (1 at first) until an exploration verifies it again.
 
