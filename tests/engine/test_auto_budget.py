@@ -35,16 +35,14 @@ def brute_expected(log_probs: torch.Tensor, n: int) -> float:
     return 1.0 + sum(every[:n])
 
 
-def brute_choice(curves, caps, opts, cost, scale=None) -> int:
-    """The plain loop the objective states: sum of each row's expected length at its size (an auto row's times
-    ``scale(b)``), over the round's time."""
+def brute_choice(curves, caps, opts, cost) -> int:
+    """The plain loop the objective states: sum of each row's expected length at its size, over the round's time."""
     best, best_value = None, -1.0
     for b in sorted(opts):
         total = 0.0
         for curve, cap in zip(curves, caps, strict=True):
             size = b if cap is None else min(b, cap)
-            e = 1.0 if size == 0 or not curve else curve[min(size, len(curve)) - 1]
-            total += e * (scale(b) if scale is not None and cap is None else 1.0)
+            total += 1.0 if size == 0 or not curve else curve[min(size, len(curve)) - 1]
         value = total / cost(b)
         if value > best_value:
             best, best_value = b, value
@@ -118,10 +116,6 @@ def test_choice_is_the_argmax_of_the_objective_against_brute_force():
         opts = ab.options(cands, floor)
         got = ab.choose_budget([ab.RowCurve(c, cap) for c, cap in zip(curves, caps, strict=True)], opts, cost)
         assert got == brute_choice(curves, caps, opts, cost), f"trial {trial}"
-        factors = {b: rng.uniform(0.6, 1.4) for b in opts}  # the size calibration
-        got = ab.choose_budget([ab.RowCurve(c, cap) for c, cap in zip(curves, caps, strict=True)], opts, cost,
-                               scale=factors.__getitem__)
-        assert got == brute_choice(curves, caps, opts, cost, factors.__getitem__), f"trial {trial}, scaled"
 
 
 def test_hysteresis_keeps_the_previous_size_within_the_margin():
@@ -313,7 +307,7 @@ class _Row:
     def __init__(self, rid, seen, curve, auto=True, budget=0):
         self.request_id, self.auto_seen, self.auto_curve, self.auto_gain = rid, seen, curve, (0.0, 0.0)
         self.tree, self.budget = TreeSettings(budget="auto" if auto else budget), budget
-        self.auto_cached, self.auto_predicted = None, ()
+        self.auto_cached = None
 
 
 def test_a_rows_kept_curve_is_the_fresh_one_after_every_change():
@@ -347,47 +341,6 @@ def test_a_rows_kept_curve_is_the_fresh_one_after_every_change():
     finally:
         ab.observed_curve = real
     assert calls == []
-
-
-def test_size_calibration_by_hand():
-    """Per size, decayed sums of what the first m nodes committed and of the E(m) the choice weighed; the factor is
-    their ratio with SIZE_PRIOR pseudo-tokens of 1, clamped; a prediction shorter than m is held at its end."""
-    cal: dict[int, tuple[float, float]] = {}
-    ab.size_update(cal, (2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0), [1, 2, 6], 7, (1, 3, 7, 15), decay=0.5)
-    assert cal == {1: (2.0, 2.0), 3: (3.0, 3.0), 7: (4.0, 5.0)}  # 15 > verified: not checked
-    ab.size_update(cal, (2.0, 3.0), [1], 15, (1, 3, 7, 15), decay=0.5)
-    assert cal == {1: (3.0, 3.0), 3: (3.5, 4.5), 7: (4.0, 5.5), 15: (2.0, 3.0)}
-    ab.size_update(cal, (), [1], 15, (1, 3, 7, 15))  # no prediction (a row's first round): nothing
-    assert len(cal) == 4 and cal[1] == (3.0, 3.0)
-    assert ab.size_factor(cal, 7, prior=2.0) == pytest.approx(6.0 / 7.5)
-    assert ab.size_factor(cal, 31) == 1.0
-    assert ab.size_factor({7: (0.0, 100.0)}, 7, prior=1.0) == ab.SIZE_FACTOR_RANGE[0]
-
-
-def test_a_size_whose_rounds_commit_less_than_predicted_stops_being_chosen():
-    """Rows whose curves put b15 1.38x above b7 while b15 costs 1.33x: the chooser runs b15. Their b15 rounds commit
-    1.18x what the same trees' first 7 nodes commit; once the size calibration has seen them it runs b7, and each
-    size's factor times what the choice weighed there is what the rounds committed."""
-    chooser = ab.AutoChooser(15)
-    cost = {1: 0.008, 3: 0.009, 7: 0.010, 15: 0.0133}.__getitem__
-    curve = (1.8, 2.4, 3.0, 3.4, 3.7, 4.0, 4.2) + tuple(4.2 + 0.2 * i for i in range(1, 9))  # E(15) = 5.8
-    rows = [_Row(str(i), (), curve) for i in range(8)]
-    assert chooser.choose(rows, cost, explore=False) == (15, 15)
-    # accepted node ranks per row and round: the first 7 nodes commit 4.125 tokens a row, all 15 nodes 4.875
-    paths = [[1, 2, 4], [1, 2, 5, 7], [1, 3, 6, 11], [1, 2, 3, 9, 14], [1, 4], [1, 2, 3, 7, 12], [2, 5, 13],
-             [1, 2, 3, 5, 10]]
-    at7 = sum(1 + sum(r <= 7 for r in p) for p in paths) / len(paths)
-    at15 = sum(1 + len(p) for p in paths) / len(paths)
-    assert (at7, at15) == (4.125, 4.875) and at15 / at7 < 0.0133 / 0.010
-    for _ in range(60):
-        for row, path in zip(rows, paths, strict=True):
-            chooser.read_row(row, len(path) + 1, curve, [0, *path], 15)
-            row.auto_seen, row.auto_curve = (), curve  # the rows' own evidence held out: the calibration decides
-        chosen, best = chooser.choose(rows, cost, explore=False)
-    for m, got in ((15, at15), (7, at7)):
-        weighed = sum(row.auto_predicted[m - 1] for row in rows) / len(rows)
-        assert ab.size_factor(chooser.sizes, m) * weighed == pytest.approx(got, rel=0.03)
-    assert (chosen, best) == (7, 7)
 
 
 def test_a_size_one_round_made_look_poor_is_explored_again():

@@ -3,7 +3,8 @@
 # rounds committed) against auto without it (SIZE_PRIOR 1e12: every factor 1) beside b7, one engine, three repeats:
 # C = 32 and 64 at 60 tokens, C = 64 at 1k. On an H100 the curve is the one the H100 measured on the new grid
 # earlier the same day (h100_cost_curve.json: no 94 s measurement); on another card it is measured at start.
-# Run from the repository root with OUT set; LIMIT (s, default 480) bounds the call.
+# Ran at git b204219 (the size calibration, reverted since: SIZE_PRIOR exists only there). Run from the repository
+# root with OUT set; LIMIT (s, default 480) bounds the call.
 set -u
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 SECONDS=0

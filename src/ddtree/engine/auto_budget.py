@@ -27,9 +27,8 @@ scheduler's bookkeeping of them (:class:`AutoChooser`); the fallback cost curve 
 The choice, per round (the verify is padded to one node count ``N`` for all rows, so a row gains nothing from
 fewer nodes than the round verifies: every auto row takes the round's whole budget)::
 
-    B* = argmax over B in {floor} + {c in candidates: c > floor} of  sum_i f_i(B) E_i(min(B, cap_i)) / T(R, B, kv(B))
+    B* = argmax over B in {floor} + {c in candidates: c > floor} of  sum_i E_i(min(B, cap_i)) / T(R, B, kv(B))
 
-``f_i(B)``: the engine's size calibration at ``B`` for an auto row (below), 1 for a fixed row;
 ``floor``: the largest budget of a fixed row (its tree, or a chain's depth, sets the round's width anyway);
 ``cap_i``: a fixed row's own budget (its ``E`` stops growing there), none for auto rows; ``E_i`` beyond the sizes a
 row has reported is held at its last value (a lower bound: ``E`` never decreases), so unexplored sizes are never
@@ -57,17 +56,6 @@ estimate (a smaller tree changes the sampling walk). The observed lengths are bl
 surrogate, which counts as :data:`PRIOR_WEIGHT` rounds, and every size's evidence decays each round; a size
 above the best whose evidence has faded is verified again now and then (:class:`AutoChooser`), since a size that
 one unlucky round made look poor would otherwise never be tried again.
-
-Size calibration (the engine's check of its own predictions): every read auto round compares, for each candidate
-size ``m`` up to the size it verified, the ``E(m)`` the choice weighed for the row with what the first ``m`` nodes
-committed (:func:`size_update`), and keeps per size decayed sums over every row of both; the choice multiplies each
-auto row's ``E(m)`` by their ratio (:func:`size_factor`, with a pseudo-count so a few rounds move it little). Why:
-the choice is made where a size's estimate is high, and on the H100 stand-in at 32 in flight and 60 tokens the
-rounds auto ran at b15 committed about 1.25x b7's tokens (estimated from its mix of sizes and its acceptance) where
-their estimates had to exceed the 1.33x they cost (the curve's, as served) to be chosen: auto 0.97-0.98x of b7 with
-or without exploration (docs/benchmarks.md, "The cost curve's grid"). Predictions are out of sample: with follow-ups the weighed curve may be the next round's, computed
-before this round was read. Only sizes a round verified are checked, so a size the engine does not run keeps the
-factor it had (1 at first) until an exploration verifies it again.
 
 Smoothing: a row's reported curve is averaged with its previous one (weight :data:`SMOOTHING` on the newest), over
 the sizes both cover. A row that has not reported yet (its first round) takes the mean curve of the round's rows
@@ -100,9 +88,6 @@ PRIOR_WEIGHT = 1.0  # the calibrated surrogate counts as this many rounds in a r
 # cost barely rises (one row, a flat curve: the one-row trap this exists for).
 EXPLORE_EVIDENCE = 0.32
 EXPLORE_SLACK = 0.10
-SIZE_DECAY = 0.995  # weight of a size's older row-rounds in its calibration (about the last 200 rows verifying it)
-SIZE_PRIOR = 8.0  # pseudo-tokens of the factor 1 in a size's calibration (about two rows' rounds at E = 4)
-SIZE_FACTOR_RANGE = (0.5, 2.0)
 
 
 def candidates(max_budget: int) -> tuple[int, ...]:
@@ -145,14 +130,9 @@ def options(cands: Sequence[int], floor: int) -> tuple[int, ...]:
     return tuple(sorted(({floor} if floor > 0 else set()) | {c for c in cands if c > floor}))
 
 
-def objective(rows: Sequence[RowCurve], budget: int, cost: Callable[[int], float],
-              scale: Callable[[int], float] | None = None) -> float:
-    """Expected committed tokens per second of the round at ``budget``; ``scale(budget)`` multiplies the auto rows'
-    (``cap`` None) expected lengths (the size calibration, :func:`size_factor`)."""
-    if scale is None:
-        return sum(r.expected(budget) for r in rows) / cost(budget)
-    f = scale(budget)
-    return sum(r.expected(budget) * (f if r.cap is None else 1.0) for r in rows) / cost(budget)
+def objective(rows: Sequence[RowCurve], budget: int, cost: Callable[[int], float]) -> float:
+    """Expected committed tokens per second of the round at ``budget``."""
+    return sum(r.expected(budget) for r in rows) / cost(budget)
 
 
 def rising(cost: Callable[[int], float], opts: Sequence[int]) -> Callable[[int], float]:
@@ -171,13 +151,12 @@ def rising(cost: Callable[[int], float], opts: Sequence[int]) -> Callable[[int],
 
 
 def choose_budget(rows: Sequence[RowCurve], opts: Sequence[int], cost: Callable[[int], float], *,
-                  previous: int | None = None, margin: float = 0.0,
-                  scale: Callable[[int], float] | None = None) -> int:
+                  previous: int | None = None, margin: float = 0.0) -> int:
     """The argmax of :func:`objective` over ``opts`` (ties: the smaller budget); with ``previous`` in ``opts``, it is
     kept unless the best beats it by more than ``margin`` (a fraction)."""
     if not opts:
         raise ValueError("choose_budget needs at least one option")
-    values = {b: objective(rows, b, cost, scale) for b in opts}
+    values = {b: objective(rows, b, cost) for b in opts}
     best = max(opts, key=lambda b: (values[b], -b))
     if previous is not None and previous in values and values[best] <= values[previous] * (1.0 + margin):
         return previous
@@ -246,34 +225,6 @@ def observed_curve(seen: Sequence[tuple[float, float]], surrogate: Sequence[floa
     return tuple(out)
 
 
-def size_update(cal: dict[int, tuple[float, float]], predicted: Sequence[float], ranks: Sequence[int],
-                verified: int, sizes: Sequence[int], decay: float | None = None) -> None:
-    """Add one read row to the engine's size calibration ``cal`` (size -> decayed sums of tokens committed and of
-    tokens predicted), in place: for each of ``sizes`` up to ``verified``, what the first ``m`` nodes committed,
-    ``1 + #{r in ranks: r <= m}`` (:func:`observed_update`), against ``predicted``'s ``E(m)`` (held at its last value
-    past its end, as :class:`RowCurve` reads it). A row with no prediction adds nothing. ``decay`` None:
-    :data:`SIZE_DECAY` as it is now (read at each call, so a benchmark may set it)."""
-    if not predicted:
-        return
-    decay = SIZE_DECAY if decay is None else decay
-    for m in sizes:
-        if m > verified:
-            break
-        committed = 1.0 + sum(1 for r in ranks if r <= m)
-        got, want = cal.get(m, (0.0, 0.0))
-        cal[m] = (decay * got + committed, decay * want + float(predicted[min(m, len(predicted)) - 1]))
-
-
-def size_factor(cal: dict[int, tuple[float, float]], size: int, prior: float | None = None) -> float:
-    """What the engine's rows committed at ``size`` over what their choices predicted, ``(got + prior) / (want +
-    prior)``, clamped to :data:`SIZE_FACTOR_RANGE`; 1 for a size never verified. ``prior`` None: :data:`SIZE_PRIOR`
-    as it is now."""
-    prior = SIZE_PRIOR if prior is None else prior
-    got, want = cal.get(size, (0.0, 0.0))
-    lo, hi = SIZE_FACTOR_RANGE
-    return min(max((got + prior) / (want + prior), lo), hi)
-
-
 def evidence(seen: Sequence[tuple[float, float]], size: int) -> float:
     """The decayed count of rounds that observed ``size`` (0 for a size never verified)."""
     return seen[size - 1][1] if 0 < size <= len(seen) else 0.0
@@ -320,18 +271,15 @@ class AutoChooser:
         self.candidates = candidates(max_budget)
         self.previous: int | None = None
         self.gain = (0.0, 0.0)
-        self.sizes: dict[int, tuple[float, float]] = {}  # size calibration (module doc, size_update)
 
     def read_row(self, state: Any, committed: int, reported: Sequence[float], path: Sequence[int],
                  verified: int) -> None:
         """Account for one row of a read auto round that committed ``committed`` tokens (bonus included):
         ``reported`` its ``E(1 .. W)``, ``path`` its accepted node indices (root first; the first ``committed``
         are real), ``verified`` the draft nodes its tree had. Updates the row's observed lengths, calibration sums
-        and smoothed curve, the engine-wide sums, and (an auto row) the size calibration (:func:`size_update`)."""
+        and smoothed curve, and the engine-wide sums."""
         used = min(verified, len(reported))
         e_used = reported[used - 1] if used else 1.0
-        if state.tree.auto:
-            size_update(self.sizes, state.auto_predicted, path[1:committed], verified, self.candidates)
         state.auto_seen = observed_update(state.auto_seen, path[1:committed], verified)
         state.auto_gain = gain_update(state.auto_gain, committed, e_used)
         self.gain = gain_update(self.gain, committed, e_used, decay=0.99)
@@ -359,9 +307,7 @@ class AutoChooser:
         candidates above it), ``cost`` made non-decreasing (:func:`rising`), with the hysteresis. Auto rows use
         their observed and calibrated curve (:func:`observed_curve`), those without one the mean of those with one
         (no row has one: :func:`initial_budget`); fixed rows count theirs at their own budget (else their
-        acceptance so far), AR rows 1; the auto rows' lengths at each size times the engine's size calibration
-        there (:func:`size_factor`), their uncalibrated curve kept on the state (``auto_predicted``) for the check of
-        the round it chooses (:meth:`read_row`). Exploration: when the auto rows' evidence on the next candidate above the
+        acceptance so far), AR rows 1. Exploration: when the auto rows' evidence on the next candidate above the
         best has decayed below :data:`EXPLORE_EVIDENCE` and its objective is within :data:`EXPLORE_SLACK` of the
         best's, that candidate runs instead (with ``explore``): one such round tells the observed lengths of every
         size up to it. Returns (the size to run, the best size): the hysteresis keeps the best, not an exploration,
@@ -376,10 +322,7 @@ class AutoChooser:
             first = initial_budget(self.candidates)
             first = first if first in opts else opts[0]
             return first, first
-        rows = []
-        for s in auto:
-            s.auto_predicted = curves[s.request_id] or prior
-            rows.append(RowCurve(s.auto_predicted))
+        rows = [RowCurve(curves[s.request_id] or prior) for s in auto]
         for s in fixed:
             if s.tree.method == "ar":
                 rows.append(RowCurve((), cap=0))
@@ -388,20 +331,17 @@ class AutoChooser:
             else:
                 rows.append(RowCurve((s.stats.accept_length or 1.0,), cap=s.budget))
         up = rising(cost, opts)
-        factors = {b: size_factor(self.sizes, b) for b in opts}
-        best = choose_budget(rows, opts, up, previous=self.previous, margin=MARGIN, scale=factors.__getitem__)
+        best = choose_budget(rows, opts, up, previous=self.previous, margin=MARGIN)
         above = [b for b in opts if b > best]
         if explore and above:
             nxt = above[0]
             stale = sum(evidence(s.auto_seen, nxt) for s in auto) / len(auto) < EXPLORE_EVIDENCE
-            if stale and (objective(rows, nxt, up, factors.__getitem__)
-                          >= (1.0 - EXPLORE_SLACK) * objective(rows, best, up, factors.__getitem__)):
+            if stale and objective(rows, nxt, up) >= (1.0 - EXPLORE_SLACK) * objective(rows, best, up):
                 return nxt, best
         return best, best
 
 
-__all__ = ["AUTO", "EXPLORE_EVIDENCE", "EXPLORE_SLACK", "GAIN_DECAY", "MARGIN", "PRIOR_WEIGHT", "SIZE_DECAY",
-           "SIZE_FACTOR_RANGE", "SIZE_PRIOR", "SMOOTHING", "AutoChooser", "KeptCurve", "RowCurve", "calibrated",
-           "candidates", "choose_budget", "curve_width", "evidence", "gain_update", "initial_budget", "mean_curve",
-           "objective", "observed_curve", "observed_update", "options", "rising", "size_factor", "size_update",
-           "smoothed"]
+__all__ = ["AUTO", "EXPLORE_EVIDENCE", "EXPLORE_SLACK", "GAIN_DECAY", "MARGIN", "PRIOR_WEIGHT", "SMOOTHING", "AutoChooser",
+           "KeptCurve", "RowCurve", "calibrated", "candidates", "choose_budget",
+           "curve_width", "evidence", "gain_update", "initial_budget", "mean_curve", "objective", "observed_curve",
+           "observed_update", "options", "rising", "smoothed"]

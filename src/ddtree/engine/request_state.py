@@ -75,9 +75,6 @@ class RequestState:
     # AutoChooser.row_curve recomputes it only when one of them changed, which happens once per read round, while
     # the choice runs up to twice a round (ddtree.engine.auto_budget.KeptCurve)
     auto_cached: KeptCurve | None = None
-    # the row's E(1 ..) the last choice weighed (before the engine's size calibration): what its next read round is
-    # checked against (AutoChooser.read_row, auto_budget.size_update)
-    auto_predicted: tuple[float, ...] = ()
 
     # ---- derived positions -------------------------------------------------------------------------------
     @property
