@@ -89,8 +89,8 @@ def default_grid(*, max_batch: int, max_budget: int, cache_len: int, block_size:
     it verifies and steep past it, and a line between far points misplaces the knee: rows 1/4/16/64 and budgets
     0/3/15 (the grid before 2026-12-07) read a 32-row b15 round a quarter of the way from 16 rows to 64 and a b1
     round a third of the way from AR to b3 (docs/benchmarks.md, "The cost curve's grid"). It costs start-up time
-    once per device, model and config: 7 x 7 x 3 points at 64 rows and budget 32, cached on disk
-    (:func:`curve_at_start`).
+    once per device, model and config: 7 x 7 x 3 points at 64 rows and budget 32, 94 s on the H100 stand-in (each
+    point's graph captured once), cached on disk (:func:`curve_at_start`).
 
     Without ``buckets`` (a CPU engine pays seconds, not minutes: at most 4 x 5 x 3 points): rows 1, ``max_batch``
     and up to two powers of four between; budgets 0, 1 (the smallest drafting round: a draft forward and a tree
