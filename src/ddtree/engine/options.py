@@ -62,8 +62,9 @@ HELP: dict[str, str] = {
     "cpu_threads": "Torch intra-op threads on a CPU device (process-wide; default: torch's, one per core; 1 on a busy machine).",
     "warmup": "What start-up captures before /health says ready: none, fast (AR + the default tree), full (every "
               "budget bucket, chain, sampled), or DDTree budgets such as 4,15,31 added to fast.",
-    "cost_curve": "Round cost curve at start: off, auto (measured once on a small grid, cached per device and model "
-                  "in ~/.cache/ddtree/cost_curves) or the path of a curve JSON file.",
+    "cost_curve": "Round cost curve at start: off, auto (measured once on the engine's grid, every rows and tree "
+                  "bucket on a GPU, about 1.5 min there; cached per device, model and config in "
+                  "~/.cache/ddtree/cost_curves) or the path of a curve JSON file.",
     "seed": "Engine seed.",
 }
 _NOT_OPTIONS = ("default_tree",)
