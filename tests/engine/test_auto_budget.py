@@ -301,6 +301,34 @@ def test_observed_curve_by_hand():
     assert ab.observed_curve((), (1.5, 2.0)) == (1.5, 2.0)
 
 
+def plain_observed_curve(seen, surrogate, prior_weight=1.0):
+    """The observed curve as its docstring states it, one size at a time: the oracle of the engine's loop."""
+    if not seen:
+        return tuple(surrogate)
+    out, top = [], 1.0
+    for m, (total, weight) in enumerate(seen):
+        prior = float(surrogate[min(m, len(surrogate) - 1)]) if surrogate else 1.0
+        top = max(top, (total + prior_weight * prior) / (weight + prior_weight))
+        out.append(top)
+    for m in range(len(seen), len(surrogate)):
+        out.append(top + max(0.0, float(surrogate[m]) - float(surrogate[len(seen) - 1])))
+    return tuple(out)
+
+
+def test_observed_curve_equals_the_plain_loop_bit_for_bit():
+    """Random observed lengths (decayed sums and counts, some sizes poor) and surrogates shorter than, as long as
+    and longer than them, empty, or falling: the engine's loop returns the plain loop's floats exactly."""
+    rng = random.Random(3)
+    for _ in range(500):
+        seen = tuple((rng.uniform(0, 6) * w, w) for w in (rng.uniform(0.05, 3) for _ in range(rng.randint(1, 31))))
+        n = rng.choice([0, 1, len(seen) // 2, len(seen), len(seen) + rng.randint(1, 16)])
+        surrogate = tuple(sorted(rng.uniform(1, 6) for _ in range(n)))
+        if surrogate and rng.random() < 0.2:
+            surrogate = tuple(reversed(surrogate))
+        w0 = rng.choice([0.5, 1.0, 2.0])
+        assert ab.observed_curve(seen, surrogate, prior_weight=w0) == plain_observed_curve(seen, surrogate, w0)
+
+
 class _Row:
     """The parts of a RequestState AutoChooser reads."""
 

@@ -156,8 +156,12 @@ def choose_budget(rows: Sequence[RowCurve], opts: Sequence[int], cost: Callable[
     kept unless the best beats it by more than ``margin`` (a fraction)."""
     if not opts:
         raise ValueError("choose_budget needs at least one option")
-    values = {b: objective(rows, b, cost) for b in opts}
-    best = max(opts, key=lambda b: (values[b], -b))
+    return best_of({b: objective(rows, b, cost) for b in opts}, previous=previous, margin=margin)
+
+
+def best_of(values: dict[int, float], *, previous: int | None = None, margin: float = 0.0) -> int:
+    """:func:`choose_budget`'s pick from the objective's ``values`` by budget."""
+    best = max(values, key=lambda b: (values[b], -b))
     if previous is not None and previous in values and values[best] <= values[previous] * (1.0 + margin):
         return previous
     return best
@@ -215,13 +219,22 @@ def observed_curve(seen: Sequence[tuple[float, float]], surrogate: Sequence[floa
     is never verified again is never corrected); the surrogate is what is known without a round."""
     if not seen:
         return tuple(surrogate)
+    # One pass per row and read round over up to 2 x 31 sizes, on the engine thread: written for the interpreter
+    # (no call per size), the values those of the plain loop (tests/engine/test_auto_budget.py keeps it as the oracle).
+    n, w0 = len(surrogate), prior_weight
+    last = n - 1
     out, top = [], 1.0
     for m, (total, weight) in enumerate(seen):
-        prior = float(surrogate[min(m, len(surrogate) - 1)]) if surrogate else 1.0
-        top = max(top, (total + prior_weight * prior) / (weight + prior_weight))
+        prior = float(surrogate[m if m < last else last]) if n else 1.0
+        value = (total + w0 * prior) / (weight + w0)
+        if value > top:
+            top = value
         out.append(top)
-    for m in range(len(seen), len(surrogate)):  # past the observed sizes: the surrogate's increments
-        out.append(top + max(0.0, float(surrogate[m]) - float(surrogate[len(seen) - 1])))
+    if n > len(seen):  # past the observed sizes: the surrogate's increments
+        base = float(surrogate[len(seen) - 1])
+        for m in range(len(seen), n):
+            step = float(surrogate[m]) - base
+            out.append(top + step if step > 0.0 else top)
     return tuple(out)
 
 
@@ -316,32 +329,35 @@ class AutoChooser:
         fixed = [s for s in states if not s.tree.auto]
         floor = max((s.budget for s in fixed), default=0)
         opts = options(self.candidates, floor)
-        curves = {s.request_id: self.row_curve(s) for s in states}
-        prior = mean_curve([curves[s.request_id] for s in auto])
-        if not prior:
+        curves = {s.request_id: self.row_curve(s) for s in auto}
+        have = [c for c in curves.values() if c]
+        if not have:
             first = initial_budget(self.candidates)
             first = first if first in opts else opts[0]
             return first, first
+        # the prior only where a row needs it: a mean over every row's curve is a Python pass over the whole batch
+        prior = mean_curve(have) if len(have) < len(auto) else ()
         rows = [RowCurve(curves[s.request_id] or prior) for s in auto]
         for s in fixed:
             if s.tree.method == "ar":
                 rows.append(RowCurve((), cap=0))
             elif s.auto_curve:
-                rows.append(RowCurve(curves[s.request_id], cap=s.budget))
+                rows.append(RowCurve(self.row_curve(s), cap=s.budget))
             else:
                 rows.append(RowCurve((s.stats.accept_length or 1.0,), cap=s.budget))
         up = rising(cost, opts)
-        best = choose_budget(rows, opts, up, previous=self.previous, margin=MARGIN)
+        values = {b: objective(rows, b, up) for b in opts}  # once: the exploration test reads them too
+        best = best_of(values, previous=self.previous, margin=MARGIN)
         above = [b for b in opts if b > best]
         if explore and above:
             nxt = above[0]
             stale = sum(evidence(s.auto_seen, nxt) for s in auto) / len(auto) < EXPLORE_EVIDENCE
-            if stale and objective(rows, nxt, up) >= (1.0 - EXPLORE_SLACK) * objective(rows, best, up):
+            if stale and values[nxt] >= (1.0 - EXPLORE_SLACK) * values[best]:
                 return nxt, best
         return best, best
 
 
 __all__ = ["AUTO", "EXPLORE_EVIDENCE", "EXPLORE_SLACK", "GAIN_DECAY", "MARGIN", "PRIOR_WEIGHT", "SMOOTHING", "AutoChooser",
-           "KeptCurve", "RowCurve", "calibrated", "candidates", "choose_budget",
+           "KeptCurve", "RowCurve", "best_of", "calibrated", "candidates", "choose_budget",
            "curve_width", "evidence", "gain_update", "initial_budget", "mean_curve", "objective", "observed_curve",
            "observed_update", "options", "rising", "smoothed"]
