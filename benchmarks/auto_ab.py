@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 from ddtree.engine import Engine, EngineConfig, TreeSettings, auto_budget, prefill_steps
-from ddtree.engine.cost_curve import CostCurve, _segment, save_curve
+from ddtree.engine.cost_curve import CostCurve, save_curve
 from ddtree.lab.bench.inprocess import run_cell, synchronize
 from ddtree.lab.bench.workload import held_out_token_stream, prompts_for
 
@@ -118,9 +118,7 @@ class OldGridCurve(CostCurve):
     so a b1 round is a third of the way from AR's point to b3's (the A/B of ``--old-grid``)."""
 
     def round_seconds(self, rows: int, budget: int, kv_len: int) -> float:
-        segments = (_segment(self.rows, rows), _segment(self.budgets, budget), _segment(self.kv_lens, kv_len))
-        inside = self._blend(tuple((i, j, min(w, 1.0)) for i, j, w in segments))
-        return max(inside, self._blend(segments)) if any(w > 1.0 for _, _, w in segments) else inside
+        return self.interpolated(rows, budget, kv_len)
 
 
 def old_grid(curve: CostCurve, max_batch: int, max_budget: int) -> OldGridCurve:

@@ -165,6 +165,11 @@ class CostCurve:
                 raise CostCurveError(f"round_seconds: {name} must be a number >= {lo}, got {v!r}")
         if budget > 0 and len(self.budgets) > 1 and self.budgets[0] == 0:
             budget = max(budget, self.budgets[1])  # a drafting round never blends with AR's point (module doc)
+        return self.interpolated(rows, budget, kv_len)
+
+    def interpolated(self, rows: float, budget: float, kv_len: float) -> float:
+        """The grid read at a point, trilinear along every axis with the capped extrapolation of the module doc
+        (no rule for AR's point: :meth:`round_seconds` applies that, and checks the arguments)."""
         segments = (_segment(self.rows, rows), _segment(self.budgets, budget), _segment(self.kv_lens, kv_len))
         inside = self._blend(tuple((i, j, min(w, 1.0)) for i, j, w in segments))
         # past the grid's last point, follow the last segment only upwards: a slope that falls is held flat
