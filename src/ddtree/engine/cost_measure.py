@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ddtree.engine.auto_budget import candidates
 from ddtree.engine.cost_curve import (
     CostCurve,
     CostCurveError,
@@ -103,7 +104,7 @@ def default_grid(*, max_batch: int, max_budget: int, cache_len: int, block_size:
     a step of as many tokens in several rows does once the step is compute-bound). ``block_size`` None (no
     drafter) measures AR only."""
     if buckets:
-        rows = sorted({1 << k for k in range(16) if 1 << k <= max_batch} | {max_batch})
+        rows = list(rows_buckets(max_batch))
     else:
         rows = sorted({1, max_batch} | {1 << i for i in range(2, 8, 2) if (1 << i) < max_batch})
         if len(rows) > 4:
@@ -116,7 +117,7 @@ def default_grid(*, max_batch: int, max_budget: int, cache_len: int, block_size:
         if budgets is not None:
             chosen = sorted({int(b) for b in budgets} | {0})
         elif buckets:
-            chosen = sorted({0, max_budget} | {(1 << k) - 1 for k in range(1, 16) if (1 << k) - 1 < max_budget})
+            chosen = sorted({0, max_budget, *candidates(max_budget)})
         else:
             chosen = sorted({0, max_budget} | {b for b in (1, 4, 16) if b < max_budget})
     top = min(reach_limit(cache_len, b, block if b else 1) for b in chosen)
@@ -267,13 +268,13 @@ def measure_cost_curve(runner: Any, grid: CostGrid, *, graphs: Any = None, prefi
 def fallback_curve(sched: Any, cands: Sequence[int]) -> CostCurve:
     """The fallback curve of a scheduler (:class:`ddtree.engine.scheduler.Scheduler`) that was given none, measured
     by the engine's one measurer (:func:`measure_cost_curve`) while it may be serving: auto
-    rounds over budget auto's ``cands`` at :func:`fallback_rows` x :func:`fallback_kv_lens`, every row in the scratch slot (live slots are
+    rounds over budget auto's ``cands`` at :func:`rows_buckets` x :func:`fallback_kv_lens`, every row in the scratch slot (live slots are
     never touched), one untimed round a point then the fastest of three passes over the grid (load only ever adds
     time), on its graphs (CUDA) or eagerly; logged with the values, since a busy machine makes them noisy.
 
     Auto rounds, as served: each selects the next candidate's nodes to report the expected lengths; on a CPU that
     selection is milliseconds a round, and a curve of plain rounds left it out (docs/benchmarks.md, run 7)."""
-    rows, kv = fallback_rows(sched.config.max_batch), fallback_kv_lens(sched.cache_len)
+    rows, kv = rows_buckets(sched.config.max_batch), fallback_kv_lens(sched.cache_len)
     log.warning("budget auto: no cost curve set on the engine; measuring one now (%d rows x %d budgets x %d lengths, "
                 "greedy rounds in the scratch slot)", len(rows), len(cands), len(kv))
     grid = CostGrid(rows=rows, budgets=tuple(cands), kv_lens=kv, block_size=max(2, int(sched.trained_block_size)),
@@ -284,8 +285,9 @@ def fallback_curve(sched: Any, cands: Sequence[int]) -> CostCurve:
     return curve
 
 
-def fallback_rows(max_batch: int) -> tuple[int, ...]:
-    """Rows a fallback curve is measured at: powers of two up to ``max_batch``, and ``max_batch``."""
+def rows_buckets(max_batch: int) -> tuple[int, ...]:
+    """The rows buckets of CUDA graphs (``cuda_graphs.bucket_rows``' values): powers of two up to ``max_batch``,
+    and ``max_batch``; the rows the engine-start grid on CUDA and the fallback curve are measured at."""
     out = {1 << k for k in range(0, 16) if 1 << k <= max_batch} | {max_batch}
     return tuple(sorted(out))
 
@@ -383,5 +385,5 @@ def attach_curve(engine: Any, *, cache_dir: Path | None = None) -> CurveSource:
 
 
 __all__ = ["CostGrid", "CurveSource", "attach_curve", "curve_at_start", "default_grid", "engine_device_name",
-           "engine_grid", "fallback_curve", "fallback_kv_lens", "fallback_rows", "measure_cost_curve", "reach_limit",
+           "engine_grid", "fallback_curve", "fallback_kv_lens", "measure_cost_curve", "reach_limit", "rows_buckets",
            "sample_points"]
