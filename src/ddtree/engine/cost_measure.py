@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddtree.engine.auto_budget import candidates
+from ddtree.engine.auto_budget import candidates, curve_width
 from ddtree.engine.cost_curve import (
     CostCurve,
     CostCurveError,
@@ -176,7 +176,6 @@ def measure_cost_curve(runner: Any, grid: CostGrid, *, graphs: Any = None, prefi
 
     import torch
 
-    from ddtree.engine.auto_budget import curve_width
     from ddtree.engine.round import NO_WINDOW, PackedRows, RoundInputs, RoundShape, RowInputs
     from ddtree.engine.runner import PrefillInputs, StageTimer, to_host
 
