@@ -41,11 +41,14 @@ import argparse
 import json
 import statistics
 import time
+from contextlib import nullcontext
 from dataclasses import fields as dataclass_fields
 from dataclasses import replace
 from pathlib import Path
 
 import torch
+from auto_trace import AutoTrace  # benchmarks/, this script's directory
+from auto_trace import summary as trace_summary
 
 from ddtree.engine import Engine, EngineConfig, TreeSettings, auto_budget, prefill_steps
 from ddtree.engine.cost_curve import CostCurve, save_curve
@@ -170,6 +173,9 @@ def main(argv: list[str] | None = None) -> None:
                          "auto measures its own fallback curve at its first round, as `ddtree sweep` runs it), a path")
     ap.add_argument("--old-grid", action="store_true",
                     help="also run each auto variant on the same curve restricted to the pre-2026-12-07 grid")
+    ap.add_argument("--trace", action="store_true",
+                    help="trace every auto run's predictions against its rounds (auto_trace.py): a summary per size in "
+                         "the run's row, the rounds in OUT/trace-<C>-<context>-<config>-<repeat>.json")
     ap.add_argument("--time-budget", type=float, default=500.0, help="seconds from start after which no run starts")
     args = ap.parse_args(argv)
     cells = [tuple(int(x) for x in c.split(":")) for c in args.cells.split(",") if c]
@@ -238,7 +244,8 @@ def main(argv: list[str] | None = None) -> None:
                     warm_up(engine, prompts[: conc * args.warm_waves], tree, args.new_tokens, conc)
                 mixed_before = engine._counters.mixed_rounds_total, engine._counters.mixed_deferred_total
                 captures_before = 0 if engine.graphs is None else engine.graphs.mixed_captures
-                with ExploreCounter() as explored:
+                traced = args.trace and tree.auto
+                with ExploreCounter() as explored, AutoTrace(engine) if traced else nullcontext() as trace:
                     res = run_cell(engine, prompts, tree, args.new_tokens, concurrency=conc)
                 if name.split("@")[0] == "ar":
                     refs = res["tokens"]
@@ -253,6 +260,9 @@ def main(argv: list[str] | None = None) -> None:
                        "errors": res["errors"][:3],
                        "identical_to_ar": None if refs is None else sum(a == b for a, b in zip(res["tokens"], refs,
                                                                                                 strict=True))}
+                if traced:
+                    row["trace"] = trace_summary(trace.records)
+                    (out_dir / f"trace-{conc}-{ctx}-{name}-{rep}.json").write_text(json.dumps(trace.records))
                 report["runs"].append(row)
                 print(json.dumps(row), flush=True)
                 out.write_text(json.dumps(report, indent=1))
