@@ -103,12 +103,18 @@ class AutoTrace:
 def summary(records: list[dict]) -> dict:
     """Per round size: rounds, row-rounds, and over those rounds' rows the summed predicted and committed ``E`` of
     each candidate up to it (their ratio: how far the chooser's expectation was from what the tree gave), the mean
-    stage time and the mean predicted cost of the size."""
+    stage time and the mean predicted cost of the size; ``E_choice`` and ``T_choice``: per option, the mean ``E`` of
+    a row of the batch and the cost the chooser weighed at those rounds' choices."""
     out: dict[int, dict] = {}
     for rec in records:
         s = out.setdefault(rec["size"], {"rounds": 0, "row_rounds": 0, "pred": defaultdict(float),
-                                         "real": defaultdict(float), "stages_ms": 0.0, "cost_ms": 0.0})
+                                         "real": defaultdict(float), "stages_ms": 0.0, "cost_ms": 0.0,
+                                         "all": defaultdict(float), "batch": 0, "cost": defaultdict(float)})
         s["rounds"] += 1
+        s["batch"] += rec["batch"]
+        for b, v in rec["pred_all"].items():
+            s["all"][b] += v
+            s["cost"][b] += rec["cost_ms"][b]
         s["row_rounds"] += rec["rows"]
         s["stages_ms"] += rec["stages_ms"]
         s["cost_ms"] += rec["cost_ms"].get(rec["size"], 0.0)
@@ -118,5 +124,7 @@ def summary(records: list[dict]) -> dict:
     return {size: {"rounds": s["rounds"], "row_rounds": s["row_rounds"],
                    "stages_ms": round(s["stages_ms"] / s["rounds"], 3), "cost_ms": round(s["cost_ms"] / s["rounds"], 3),
                    "E_pred": {c: round(v / max(s["row_rounds"], 1), 3) for c, v in s["pred"].items()},
-                   "E_real": {c: round(v / max(s["row_rounds"], 1), 3) for c, v in s["real"].items()}}
+                   "E_real": {c: round(v / max(s["row_rounds"], 1), 3) for c, v in s["real"].items()},
+                   "E_choice": {b: round(v / max(s["batch"], 1), 3) for b, v in s["all"].items()},
+                   "T_choice": {b: round(v / s["rounds"], 3) for b, v in s["cost"].items()}}
             for size, s in sorted(out.items())}
