@@ -280,47 +280,65 @@ def test_observed_lengths_equal_walking_every_smaller_tree():
         for r in range(rows):
             n = int(walk.num_accepted[r])
             seen = ab.observed_update((), walk.path[r, 1:n].tolist(), width)
+            committed = 1.0  # the steps' running sum: what the tree of the first m nodes commits
             for m in range(1, width + 1):
                 cut = tree_select.prefix_trees(trees, m + 1, torch.full((rows,), m))
                 small = speculative.walk_trees(cut, choices[:, :m + 1], depths)
-                assert seen[m - 1] == (float(small.num_accepted[r]), 1.0), (trial, r, m)
+                committed += seen[m - 1][0]
+                assert seen[m - 1][1] == 1.0 and committed == float(small.num_accepted[r]), (trial, r, m)
 
 
 def test_observed_curve_by_hand():
-    seen = ab.observed_update((), [1, 4], 5, decay=0.5)  # sizes 1..5 commit 2, 2, 2, 3, 3
-    assert seen == ((2.0, 1.0), (2.0, 1.0), (2.0, 1.0), (3.0, 1.0), (3.0, 1.0))
-    seen = ab.observed_update(seen, [2], 3, decay=0.5)  # 1, 2, 2 at sizes 1..3; sizes 4, 5 only decay
-    assert seen == ((2.0, 1.5), (3.0, 1.5), (3.0, 1.5), (1.5, 0.5), (1.5, 0.5))
+    seen = ab.observed_update((), [1, 4], 5, decay=0.5)  # sizes 1..5 commit 2, 2, 2, 3, 3: steps 1, 0, 0, 1, 0
+    assert seen == ((1.0, 1.0), (0.0, 1.0), (0.0, 1.0), (1.0, 1.0), (0.0, 1.0))
+    seen = ab.observed_update(seen, [2], 3, decay=0.5)  # 1, 2, 2 at sizes 1..3: steps 0, 1, 0; sizes 4, 5 only decay
+    assert seen == ((0.5, 1.5), (1.0, 1.5), (0.0, 1.5), (0.5, 0.5), (0.0, 0.5))
     assert ab.evidence(seen, 3) == 1.5 and ab.evidence(seen, 6) == 0.0 and ab.evidence(seen, 0) == 0.0
-    # each size blends its observations with the surrogate counted as one round, non-decreasing; past the sizes
-    # observed the surrogate's increments
+    # each size's step blends its observed steps with the surrogate's step counted as one round, summed from
+    # E(0) = 1 (a negative step counts 0); past the sizes observed the surrogate's increments
     sur = (1.2, 1.3, 1.4, 1.5, 1.6, 2.1, 2.6)
-    assert ab.observed_curve(seen, sur, prior_weight=1.0) == pytest.approx(
-        ((2.0 + 1.2) / 2.5, (3.0 + 1.3) / 2.5, (3.0 + 1.4) / 2.5, (1.5 + 1.5) / 1.5, (1.5 + 1.6) / 1.5,
-         (1.5 + 1.6) / 1.5 + 0.5, (1.5 + 1.6) / 1.5 + 1.0))
+    steps = [(0.5 + 0.2) / 2.5, (1.0 + 0.1) / 2.5, (0.0 + 0.1) / 2.5, (0.5 + 0.1) / 1.5, (0.0 + 0.1) / 1.5]
+    curve = [1.0 + sum(steps[:m]) for m in range(1, 6)]
+    assert ab.observed_curve(seen, sur, prior_weight=1.0) == pytest.approx((*curve, curve[-1] + 0.5, curve[-1] + 1.0))
     assert ab.observed_curve((), (1.5, 2.0)) == (1.5, 2.0)
+
+
+def test_a_size_no_longer_verified_keeps_its_steps_on_the_fresh_lengths():
+    """Why steps and not totals per size: a row verified b15 while it accepted little (sizes 8..15 added one token
+    a round), then b7 while it accepted more. Its E(15) must be its fresh E(7) plus the old step from 7 to 15, not
+    the old total at 15 (which the fresh E(7) has overtaken: a curve flat past 7 that makes b15 look worthless)."""
+    seen = ()
+    for _ in range(10):
+        seen = ab.observed_update(seen, [1, 9], 15)  # 2 at sizes 1..8, 3 from 9: the step from 7 to 15 is 1
+    for _ in range(10):
+        seen = ab.observed_update(seen, [1, 2, 3, 4], 7)  # 5 at sizes 4..7
+    curve = ab.observed_curve(seen, (), prior_weight=0.0)
+    old, new = sum(0.9 ** k for k in range(10, 20)), sum(0.9 ** k for k in range(10))  # the rounds' decayed weights
+    assert curve[6] == pytest.approx((2 * old + 5 * new) / (old + new))  # above the old total at 15 (3)
+    assert curve[14] - curve[6] == pytest.approx(1.0)
 
 
 def plain_observed_curve(seen, surrogate, prior_weight=1.0):
     """The observed curve as its docstring states it, one size at a time: the oracle of the engine's loop."""
     if not seen:
         return tuple(surrogate)
-    out, top = [], 1.0
+    out, level = [], 1.0
     for m, (total, weight) in enumerate(seen):
         prior = float(surrogate[min(m, len(surrogate) - 1)]) if surrogate else 1.0
-        top = max(top, (total + prior_weight * prior) / (weight + prior_weight))
-        out.append(top)
+        below = 1.0 if m == 0 else (float(surrogate[min(m - 1, len(surrogate) - 1)]) if surrogate else 1.0)
+        level += max(0.0, (total + prior_weight * (prior - below)) / (weight + prior_weight))
+        out.append(level)
     for m in range(len(seen), len(surrogate)):
-        out.append(top + max(0.0, float(surrogate[m]) - float(surrogate[len(seen) - 1])))
+        out.append(level + max(0.0, float(surrogate[m]) - float(surrogate[len(seen) - 1])))
     return tuple(out)
 
 
 def test_observed_curve_equals_the_plain_loop_bit_for_bit():
-    """Random observed lengths (decayed sums and counts, some sizes poor) and surrogates shorter than, as long as
+    """Random observed steps (decayed sums and counts, some sizes poor) and surrogates shorter than, as long as
     and longer than them, empty, or falling: the engine's loop returns the plain loop's floats exactly."""
     rng = random.Random(3)
     for _ in range(500):
-        seen = tuple((rng.uniform(0, 6) * w, w) for w in (rng.uniform(0.05, 3) for _ in range(rng.randint(1, 31))))
+        seen = tuple((rng.uniform(0, 1) * w, w) for w in (rng.uniform(0.05, 3) for _ in range(rng.randint(1, 31))))
         n = rng.choice([0, 1, len(seen) // 2, len(seen), len(seen) + rng.randint(1, 16)])
         surrogate = tuple(sorted(rng.uniform(1, 6) for _ in range(n)))
         if surrogate and rng.random() < 0.2:

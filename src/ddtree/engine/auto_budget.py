@@ -88,6 +88,9 @@ PRIOR_WEIGHT = 1.0  # the calibrated surrogate counts as this many rounds in a r
 # cost barely rises (one row, a flat curve: the one-row trap this exists for).
 EXPLORE_EVIDENCE = 0.32
 EXPLORE_SLACK = 0.10
+# observed lengths kept as steps (what each size commits beyond the size below it, over the rounds that verified it),
+# so a size the row no longer verifies reads its last steps on top of the fresh lengths below it (observed_update)
+STEPS = True
 
 
 def candidates(max_budget: int) -> tuple[int, ...]:
@@ -199,9 +202,10 @@ def observed_update(seen: Sequence[tuple[float, float]], ranks: Sequence[int], v
     out = [(decay * total, decay * weight) for total, weight in seen]
     accepted = 0  # ranks <= m so far (the ranks increase: one pass)
     for m in range(1, verified + 1):
+        before = accepted
         while accepted < len(ranks) and ranks[accepted] <= m:
             accepted += 1
-        committed = 1.0 + accepted
+        committed = float(accepted - before) if STEPS else 1.0 + accepted
         if m <= len(out):
             total, weight = out[m - 1]
             out[m - 1] = (total + committed, weight + 1.0)
@@ -224,12 +228,22 @@ def observed_curve(seen: Sequence[tuple[float, float]], surrogate: Sequence[floa
     n, w0 = len(surrogate), prior_weight
     last = n - 1
     out, top = [], 1.0
-    for m, (total, weight) in enumerate(seen):
-        prior = float(surrogate[m if m < last else last]) if n else 1.0
-        value = (total + w0 * prior) / (weight + w0)
-        if value > top:
-            top = value
-        out.append(top)
+    if STEPS:
+        below = 1.0  # the surrogate at the size below (E(0) = 1)
+        for m, (total, weight) in enumerate(seen):
+            prior = float(surrogate[m if m < last else last]) if n else 1.0
+            step = (total + w0 * (prior - below)) / (weight + w0)
+            below = prior
+            if step > 0.0:
+                top += step
+            out.append(top)
+    else:
+        for m, (total, weight) in enumerate(seen):
+            prior = float(surrogate[m if m < last else last]) if n else 1.0
+            value = (total + w0 * prior) / (weight + w0)
+            if value > top:
+                top = value
+            out.append(top)
     if n > len(seen):  # past the observed sizes: the surrogate's increments
         base = float(surrogate[len(seen) - 1])
         for m in range(len(seen), n):
@@ -357,7 +371,8 @@ class AutoChooser:
         return best, best
 
 
-__all__ = ["AUTO", "EXPLORE_EVIDENCE", "EXPLORE_SLACK", "GAIN_DECAY", "MARGIN", "PRIOR_WEIGHT", "SMOOTHING", "AutoChooser",
+__all__ = ["AUTO", "EXPLORE_EVIDENCE", "EXPLORE_SLACK", "GAIN_DECAY", "MARGIN", "PRIOR_WEIGHT", "SMOOTHING", "STEPS",
+           "AutoChooser",
            "KeptCurve", "RowCurve", "best_of", "calibrated", "candidates", "choose_budget",
            "curve_width", "evidence", "gain_update", "initial_budget", "mean_curve", "objective", "observed_curve",
            "observed_update", "options", "rising", "smoothed"]
