@@ -50,6 +50,7 @@ class AutoTrace:
             rows = {rid: auto_budget.RowCurve(c or prior) for rid, c in curves.items()}
             self._choice = {"size": size, "best": best, "explore": explore, "rows": rows,
                             "cost_ms": {b: round(up(b) * 1e3, 3) for b in opts},
+                            "offset_ms": round(chooser.offset() * 1e3, 3),
                             "pred_all": {b: round(sum(r.expected(b) for r in rows.values()), 3) for b in opts}}
             return size, best
 
@@ -74,7 +75,8 @@ class AutoTrace:
                 r, self._reading = self._reading, None
                 self.records.append({
                     "t": time.perf_counter(), "size": choice["size"], "best": choice["best"], "rows": r["n"],
-                    "batch": len(flight.states), "cost_ms": choice["cost_ms"], "pred_all": choice["pred_all"],
+                    "batch": len(flight.states), "cost_ms": choice["cost_ms"], "offset_ms": choice["offset_ms"],
+                    "pred_all": choice["pred_all"],
                     "pred": {c: round(r["pred"][c], 3) for c in cands},
                     "real": {c: round(r["real"][c], 3) for c in cands},
                     "stages_ms": round((sum(eng._counters.stage_seconds_total.values()) - before) * 1e3, 3)})
@@ -104,13 +106,15 @@ def summary(records: list[dict]) -> dict:
     """Per round size: rounds, row-rounds, and over those rounds' rows the summed predicted and committed ``E`` of
     each candidate up to it (their ratio: how far the chooser's expectation was from what the tree gave), the mean
     stage time and the mean predicted cost of the size; ``E_choice`` and ``T_choice``: per option, the mean ``E`` of
-    a row of the batch and the cost the chooser weighed at those rounds' choices."""
+    a row of the batch and the curve's cost at those rounds' choices (the chooser added ``offset_ms`` to it)."""
     out: dict[int, dict] = {}
     for rec in records:
         s = out.setdefault(rec["size"], {"rounds": 0, "row_rounds": 0, "pred": defaultdict(float),
                                          "real": defaultdict(float), "stages_ms": 0.0, "cost_ms": 0.0,
-                                         "all": defaultdict(float), "batch": 0, "cost": defaultdict(float)})
+                                         "all": defaultdict(float), "batch": 0, "cost": defaultdict(float),
+                                         "offset_ms": 0.0})
         s["rounds"] += 1
+        s["offset_ms"] += rec["offset_ms"]
         s["batch"] += rec["batch"]
         for b, v in rec["pred_all"].items():
             s["all"][b] += v
@@ -126,5 +130,6 @@ def summary(records: list[dict]) -> dict:
                    "E_pred": {c: round(v / max(s["row_rounds"], 1), 3) for c, v in s["pred"].items()},
                    "E_real": {c: round(v / max(s["row_rounds"], 1), 3) for c, v in s["real"].items()},
                    "E_choice": {b: round(v / max(s["batch"], 1), 3) for b, v in s["all"].items()},
-                   "T_choice": {b: round(v / s["rounds"], 3) for b, v in s["cost"].items()}}
+                   "T_choice": {b: round(v / s["rounds"], 3) for b, v in s["cost"].items()},
+                   "offset_ms": round(s["offset_ms"] / s["rounds"], 3)}
             for size, s in sorted(out.items())}

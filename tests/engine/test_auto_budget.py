@@ -126,6 +126,49 @@ def test_hysteresis_keeps_the_previous_size_within_the_margin():
     assert ab.choose_budget(rows, (1, 3), cost, previous=1, margin=0.01) == 3
 
 
+def test_the_rounds_time_past_their_price_is_added_to_every_option():
+    """observe_period keeps a decayed mean of each round's period past its price; choose adds it to every option's
+    price (at most halving a price), which can turn the choice to a larger tree: the brute-force argmax of the
+    objective under the shifted prices."""
+    chooser = ab.AutoChooser(15)
+    assert chooser.offset() == 0.0
+    chooser.observe_period(0.030, 0.010, decay=0.5)
+    chooser.observe_period(0.025, 0.015, decay=0.5)
+    assert chooser.offset() == pytest.approx((0.5 * 0.020 + 0.010) / 1.5)
+    rows = [_Row("a", ab.observed_update((), [1, 2, 3, 5, 9], 15), (1.0,) * 15)]  # commits 2, 4, 5, 6 at 1, 3, 7, 15
+    cost = {1: 0.010, 3: 0.016, 7: 0.025, 15: 0.040}.__getitem__
+    curve = ab.observed_curve(rows[0].auto_seen, (1.0,) * 15)
+
+    def brute(off):
+        prices = {b: max(cost(b) + off, 0.5 * cost(b)) for b in (1, 3, 7, 15)}
+        return max(prices, key=lambda b: (curve[b - 1] / prices[b], -b))
+
+    for off in (0.0, 0.005, 0.02, 0.1, -0.004, -1.0):
+        chooser = ab.AutoChooser(15)
+        if off:
+            chooser.observe_period(0.05 + off, 0.05)
+        assert chooser.choose(rows, cost) == (brute(off), brute(off)), off
+    assert brute(0.0) == 3 and brute(0.1) == 15  # the offset moves the choice here
+
+
+def test_the_scheduler_prices_every_timed_auto_round(tiny_engine_factory, monkeypatch):
+    """Each auto round read right after the round queued before it gives the chooser its period (positive) and
+    the curve's price of its own rows, size and keys."""
+    calls = []
+    real = ab.AutoChooser.observe_period
+    monkeypatch.setattr(ab.AutoChooser, "observe_period",
+                        lambda self, wall, priced, decay=ab.GAIN_DECAY: calls.append((wall, priced))
+                        or real(self, wall, priced, decay))
+    engine = tiny_engine_factory(oracle=True)
+    engine.cost_curve = hand_curve(8, 1e-5)
+    prices = {engine.cost_curve.round_seconds(r, b, k) for r in range(1, 9) for b in (1, 3, 7, 15, 31)
+              for k in range(1, 200)}
+    engine.generate([GenerationRequest(prompt=p, tree=TreeSettings(budget="auto"),
+                                       sampling=SamplingParams(max_tokens=24, ignore_eos=True)) for p in PROMPTS])
+    assert calls and all(wall > 0 and priced in prices for wall, priced in calls)
+    assert engine._auto.overhead[1] > 0
+
+
 def test_smoothing_and_the_prior_by_hand():
     assert ab.smoothed((), (2.0, 3.0)) == (2.0, 3.0)
     assert ab.smoothed((2.0, 4.0), (3.0, 5.0, 6.0), 0.5) == (2.5, 4.5, 6.0)

@@ -123,6 +123,7 @@ class Scheduler(PrefillSteps, FollowUps):
         self._mixing = True  # mixed rounds allowed (off for good once one fails in its graphs)
         self._serving_since = time.perf_counter()  # the loop's start: mixed graph captures' budget (_may_ride)
         self._rounds_queued = 0  # Flight.seq
+        self._last_read: tuple[int, float] | None = None  # (Flight.seq, perf_counter) of the last round read
         self._prefill_round = 0  # _rounds_queued at the last prefill step (EngineConfig.prefill_every)
 
     # ---- the inbox (any thread) --------------------------------------------------------------------------------
@@ -386,6 +387,7 @@ class Scheduler(PrefillSteps, FollowUps):
         """Wait for a launched round and account for it; returns each still-decoding row's committed tokens and,
         for rows that asked, their log-probs (rows finished or cancelled while the round ran are dropped)."""
         rows = flight.copy.get()
+        self._time_auto_round(flight)
         stages = flight.timer.collect()
         with self._lock:
             for name, secs in stages.items():
@@ -441,6 +443,18 @@ class Scheduler(PrefillSteps, FollowUps):
         chosen, best = self._auto.choose(states, lambda b: self._auto_cost().round_seconds(n, b, reach + b + 1),
                                          explore=explore)
         return chosen, best
+
+    def _time_auto_round(self, flight: Flight) -> None:
+        """Give budget auto the wall time since the round before ``flight`` was read (the loop's period, when the
+        two were queued back to back) beside what the cost curve prices ``flight`` at: the part of a round's time
+        the curve does not see (:meth:`auto_budget.AutoChooser.observe_period`)."""
+        now = time.perf_counter()
+        last, self._last_read = self._last_read, (flight.seq, now)
+        if not flight.shape.auto_width or last is None or last[0] != flight.seq - 1 or self.cost_curve is None:
+            return
+        n = bucket_rows(len(flight.states), self.config.max_batch) if self.graphs is not None else len(flight.states)
+        priced = self.cost_curve.round_seconds(n, flight.shape.max_budget, flight.shape.kv_len)
+        self._auto.observe_period(now - last[1], priced)
 
     def _known_curve(self) -> CostCurve | None:
         """The curve set on the engine, else EngineConfig.cost_curve's (Engine.start resolves it; adopted here).
