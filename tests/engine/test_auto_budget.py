@@ -169,6 +169,32 @@ def test_the_scheduler_prices_every_timed_auto_round(tiny_engine_factory, monkey
     assert engine._auto.overhead[1] > 0
 
 
+def test_periods_with_prompt_work_or_a_gap_are_not_timed():
+    """Scheduler._time_auto_round times a round only when the round before it was the last one read and no prefill
+    step or prompt chunk ran between them; fixed-budget rounds are not timed."""
+    from types import SimpleNamespace
+
+    from ddtree.engine.scheduler import Scheduler
+
+    calls = []
+    chooser = SimpleNamespace(observe_period=lambda wall, priced: calls.append(priced))
+    sched = SimpleNamespace(_last_read=None, _steps_after={2}, cost_curve=hand_curve(8, 1e-3), graphs=None,
+                            config=SimpleNamespace(max_batch=8), _auto=chooser)
+
+    def read(seq, *, auto=True, riders=()):
+        shape = SimpleNamespace(auto_width=15 if auto else 0, max_budget=7, kv_len=100)
+        Scheduler._time_auto_round(sched, SimpleNamespace(seq=seq, shape=shape, states=[0, 0], riders=list(riders)))
+        return len(calls)
+
+    assert read(1) == 0  # nothing read before it
+    assert read(2) == 1 and calls[0] == sched.cost_curve.round_seconds(2, 7, 100)
+    assert read(3) == 1  # a prefill step was queued after round 2
+    assert read(4, riders=["r"]) == 1  # a prompt chunk rode in it
+    assert read(5, auto=False) == 1  # a fixed-budget round
+    assert read(7) == 1  # round 6 was not read before it
+    assert read(8) == 2 and sched._steps_after == set()
+
+
 def test_smoothing_and_the_prior_by_hand():
     assert ab.smoothed((), (2.0, 3.0)) == (2.0, 3.0)
     assert ab.smoothed((2.0, 4.0), (3.0, 5.0, 6.0), 0.5) == (2.5, 4.5, 6.0)

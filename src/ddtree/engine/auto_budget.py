@@ -91,8 +91,8 @@ EXPLORE_SLACK = 0.10
 # observed lengths kept as steps (what each size commits beyond the size below it, over the rounds that verified it),
 # so a size the row no longer verifies reads its last steps on top of the fresh lengths below it (observed_update)
 STEPS = True
-# a round's time beyond what the cost curve prices it at (host work, prefill steps, a curve measured on a quieter
-# machine), a decayed mean over the rounds read, is added to every option's price (AutoChooser.observe_period)
+# a round's time beyond what the cost curve prices it at (host work, a curve measured on a quieter machine), a
+# decayed mean over the rounds read, is added to every option's price (AutoChooser.observe_period)
 OFFSET = True
 
 
@@ -306,7 +306,8 @@ class AutoChooser:
     def observe_period(self, wall: float, priced: float, decay: float = GAIN_DECAY) -> None:
         """Account for one auto round read ``wall`` seconds after the round queued before it, which the cost curve
         priced at ``priced``. Why: the choice divides by the curve, measured with rounds replayed back to back; a
-        served round also waits on the host's work, on prefill steps and on what else loads the machine. Time the
+        served round also waits on the host's work and on what else loads the machine (the scheduler leaves out
+        periods with a prefill step or a prompt chunk in them: ``Scheduler._time_auto_round``). Time the
         curve does not see and that no option changes is shared by every token of the round, so leaving it out
         prices a larger tree too dear against a smaller one (on the 2-core CPU the curve priced one-row rounds at
         16-22 ms that took 29-34 ms, and auto chose trees smaller than the best fixed budget's)."""

@@ -129,6 +129,7 @@ class PrefillSteps:
     def _prefill_step(self, states: list[RequestState]) -> None:
         rows = self._step_rows(states)
         t0 = time.perf_counter()
+        self._steps_after.add(self._rounds_queued)  # it runs between this round and the next (_time_auto_round)
         ids = self._chunk_ids(rows)
         width = ids.shape[1]
         start = [s.prefilled for s, _ in rows]
