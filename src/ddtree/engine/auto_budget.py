@@ -47,15 +47,22 @@ Observed lengths (what the choice uses where it has them): a round that verified
 exactly for greedy rows, what every smaller tree of the same draft would have committed: best-first order is
 prefix-closed, so the tree of the first ``m`` nodes is a subtree of the verified one and its accepted path is the
 part of the verified path whose node ranks are at most ``m``. Auto rounds return each row's accepted path (its
-node indices), and each row keeps decayed per-size averages of those counterfactual lengths
-(:func:`observed_update`); the choice reads them for the sizes the row has verified and adds the calibrated
-surrogate's increments only past them (:func:`observed_curve`). Why: on the demo pair the surrogate's shape, not
-only its level, is off (its nodes past the first few are undervalued: +0.1-0.2 expected tokens from b7 to b15
-against +1.2 accepted from b4 to b16), which no single gain corrects. For sampled rows the counterfactual is an
+node indices), and each row keeps, per size, decayed averages of the step those counterfactual lengths take from
+the size below (:func:`observed_update`); the choice sums them for the sizes the row has verified and adds the
+calibrated surrogate's increments only past them (:func:`observed_curve`). Why: on the demo pair the surrogate's
+shape, not only its level, is off (its nodes past the first few are undervalued: +0.1-0.2 expected tokens from b7
+to b15 against +1.2 accepted from b4 to b16), which no single gain corrects. Why steps and not lengths per size
+(2026-12-07): a size the row no longer verifies keeps what it added on top of the sizes below it, read on their
+fresh lengths; kept as lengths, its old total fell behind the fresh lengths below it as acceptance rose, and the
+curve read flat past the size in use. For sampled rows the counterfactual is an
 estimate (a smaller tree changes the sampling walk). The observed lengths are blended with the calibrated
 surrogate, which counts as :data:`PRIOR_WEIGHT` rounds, and every size's evidence decays each round; a size
 above the best whose evidence has faded is verified again now and then (:class:`AutoChooser`), since a size that
 one unlucky round made look poor would otherwise never be tried again.
+
+Prices: the cost curve's time for each option plus the decayed mean of what the rounds read took past their
+price (:meth:`AutoChooser.observe_period`): host work and load the curve, measured with rounds replayed back to back,
+does not see, which every option pays alike.
 
 Smoothing: a row's reported curve is averaged with its previous one (weight :data:`SMOOTHING` on the newest), over
 the sizes both cover. A row that has not reported yet (its first round) takes the mean curve of the round's rows
