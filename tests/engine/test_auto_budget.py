@@ -126,10 +126,11 @@ def test_hysteresis_keeps_the_previous_size_within_the_margin():
     assert ab.choose_budget(rows, (1, 3), cost, previous=1, margin=0.01) == 3
 
 
-def test_the_rounds_time_past_their_price_is_added_to_every_option():
-    """observe_period keeps a decayed mean of each round's period past its price; choose adds it to every option's
-    price (at most halving a price), which can turn the choice to a larger tree: the brute-force argmax of the
-    objective under the shifted prices."""
+def test_the_rounds_time_past_their_price_is_added_to_every_option(monkeypatch):
+    """observe_period keeps a decayed mean of each round's period past its price; with OFFSET choose adds it to
+    every option's price (at most halving a price), which can turn the choice to a larger tree: the brute-force
+    argmax of the objective under the shifted prices."""
+    monkeypatch.setattr(ab, "OFFSET", True)
     chooser = ab.AutoChooser(15)
     assert chooser.offset() == 0.0
     chooser.observe_period(0.030, 0.010, decay=0.5)
@@ -149,6 +150,8 @@ def test_the_rounds_time_past_their_price_is_added_to_every_option():
             chooser.observe_period(0.05 + off, 0.05)
         assert chooser.choose(rows, cost) == (brute(off), brute(off)), off
     assert brute(0.0) == 3 and brute(0.1) == 15  # the offset moves the choice here
+    monkeypatch.setattr(ab, "OFFSET", False)
+    assert chooser.offset() == 0.0 and chooser.choose(rows, cost) == (3, 3)  # off: the curve's prices alone
 
 
 def test_the_scheduler_prices_every_timed_auto_round(tiny_engine_factory, monkeypatch):
