@@ -155,8 +155,9 @@ def test_the_rounds_time_past_their_price_is_added_to_every_option(monkeypatch):
 
 
 def test_the_scheduler_prices_every_timed_auto_round(tiny_engine_factory, monkeypatch):
-    """Each auto round read right after the round queued before it gives the chooser its period (positive) and
-    the curve's price of its own rows, size and keys."""
+    """With OFFSET, each auto round read right after the round queued before it gives the chooser its period
+    (positive) and the curve's price of its own rows, size and keys."""
+    monkeypatch.setattr(ab, "OFFSET", True)
     calls = []
     real = ab.AutoChooser.observe_period
     monkeypatch.setattr(ab.AutoChooser, "observe_period",
@@ -172,7 +173,7 @@ def test_the_scheduler_prices_every_timed_auto_round(tiny_engine_factory, monkey
     assert engine._auto.overhead[1] > 0
 
 
-def test_periods_with_prompt_work_or_a_gap_are_not_timed():
+def test_periods_with_prompt_work_or_a_gap_are_not_timed(monkeypatch):
     """Scheduler._time_auto_round times a round only when the round before it was the last one read and no prefill
     step or prompt chunk ran between them; fixed-budget rounds are not timed."""
     from types import SimpleNamespace
@@ -183,6 +184,7 @@ def test_periods_with_prompt_work_or_a_gap_are_not_timed():
     chooser = SimpleNamespace(observe_period=lambda wall, priced: calls.append(priced))
     sched = SimpleNamespace(_last_read=None, _steps_after={2}, cost_curve=hand_curve(8, 1e-3), graphs=None,
                             config=SimpleNamespace(max_batch=8), _auto=chooser)
+    monkeypatch.setattr(ab, "OFFSET", True)
 
     def read(seq, *, auto=True, riders=()):
         shape = SimpleNamespace(auto_width=15 if auto else 0, max_budget=7, kv_len=100)
@@ -196,6 +198,8 @@ def test_periods_with_prompt_work_or_a_gap_are_not_timed():
     assert read(5, auto=False) == 1  # a fixed-budget round
     assert read(7) == 1  # round 6 was not read before it
     assert read(8) == 2 and sched._steps_after == set()
+    monkeypatch.setattr(ab, "OFFSET", False)
+    assert read(9) == 2  # off: nothing timed
 
 
 def test_smoothing_and_the_prior_by_hand():
@@ -334,9 +338,12 @@ def test_calibration_by_hand():
 
 
 
-def test_observed_lengths_equal_walking_every_smaller_tree():
+@pytest.mark.parametrize("steps", [False, True], ids=["totals", "steps"])
+def test_observed_lengths_equal_walking_every_smaller_tree(steps, monkeypatch):
     """The counterfactual a verified tree gives: for every m, what walking the tree of its first m nodes (the tree
-    a build at budget m makes, ``prefix_trees``) against the same target choices commits, by ``walk_trees``."""
+    a build at budget m makes, ``prefix_trees``) against the same target choices commits, by ``walk_trees`` (kept
+    per size, or as steps whose running sum it is)."""
+    monkeypatch.setattr(ab, "STEPS", steps)
     gen = torch.Generator().manual_seed(3)
     for trial in range(20):
         rows, depths, vocab, width = 3, 2 + trial % 4, 4 + trial % 3, 15
@@ -356,29 +363,45 @@ def test_observed_lengths_equal_walking_every_smaller_tree():
             for m in range(1, width + 1):
                 cut = tree_select.prefix_trees(trees, m + 1, torch.full((rows,), m))
                 small = speculative.walk_trees(cut, choices[:, :m + 1], depths)
-                committed += seen[m - 1][0]
+                committed = committed + seen[m - 1][0] if steps else seen[m - 1][0]
                 assert seen[m - 1][1] == 1.0 and committed == float(small.num_accepted[r]), (trial, r, m)
 
 
 def test_observed_curve_by_hand():
+    seen = ab.observed_update((), [1, 4], 5, decay=0.5)  # sizes 1..5 commit 2, 2, 2, 3, 3
+    assert seen == ((2.0, 1.0), (2.0, 1.0), (2.0, 1.0), (3.0, 1.0), (3.0, 1.0))
+    seen = ab.observed_update(seen, [2], 3, decay=0.5)  # 1, 2, 2 at sizes 1..3; sizes 4, 5 only decay
+    assert seen == ((2.0, 1.5), (3.0, 1.5), (3.0, 1.5), (1.5, 0.5), (1.5, 0.5))
+    assert ab.evidence(seen, 3) == 1.5 and ab.evidence(seen, 6) == 0.0 and ab.evidence(seen, 0) == 0.0
+    # each size blends its observations with the surrogate counted as one round, non-decreasing; past the sizes
+    # observed the surrogate's increments
+    sur = (1.2, 1.3, 1.4, 1.5, 1.6, 2.1, 2.6)
+    assert ab.observed_curve(seen, sur, prior_weight=1.0) == pytest.approx(
+        ((2.0 + 1.2) / 2.5, (3.0 + 1.3) / 2.5, (3.0 + 1.4) / 2.5, (1.5 + 1.5) / 1.5, (1.5 + 1.6) / 1.5,
+         (1.5 + 1.6) / 1.5 + 0.5, (1.5 + 1.6) / 1.5 + 1.0))
+    assert ab.observed_curve((), (1.5, 2.0)) == (1.5, 2.0)
+
+
+def test_observed_steps_by_hand(monkeypatch):
+    monkeypatch.setattr(ab, "STEPS", True)
     seen = ab.observed_update((), [1, 4], 5, decay=0.5)  # sizes 1..5 commit 2, 2, 2, 3, 3: steps 1, 0, 0, 1, 0
     assert seen == ((1.0, 1.0), (0.0, 1.0), (0.0, 1.0), (1.0, 1.0), (0.0, 1.0))
     seen = ab.observed_update(seen, [2], 3, decay=0.5)  # 1, 2, 2 at sizes 1..3: steps 0, 1, 0; sizes 4, 5 only decay
     assert seen == ((0.5, 1.5), (1.0, 1.5), (0.0, 1.5), (0.5, 0.5), (0.0, 0.5))
-    assert ab.evidence(seen, 3) == 1.5 and ab.evidence(seen, 6) == 0.0 and ab.evidence(seen, 0) == 0.0
     # each size's step blends its observed steps with the surrogate's step counted as one round, summed from
     # E(0) = 1 (a negative step counts 0); past the sizes observed the surrogate's increments
     sur = (1.2, 1.3, 1.4, 1.5, 1.6, 2.1, 2.6)
     steps = [(0.5 + 0.2) / 2.5, (1.0 + 0.1) / 2.5, (0.0 + 0.1) / 2.5, (0.5 + 0.1) / 1.5, (0.0 + 0.1) / 1.5]
     curve = [1.0 + sum(steps[:m]) for m in range(1, 6)]
     assert ab.observed_curve(seen, sur, prior_weight=1.0) == pytest.approx((*curve, curve[-1] + 0.5, curve[-1] + 1.0))
-    assert ab.observed_curve((), (1.5, 2.0)) == (1.5, 2.0)
 
 
-def test_a_size_no_longer_verified_keeps_its_steps_on_the_fresh_lengths():
-    """Why steps and not totals per size: a row verified b15 while it accepted little (sizes 8..15 added one token
-    a round), then b7 while it accepted more. Its E(15) must be its fresh E(7) plus the old step from 7 to 15, not
-    the old total at 15 (which the fresh E(7) has overtaken: a curve flat past 7 that makes b15 look worthless)."""
+@pytest.mark.parametrize("steps", [False, True], ids=["totals", "steps"])
+def test_a_size_no_longer_verified_keeps_its_steps_on_the_fresh_lengths(steps, monkeypatch):
+    """What STEPS changes: a row verified b15 while it accepted little (sizes 8..15 added one token a round), then
+    b7 while it accepted more. As steps its E(15) is its fresh E(7) plus the old step from 7 to 15; as totals the
+    old total at 15, which the fresh E(7) has overtaken: a curve flat past 7 that makes b15 look worthless."""
+    monkeypatch.setattr(ab, "STEPS", steps)
     seen = ()
     for _ in range(10):
         seen = ab.observed_update(seen, [1, 9], 15)  # 2 at sizes 1..8, 3 from 9: the step from 7 to 15 is 1
@@ -387,11 +410,25 @@ def test_a_size_no_longer_verified_keeps_its_steps_on_the_fresh_lengths():
     curve = ab.observed_curve(seen, (), prior_weight=0.0)
     old, new = sum(0.9 ** k for k in range(10, 20)), sum(0.9 ** k for k in range(10))  # the rounds' decayed weights
     assert curve[6] == pytest.approx((2 * old + 5 * new) / (old + new))  # above the old total at 15 (3)
-    assert curve[14] - curve[6] == pytest.approx(1.0)
+    assert curve[14] - curve[6] == pytest.approx(1.0 if steps else 0.0)
 
 
 def plain_observed_curve(seen, surrogate, prior_weight=1.0):
     """The observed curve as its docstring states it, one size at a time: the oracle of the engine's loop."""
+    if not seen:
+        return tuple(surrogate)
+    out, top = [], 1.0
+    for m, (total, weight) in enumerate(seen):
+        prior = float(surrogate[min(m, len(surrogate) - 1)]) if surrogate else 1.0
+        top = max(top, (total + prior_weight * prior) / (weight + prior_weight))
+        out.append(top)
+    for m in range(len(seen), len(surrogate)):
+        out.append(top + max(0.0, float(surrogate[m]) - float(surrogate[len(seen) - 1])))
+    return tuple(out)
+
+
+def plain_observed_steps_curve(seen, surrogate, prior_weight=1.0):
+    """The same with STEPS: each size's blended step, summed from E(0) = 1."""
     if not seen:
         return tuple(surrogate)
     out, level = [], 1.0
@@ -405,18 +442,21 @@ def plain_observed_curve(seen, surrogate, prior_weight=1.0):
     return tuple(out)
 
 
-def test_observed_curve_equals_the_plain_loop_bit_for_bit():
-    """Random observed steps (decayed sums and counts, some sizes poor) and surrogates shorter than, as long as
-    and longer than them, empty, or falling: the engine's loop returns the plain loop's floats exactly."""
+@pytest.mark.parametrize("steps", [False, True], ids=["totals", "steps"])
+def test_observed_curve_equals_the_plain_loop_bit_for_bit(steps, monkeypatch):
+    """Random observed lengths or steps (decayed sums and counts, some sizes poor) and surrogates shorter than, as
+    long as and longer than them, empty, or falling: the engine's loop returns the plain loop's floats exactly."""
+    monkeypatch.setattr(ab, "STEPS", steps)
+    plain = plain_observed_steps_curve if steps else plain_observed_curve
     rng = random.Random(3)
     for _ in range(500):
-        seen = tuple((rng.uniform(0, 1) * w, w) for w in (rng.uniform(0.05, 3) for _ in range(rng.randint(1, 31))))
+        seen = tuple((rng.uniform(0, 1 if steps else 6) * w, w) for w in (rng.uniform(0.05, 3) for _ in range(rng.randint(1, 31))))
         n = rng.choice([0, 1, len(seen) // 2, len(seen), len(seen) + rng.randint(1, 16)])
         surrogate = tuple(sorted(rng.uniform(1, 6) for _ in range(n)))
         if surrogate and rng.random() < 0.2:
             surrogate = tuple(reversed(surrogate))
         w0 = rng.choice([0.5, 1.0, 2.0])
-        assert ab.observed_curve(seen, surrogate, prior_weight=w0) == plain_observed_curve(seen, surrogate, w0)
+        assert ab.observed_curve(seen, surrogate, prior_weight=w0) == plain(seen, surrogate, w0)
 
 
 class _Row:

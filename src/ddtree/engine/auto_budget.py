@@ -47,14 +47,14 @@ Observed lengths (what the choice uses where it has them): a round that verified
 exactly for greedy rows, what every smaller tree of the same draft would have committed: best-first order is
 prefix-closed, so the tree of the first ``m`` nodes is a subtree of the verified one and its accepted path is the
 part of the verified path whose node ranks are at most ``m``. Auto rounds return each row's accepted path (its
-node indices), and each row keeps, per size, decayed averages of the step those counterfactual lengths take from
-the size below (:func:`observed_update`); the choice sums them for the sizes the row has verified and adds the
-calibrated surrogate's increments only past them (:func:`observed_curve`). Why: on the demo pair the surrogate's
-shape, not only its level, is off (its nodes past the first few are undervalued: +0.1-0.2 expected tokens from b7
-to b15 against +1.2 accepted from b4 to b16), which no single gain corrects. Why steps and not lengths per size
-(2026-12-07): a size the row no longer verifies keeps what it added on top of the sizes below it, read on their
-fresh lengths; kept as lengths, its old total fell behind the fresh lengths below it as acceptance rose, and the
-curve read flat past the size in use. For sampled rows the counterfactual is an
+node indices), and each row keeps decayed per-size averages of those counterfactual lengths
+(:func:`observed_update`); the choice reads them for the sizes the row has verified and adds the calibrated
+surrogate's increments only past them (:func:`observed_curve`). Why: on the demo pair the surrogate's shape, not
+only its level, is off (its nodes past the first few are undervalued: +0.1-0.2 expected tokens from b7 to b15
+against +1.2 accepted from b4 to b16), which no single gain corrects. With :data:`STEPS` (off by default) a row
+keeps, per size, the step its lengths take from the size below instead: a size the row no longer verifies then
+keeps what it added on top of the sizes below it, read on their fresh lengths, where a kept total falls behind the
+fresh lengths below it as acceptance rises and the curve reads flat past the size in use. For sampled rows the counterfactual is an
 estimate (a smaller tree changes the sampling walk). The observed lengths are blended with the calibrated
 surrogate, which counts as :data:`PRIOR_WEIGHT` rounds, and every size's evidence decays each round; a size
 above the best whose evidence has faded is verified again now and then (:class:`AutoChooser`), since a size that
@@ -96,12 +96,14 @@ PRIOR_WEIGHT = 1.0  # the calibrated surrogate counts as this many rounds in a r
 EXPLORE_EVIDENCE = 0.32
 EXPLORE_SLACK = 0.10
 # observed lengths kept as steps (what each size commits beyond the size below it, over the rounds that verified it),
-# so a size the row no longer verifies reads its last steps on top of the fresh lengths below it (observed_update)
-STEPS = True
+# so a size the row no longer verifies reads its last steps on top of the fresh lengths below it (observed_update).
+# Off (totals per size): on the CPU demo pair the two were within the runs' spread (docs/benchmarks.md, "Budget
+# auto's predictions against its rounds"); the GPU A/B is benchmarks/results/auto_trace_2026-12-07/call.sh
+STEPS = False
 # a round's time beyond what the cost curve prices it at (host work, a curve measured on a quieter machine), a
 # decayed mean over the rounds read, added to every option's price (AutoChooser.observe_period). Off: on the CPU demo
 # pair it moved auto by -11 % to +7 % against b15 across four cells (docs/benchmarks.md, "Budget auto's predictions
-# against its rounds"); the offset is still measured and traced
+# against its rounds"); the offset is still measured, and traced by auto_ab.py --trace
 OFFSET = False
 
 

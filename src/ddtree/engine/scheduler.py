@@ -448,15 +448,16 @@ class Scheduler(PrefillSteps, FollowUps):
     def _time_auto_round(self, flight: Flight) -> None:
         """Give budget auto the wall time since the round before ``flight`` was read (the loop's period, when the
         two were queued back to back) beside what the cost curve prices ``flight`` at: the part of a round's time
-        the curve does not see (:meth:`auto_budget.AutoChooser.observe_period`). Not timed: a period with a prefill
+        the curve does not see (:meth:`auto_budget.AutoChooser.observe_period`), while ``auto_budget.OFFSET`` is on
+        (off by default: no host work then beyond two stamps). Not timed: a period with a prefill
         step or a prompt chunk in it (a request's prompt costs the same whatever the tree sizes; spread over the
         rounds, it would make larger trees look cheaper than they are)."""
         now = time.perf_counter()
         last, self._last_read = self._last_read, (flight.seq, now)
         stepped = flight.seq - 1 in self._steps_after
         self._steps_after = {q for q in self._steps_after if q >= flight.seq}
-        if (not flight.shape.auto_width or last is None or last[0] != flight.seq - 1 or stepped or flight.riders
-                or self.cost_curve is None):
+        if (not auto_budget.OFFSET or not flight.shape.auto_width or last is None or last[0] != flight.seq - 1
+                or stepped or flight.riders or self.cost_curve is None):
             return
         n = bucket_rows(len(flight.states), self.config.max_batch) if self.graphs is not None else len(flight.states)
         priced = self.cost_curve.round_seconds(n, flight.shape.max_budget, flight.shape.kv_len)
