@@ -54,8 +54,8 @@ only its level, is off (its nodes past the first few are undervalued: +0.1-0.2 e
 against +1.2 accepted from b4 to b16), which no single gain corrects. With :data:`STEPS` (off by default) a row
 keeps, per size, the step its lengths take from the size below instead: a size the row no longer verifies then
 keeps what it added on top of the sizes below it, read on their fresh lengths, where a kept total falls behind the
-fresh lengths below it as acceptance rises and the curve reads flat past the size in use. For sampled rows the counterfactual is an
-estimate (a smaller tree changes the sampling walk). The observed lengths are blended with the calibrated
+fresh lengths below it as acceptance rises and the curve reads flat past the size in use. For sampled rows the
+counterfactual is an estimate (a smaller tree changes the sampling walk). The observed lengths are blended with the calibrated
 surrogate, which counts as :data:`PRIOR_WEIGHT` rounds, and every size's evidence decays each round; a size
 above the best whose evidence has faded is verified again now and then (:class:`AutoChooser`), since a size that
 one unlucky round made look poor would otherwise never be tried again.
@@ -320,8 +320,9 @@ class AutoChooser:
         served round also waits on the host's work and on what else loads the machine (the scheduler leaves out
         periods with a prefill step or a prompt chunk in them: ``Scheduler._time_auto_round``). Time the
         curve does not see and that no option changes is shared by every token of the round, so leaving it out
-        prices a larger tree too dear against a smaller one (on the 2-core CPU the curve priced one-row rounds at
-        16-22 ms that took 29-34 ms, and auto chose trees smaller than the best fixed budget's)."""
+        prices a larger tree too dear against a smaller one (on the 2-core CPU the curve priced one-row b15 rounds
+        at 19-26 ms that took 29-44 ms, and auto chose trees smaller than the best fixed budget's). Used only with
+        :data:`OFFSET`: an offset alone did not fix that curve, whose slope was off as well."""
         total, count = self.overhead
         self.overhead = (decay * total + (wall - priced), decay * count + 1.0)
 
@@ -404,8 +405,7 @@ class AutoChooser:
         return best, best
 
 
-__all__ = ["AUTO", "EXPLORE_EVIDENCE", "EXPLORE_SLACK", "GAIN_DECAY", "MARGIN", "OFFSET", "PRIOR_WEIGHT", "SMOOTHING", "STEPS",
-           "AutoChooser",
-           "KeptCurve", "RowCurve", "best_of", "calibrated", "candidates", "choose_budget",
+__all__ = ["AUTO", "EXPLORE_EVIDENCE", "EXPLORE_SLACK", "GAIN_DECAY", "MARGIN", "OFFSET", "PRIOR_WEIGHT", "SMOOTHING",
+           "STEPS", "AutoChooser", "KeptCurve", "RowCurve", "best_of", "calibrated", "candidates", "choose_budget",
            "curve_width", "evidence", "gain_update", "initial_budget", "mean_curve", "objective", "observed_curve",
            "observed_update", "options", "rising", "smoothed"]
