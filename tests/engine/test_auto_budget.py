@@ -450,7 +450,8 @@ def test_observed_curve_equals_the_plain_loop_bit_for_bit(steps, monkeypatch):
     plain = plain_observed_steps_curve if steps else plain_observed_curve
     rng = random.Random(3)
     for _ in range(500):
-        seen = tuple((rng.uniform(0, 1 if steps else 6) * w, w) for w in (rng.uniform(0.05, 3) for _ in range(rng.randint(1, 31))))
+        weights = [rng.uniform(0.05, 3) for _ in range(rng.randint(1, 31))]
+        seen = tuple((rng.uniform(0, 1 if steps else 6) * w, w) for w in weights)
         n = rng.choice([0, 1, len(seen) // 2, len(seen), len(seen) + rng.randint(1, 16)])
         surrogate = tuple(sorted(rng.uniform(1, 6) for _ in range(n)))
         if surrogate and rng.random() < 0.2:

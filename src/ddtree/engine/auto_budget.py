@@ -55,10 +55,10 @@ against +1.2 accepted from b4 to b16), which no single gain corrects. With :data
 keeps, per size, the step its lengths take from the size below instead: a size the row no longer verifies then
 keeps what it added on top of the sizes below it, read on their fresh lengths, where a kept total falls behind the
 fresh lengths below it as acceptance rises and the curve reads flat past the size in use. For sampled rows the
-counterfactual is an estimate (a smaller tree changes the sampling walk). The observed lengths are blended with the calibrated
-surrogate, which counts as :data:`PRIOR_WEIGHT` rounds, and every size's evidence decays each round; a size
-above the best whose evidence has faded is verified again now and then (:class:`AutoChooser`), since a size that
-one unlucky round made look poor would otherwise never be tried again.
+counterfactual is an estimate (a smaller tree changes the sampling walk). The observed lengths are blended with the
+calibrated surrogate, which counts as :data:`PRIOR_WEIGHT` rounds, and every size's evidence decays each round; a
+size above the best whose evidence has faded is verified again now and then (:class:`AutoChooser`), since a size
+that one unlucky round made look poor would otherwise never be tried again.
 
 Prices: the cost curve's time for each option; with :data:`OFFSET`, plus the decayed mean of what the rounds read
 took past their price (:meth:`AutoChooser.observe_period`): host work and load the curve, measured with rounds
