@@ -413,29 +413,22 @@ def test_a_size_no_longer_verified_keeps_its_steps_on_the_fresh_lengths(steps, m
     assert curve[14] - curve[6] == pytest.approx(1.0 if steps else 0.0)
 
 
-def plain_observed_curve(seen, surrogate, prior_weight=1.0):
-    """The observed curve as its docstring states it, one size at a time: the oracle of the engine's loop."""
+def plain_observed_curve(seen, surrogate, prior_weight=1.0, steps=False):
+    """The observed curve as its docstring states it, one size at a time: the oracle of the engine's loop. Totals:
+    each size's blend, the running maximum; steps: each size's blended step (negative ones read 0) summed from
+    E(0) = 1."""
     if not seen:
         return tuple(surrogate)
-    out, top = [], 1.0
-    for m, (total, weight) in enumerate(seen):
-        prior = float(surrogate[min(m, len(surrogate) - 1)]) if surrogate else 1.0
-        top = max(top, (total + prior_weight * prior) / (weight + prior_weight))
-        out.append(top)
-    for m in range(len(seen), len(surrogate)):
-        out.append(top + max(0.0, float(surrogate[m]) - float(surrogate[len(seen) - 1])))
-    return tuple(out)
 
+    def prior(m):  # the surrogate at size m + 1, held at its last value; E(0) = 1
+        return 1.0 if m < 0 or not surrogate else float(surrogate[min(m, len(surrogate) - 1)])
 
-def plain_observed_steps_curve(seen, surrogate, prior_weight=1.0):
-    """The same with STEPS: each size's blended step, summed from E(0) = 1."""
-    if not seen:
-        return tuple(surrogate)
     out, level = [], 1.0
     for m, (total, weight) in enumerate(seen):
-        prior = float(surrogate[min(m, len(surrogate) - 1)]) if surrogate else 1.0
-        below = 1.0 if m == 0 else (float(surrogate[min(m - 1, len(surrogate) - 1)]) if surrogate else 1.0)
-        level += max(0.0, (total + prior_weight * (prior - below)) / (weight + prior_weight))
+        if steps:
+            level += max(0.0, (total + prior_weight * (prior(m) - prior(m - 1))) / (weight + prior_weight))
+        else:
+            level = max(level, (total + prior_weight * prior(m)) / (weight + prior_weight))
         out.append(level)
     for m in range(len(seen), len(surrogate)):
         out.append(level + max(0.0, float(surrogate[m]) - float(surrogate[len(seen) - 1])))
@@ -447,7 +440,6 @@ def test_observed_curve_equals_the_plain_loop_bit_for_bit(steps, monkeypatch):
     """Random observed lengths or steps (decayed sums and counts, some sizes poor) and surrogates shorter than, as
     long as and longer than them, empty, or falling: the engine's loop returns the plain loop's floats exactly."""
     monkeypatch.setattr(ab, "STEPS", steps)
-    plain = plain_observed_steps_curve if steps else plain_observed_curve
     rng = random.Random(3)
     for _ in range(500):
         weights = [rng.uniform(0.05, 3) for _ in range(rng.randint(1, 31))]
@@ -457,7 +449,7 @@ def test_observed_curve_equals_the_plain_loop_bit_for_bit(steps, monkeypatch):
         if surrogate and rng.random() < 0.2:
             surrogate = tuple(reversed(surrogate))
         w0 = rng.choice([0.5, 1.0, 2.0])
-        assert ab.observed_curve(seen, surrogate, prior_weight=w0) == plain(seen, surrogate, w0)
+        assert ab.observed_curve(seen, surrogate, prior_weight=w0) == plain_observed_curve(seen, surrogate, w0, steps)
 
 
 class _Row:
