@@ -161,7 +161,7 @@ def test_the_scheduler_prices_every_timed_auto_round(tiny_engine_factory, monkey
     calls = []
     real = ab.AutoChooser.observe_period
     monkeypatch.setattr(ab.AutoChooser, "observe_period",
-                        lambda self, wall, priced, decay=ab.GAIN_DECAY: calls.append((wall, priced))
+                        lambda self, wall, priced, decay=None: calls.append((wall, priced))
                         or real(self, wall, priced, decay))
     engine = tiny_engine_factory(oracle=True)
     engine.cost_curve = hand_curve(8, 1e-5)
@@ -200,6 +200,28 @@ def test_periods_with_prompt_work_or_a_gap_are_not_timed(monkeypatch):
     assert read(8) == 2 and sched._steps_after == set()
     monkeypatch.setattr(ab, "OFFSET", False)
     assert read(9) == 2  # off: nothing timed
+
+
+def test_tuning_constants_are_read_when_used(monkeypatch):
+    """benchmarks/auto_ab.py's variants set auto_budget's constants on the module between runs: each function must
+    read them when called (a default argument bound at import kept the old value and ignored the variant)."""
+    seen = ab.observed_update((), [1], 3)
+    sur = (1.5, 1.8, 2.0)
+    for name, value, call in [
+        ("PRIOR_WEIGHT", 5.0, lambda: ab.observed_curve(seen, sur)),
+        ("GAIN_DECAY", 0.5, lambda: ab.gain_update((2.0, 2.0), 3, 2.0)),
+        ("GAIN_DECAY", 0.5, lambda: ab.observed_update(seen, [1], 3)),
+        ("SMOOTHING", 0.9, lambda: ab.smoothed((2.0,), (3.0,))),
+    ]:
+        before = call()
+        monkeypatch.setattr(ab, name, value)
+        assert call() != before, name
+        monkeypatch.undo()
+    chooser = ab.AutoChooser(7)
+    chooser.observe_period(0.02, 0.01)
+    monkeypatch.setattr(ab, "GAIN_DECAY", 0.5)
+    chooser.observe_period(0.02, 0.01)
+    assert chooser.overhead == (0.5 * 0.01 + 0.01, 0.5 + 1.0)
 
 
 def test_smoothing_and_the_prior_by_hand():
@@ -524,7 +546,7 @@ def test_auto_rounds_report_their_accepted_paths(tiny_engine_factory, monkeypatc
     seen = []
     real = ab.observed_update
 
-    def spy(old, ranks, verified, decay=ab.GAIN_DECAY):
+    def spy(old, ranks, verified, decay=None):
         seen.append((list(ranks), verified))
         return real(old, ranks, verified, decay)
 

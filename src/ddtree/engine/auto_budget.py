@@ -82,6 +82,8 @@ from typing import Any, NamedTuple
 log = logging.getLogger("ddtree.engine")
 
 AUTO = "auto"  # TreeSettings.budget of a request whose tree size the engine chooses per round
+# The tuning constants below are read when used, never bound as default arguments: benchmarks/auto_ab.py's variants
+# set them on the module between runs (a default argument kept the import-time value and ignored them).
 SMOOTHING = 0.5  # weight of a row's newest curve against its running one
 MARGIN = 0.02  # another size must beat the previous round's by this fraction to replace it
 GAIN_DECAY = 0.9  # weight of a row's older rounds in its calibration sums (about the last 10 rounds count)
@@ -185,11 +187,12 @@ def best_of(values: dict[int, float], *, previous: int | None = None, margin: fl
 
 
 def gain_update(sums: tuple[float, float], committed: int, expected: float,
-                decay: float = GAIN_DECAY) -> tuple[float, float]:
+                decay: float | None = None) -> tuple[float, float]:
     """A row's calibration sums after a round that committed ``committed`` tokens (bonus included) with a tree
     whose surrogate expected length was ``expected``: decayed sums of the draft tokens accepted and predicted."""
     if expected <= 1.0 + 1e-6:  # AR, or a tree the drafter gave no probability: nothing to calibrate against
         return sums
+    decay = GAIN_DECAY if decay is None else decay
     return decay * sums[0] + (committed - 1), decay * sums[1] + (expected - 1.0)
 
 
@@ -205,7 +208,7 @@ def calibrated(curve: Sequence[float], sums: tuple[float, float],
 
 
 def observed_update(seen: Sequence[tuple[float, float]], ranks: Sequence[int], verified: int,
-                    decay: float = GAIN_DECAY) -> tuple[tuple[float, float], ...]:
+                    decay: float | None = None) -> tuple[tuple[float, float], ...]:
     """A row's observed lengths after a round that verified ``verified`` draft nodes and accepted the nodes of
     ``ranks`` (their indices in best-first order, 1-based, one per depth: increasing, as a node's ancestors precede
     it): per size ``m`` a decayed sum of the tokens a tree of the first ``m`` nodes would have committed,
@@ -213,6 +216,7 @@ def observed_update(seen: Sequence[tuple[float, float]], ranks: Sequence[int], v
     the verified one, and its accepted path the part of this one inside it), and a decayed count of those rounds.
     Every size decays each round, so the evidence on a size the row stopped verifying fades and the prior takes
     over again (:func:`observed_curve`)."""
+    decay = GAIN_DECAY if decay is None else decay
     out = [(decay * total, decay * weight) for total, weight in seen]
     accepted = 0  # ranks <= m so far (the ranks increase: one pass)
     for m in range(1, verified + 1):
@@ -229,7 +233,7 @@ def observed_update(seen: Sequence[tuple[float, float]], ranks: Sequence[int], v
 
 
 def observed_curve(seen: Sequence[tuple[float, float]], surrogate: Sequence[float],
-                   prior_weight: float = PRIOR_WEIGHT) -> tuple[float, ...]:
+                   prior_weight: float | None = None) -> tuple[float, ...]:
     """A row's ``E(1 ..)`` for the choice: at each size its observed lengths (:func:`observed_update`) blended with
     the calibrated surrogate (:func:`calibrated`) counted as ``prior_weight`` rounds, ``(sum + w0 S) / (count +
     w0)``; past the sizes observed, the surrogate's increments; non-decreasing. Why a blend: one unlucky round must
@@ -239,7 +243,7 @@ def observed_curve(seen: Sequence[tuple[float, float]], surrogate: Sequence[floa
         return tuple(surrogate)
     # One pass per row and read round over up to 2 x 31 sizes, on the engine thread: written for the interpreter
     # (no call per size), the values those of the plain loop (tests/engine/test_auto_budget.py keeps it as the oracle).
-    n, w0 = len(surrogate), prior_weight
+    n, w0 = len(surrogate), PRIOR_WEIGHT if prior_weight is None else prior_weight
     last = n - 1
     out, top = [], 1.0
     if STEPS:
@@ -271,11 +275,12 @@ def evidence(seen: Sequence[tuple[float, float]], size: int) -> float:
     return seen[size - 1][1] if 0 < size <= len(seen) else 0.0
 
 
-def smoothed(old: Sequence[float] | None, new: Sequence[float], weight: float = SMOOTHING) -> tuple[float, ...]:
+def smoothed(old: Sequence[float] | None, new: Sequence[float], weight: float | None = None) -> tuple[float, ...]:
     """A row's running curve after a round that reported ``new``: the weighted mean where both cover a size, the
     new values past the old; sizes the new round did not report are dropped (they were measured on older trees)."""
     if not old:
         return tuple(float(v) for v in new)
+    weight = SMOOTHING if weight is None else weight
     k = min(len(old), len(new))
     return tuple(weight * float(new[i]) + (1.0 - weight) * float(old[i]) for i in range(k)) + tuple(
         float(v) for v in new[k:])
@@ -314,7 +319,7 @@ class AutoChooser:
         self.gain = (0.0, 0.0)
         self.overhead = (0.0, 0.0)  # decayed sums of (a round's period - its price) and of their count
 
-    def observe_period(self, wall: float, priced: float, decay: float = GAIN_DECAY) -> None:
+    def observe_period(self, wall: float, priced: float, decay: float | None = None) -> None:
         """Account for one auto round read ``wall`` seconds after the round queued before it, which the cost curve
         priced at ``priced``. Why: the choice divides by the curve, measured with rounds replayed back to back; a
         served round also waits on the host's work and on what else loads the machine (the scheduler leaves out
@@ -323,6 +328,7 @@ class AutoChooser:
         prices a larger tree too dear against a smaller one (on the 2-core CPU the curve priced one-row b15 rounds
         at 19-26 ms that took 29-44 ms, and auto chose trees smaller than the best fixed budget's). Used only with
         :data:`OFFSET`: an offset alone did not fix that curve, whose slope was off as well."""
+        decay = GAIN_DECAY if decay is None else decay
         total, count = self.overhead
         self.overhead = (decay * total + (wall - priced), decay * count + 1.0)
 
