@@ -1,10 +1,11 @@
 #!/bin/bash
 # One device call, prepared on 2026-12-07 and not yet run (no device came that day): budget auto traced
 # (auto_ab.py --trace: per read auto round, the chooser's expected lengths E(c) at the choice against what the
-# round's rows committed for every candidate c up to its size) in three variants: "base" (the defaults: observed
+# round's rows committed for every candidate c up to its size) in four variants: "base" (the defaults: observed
 # lengths as totals per size, the curve's prices), "steps" (a row's observed lengths kept as steps,
-# auto_budget.STEPS=1) and "off" (the rounds' time past the curve's price added to every option's price, OFFSET=1),
-# beside AR and b7 on one engine, two repeats: C = 32 and 64 at 60 tokens, C = 64 at 1k. Also the first GPU run of
+# auto_budget.STEPS=1), "off" (the rounds' time past the curve's price added to every option's price, OFFSET=1) and
+# "fast" (observed lengths decaying by 0.7 a round, GAIN_DECAY=0.7, exploration scaled to it), beside AR and b7 on
+# one engine, two repeats: C = 32 and 64 at 60 tokens, C = 64 at 1k. Also the first GPU run of
 # the chooser's lighter host work (git d0908e1). On an H100 the curve is the one an H100 measured on the new grid
 # (benchmarks/results/grid_2026-12-07/h100_cost_curve.json: no 94 s measurement); on another card it is measured at
 # start. Run from the repository root with OUT set; LIMIT (s, default 540) bounds the call; CELLS (default
@@ -18,9 +19,9 @@ python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"
 curve=auto
 nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H100 && curve=benchmarks/results/grid_2026-12-07/h100_cost_curve.json
 timeout $((LIMIT - 10)) python3 benchmarks/auto_ab.py --out "$OUT/trace" --cells "${CELLS:-32:60,64:60,64:1024}" --budgets 7 \
-  --repeats 2 --variants "base: steps:STEPS=1 off:OFFSET=1" --trace --cost-curve "$curve" --time-budget $((LIMIT - ${TAIL:-60})) \
-  > "$OUT/trace.log" 2>&1 || echo "auto_ab.py failed or timed out"
-grep -v '^{' "$OUT/trace.log" | grep -v Warning | tail -14
+  --repeats 2 --variants "base: steps:STEPS=1 off:OFFSET=1 fast:GAIN_DECAY=0.7,EXPLORE_EVIDENCE=0.02" --trace \
+  --cost-curve "$curve" --time-budget $((LIMIT - ${TAIL:-60})) > "$OUT/trace.log" 2>&1 || echo "auto_ab.py failed or timed out"
+grep -v '^{' "$OUT/trace.log" | grep -v Warning | tail -20
 python3 - "$OUT/trace" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1] + "/auto_ab.json"))
