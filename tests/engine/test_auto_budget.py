@@ -184,6 +184,7 @@ def test_periods_with_prompt_work_or_a_gap_are_not_timed(monkeypatch):
     chooser = SimpleNamespace(observe_period=lambda wall, priced: calls.append(priced))
     sched = SimpleNamespace(_last_read=None, _steps_after={2}, cost_curve=hand_curve(8, 1e-3), graphs=None,
                             config=SimpleNamespace(max_batch=8), _auto=chooser)
+    sched._priced_rows = lambda count: Scheduler._priced_rows(sched, count)
     monkeypatch.setattr(ab, "OFFSET", True)
 
     def read(seq, *, auto=True, riders=()):

@@ -439,7 +439,7 @@ class Scheduler(PrefillSteps, FollowUps):
         (measured, when the engine has none, only once a row has a curve to weigh: the first round starts at the
         initial budget). ``explore``: it may run a larger size to observe it (the two differ then); the caller makes
         the best size the hysteresis' previous once the round is queued."""
-        n = bucket_rows(len(states), self.config.max_batch) if self.graphs is not None else len(states)
+        n = self._priced_rows(len(states))
         reach = max(s.root_position + len(pending.get(s.request_id, ())) for s in states)
         chosen, best = self._auto.choose(states, lambda b: self._auto_cost().round_seconds(n, b, reach + b + 1),
                                          explore=explore)
@@ -455,13 +455,19 @@ class Scheduler(PrefillSteps, FollowUps):
         now = time.perf_counter()
         last, self._last_read = self._last_read, (flight.seq, now)
         stepped = flight.seq - 1 in self._steps_after
-        self._steps_after = {q for q in self._steps_after if q >= flight.seq}
+        if self._steps_after:  # a round read: the steps queued before it are past
+            self._steps_after = {q for q in self._steps_after if q >= flight.seq}
         if (not auto_budget.OFFSET or not flight.shape.auto_width or last is None or last[0] != flight.seq - 1
                 or stepped or flight.riders or self.cost_curve is None):
             return
-        n = bucket_rows(len(flight.states), self.config.max_batch) if self.graphs is not None else len(flight.states)
-        priced = self.cost_curve.round_seconds(n, flight.shape.max_budget, flight.shape.kv_len)
+        priced = self.cost_curve.round_seconds(self._priced_rows(len(flight.states)), flight.shape.max_budget,
+                                               flight.shape.kv_len)
         self._auto.observe_period(now - last[1], priced)
+
+    def _priced_rows(self, count: int) -> int:
+        """The rows the cost curve prices a round of ``count`` requests at: its graph bucket where rounds replay
+        graphs (padding rows cost what real ones do), else the count."""
+        return bucket_rows(count, self.config.max_batch) if self.graphs is not None else count
 
     def _known_curve(self) -> CostCurve | None:
         """The curve set on the engine, else EngineConfig.cost_curve's (Engine.start resolves it; adopted here).
