@@ -23,7 +23,8 @@ dividing by the same measurements restricted to the grid engine start measured b
 ``max_batch``, budgets 0/3/15 and ``max_budget``) and read as that code read it (a drafting budget interpolated
 toward AR's point: :class:`OldGridCurve`), so the grid's effect is timed on one engine.
 
-A cell is ``C:context``; it runs ``--waves`` x C prompts, C in flight (newcomers arrive as requests finish). Every
+A cell is ``C:context``; it runs ``--waves`` x C prompts, C in flight (newcomers arrive as requests finish); with
+``--mix-words`` every other one is random words instead of held-out code, so the rows differ in confidence. Every
 config is warmed up once per cell (``--warm-waves``, 2: arrivals while others decode), then timed. Writes
 ``OUT/auto_ab.json`` after every run (and ``OUT/cost_curve.json``, the curve auto divided by); prints a table.
 
@@ -53,7 +54,7 @@ from auto_trace import summary as trace_summary
 from ddtree.engine import Engine, EngineConfig, TreeSettings, auto_budget, prefill_steps
 from ddtree.engine.cost_curve import CostCurve, save_curve
 from ddtree.lab.bench.inprocess import run_cell, synchronize
-from ddtree.lab.bench.workload import held_out_token_stream, prompts_for
+from ddtree.lab.bench.workload import build_prompts, held_out_token_stream, prompts_for
 
 
 def parse_variants(text: str) -> dict[str, dict[str, float]]:
@@ -176,6 +177,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--trace", action="store_true",
                     help="trace every auto run's predictions against its rounds (auto_trace.py): a summary per size in "
                          "the run's row, the rounds in OUT/trace-<C>-<context>-<config>-<repeat>.json")
+    ap.add_argument("--mix-words", action="store_true",
+                    help="every other prompt random words instead of held-out code: rows that differ in confidence")
     ap.add_argument("--time-budget", type=float, default=500.0, help="seconds from start after which no run starts")
     args = ap.parse_args(argv)
     cells = [tuple(int(x) for x in c.split(":")) for c in args.cells.split(",") if c]
@@ -206,7 +209,8 @@ def main(argv: list[str] | None = None) -> None:
     stream = held_out_token_stream(tokenizer, max(x for _, x in cells) * 2 + 4096)
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "dtype": str(dtype),
-              "shape": args.shape, "new_tokens": args.new_tokens, "waves": args.waves, "variants": variants,
+              "shape": args.shape, "mix_words": args.mix_words, "new_tokens": args.new_tokens, "waves": args.waves,
+              "variants": variants,
               "defaults": defaults, "engine_start_s": time.perf_counter() - t0,
               "prefill_every": engine.config.prefill_every, "prefill_chunk": engine.config.prefill_chunk,
               "prefill_step_tokens": engine.config.prefill_step_tokens, "mixed_chunk": engine.config.mixed_chunk,
@@ -226,6 +230,10 @@ def main(argv: list[str] | None = None) -> None:
                for setting, fields in settings for name, tree, consts in base]
     for conc, ctx in cells:
         prompts = prompts_for(stream, ctx, conc * args.waves, salt=ctx)
+        if args.mix_words:
+            words = build_prompts(tokenizer, ctx, len(prompts) // 2, phase="mix", seed=0, context=ctx,
+                                  concurrency=conc, text="words")
+            prompts[1::2] = [p.ids for p in words]
         refs: list | None = None
         for rep in range(args.repeats):
             for name, tree, consts, fields in configs:

@@ -9,7 +9,8 @@
 # the chooser's lighter host work (git d0908e1). On an H100 the curve is the one an H100 measured on the new grid
 # (benchmarks/results/grid_2026-12-07/h100_cost_curve.json: no 94 s measurement); on another card it is measured at
 # start. Run from the repository root with OUT set; LIMIT (s, default 540) bounds the call; CELLS (default
-# 32:60,64:60,64:1024) names the cells; no run starts later than TAIL s (default 60) before LIMIT.
+# 32:60,64:60,64:1024) names the cells, BUDGETS (default 7) the fixed budgets, VARIANTS (default the four above) the
+# auto variants; no run starts later than TAIL s (default 60) before LIMIT.
 set -u
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 SECONDS=0
@@ -18,8 +19,8 @@ nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"
 curve=auto
 nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H100 && curve=benchmarks/results/grid_2026-12-07/h100_cost_curve.json
-timeout $((LIMIT - 10)) python3 benchmarks/auto_ab.py --out "$OUT/trace" --cells "${CELLS:-32:60,64:60,64:1024}" --budgets 7 \
-  --repeats 2 --variants "base: steps:STEPS=1 off:OFFSET=1 fast:GAIN_DECAY=0.7,EXPLORE_EVIDENCE=0.02" --trace \
+timeout $((LIMIT - 10)) python3 benchmarks/auto_ab.py --out "$OUT/trace" --cells "${CELLS:-32:60,64:60,64:1024}" --budgets "${BUDGETS:-7}" \
+  --repeats 2 --variants "${VARIANTS:-base: steps:STEPS=1 off:OFFSET=1 fast:GAIN_DECAY=0.7,EXPLORE_EVIDENCE=0.02}" --trace \
   --cost-curve "$curve" --time-budget $((LIMIT - ${TAIL:-60})) > "$OUT/trace.log" 2>&1 || echo "auto_ab.py failed or timed out"
 grep -v '^{' "$OUT/trace.log" | grep -v Warning | tail -20
 python3 - "$OUT/trace" <<'PY'
