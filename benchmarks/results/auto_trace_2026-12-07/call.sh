@@ -1,5 +1,6 @@
 #!/bin/bash
-# One device call, prepared on 2026-12-07 and not yet run (no device came that day): budget auto traced
+# One device call, prepared on 2026-12-07 (run once on an H100 later that day; its output was not kept, see
+# docs/benchmarks.md, "Budget auto's predictions against its rounds"): budget auto traced
 # (auto_ab.py --trace: per read auto round, the chooser's expected lengths E(c) at the choice against what the
 # round's rows committed for every candidate c up to its size) in four variants: "base" (the defaults: observed
 # lengths as totals per size, the curve's prices), "steps" (a row's observed lengths kept as steps,
