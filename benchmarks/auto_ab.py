@@ -24,7 +24,8 @@ dividing by the same measurements restricted to the grid engine start measured b
 toward AR's point: :class:`OldGridCurve`), so the grid's effect is timed on one engine.
 
 A cell is ``C:context``; it runs ``--waves`` x C prompts, C in flight (newcomers arrive as requests finish); with
-``--mix-words`` every other one is random words instead of held-out code, so the rows differ in confidence. Every
+``--mix-words`` every other one is random words instead of held-out code, meant to make rows that differ in
+confidence (on the demo pair they accept as much as code: docs/benchmarks.md, "Budget auto's predictions"). Every
 config is warmed up once per cell (``--warm-waves``, 2: arrivals while others decode), then timed. Writes
 ``OUT/auto_ab.json`` after every run (and ``OUT/cost_curve.json``, the curve auto divided by); prints a table.
 
@@ -178,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="trace every auto run's predictions against its rounds (auto_trace.py): a summary per size in "
                          "the run's row, the rounds in OUT/trace-<C>-<context>-<config>-<repeat>.json")
     ap.add_argument("--mix-words", action="store_true",
-                    help="every other prompt random words instead of held-out code: rows that differ in confidence")
+                    help="every other prompt random words instead of held-out code")
     ap.add_argument("--time-budget", type=float, default=500.0, help="seconds from start after which no run starts")
     args = ap.parse_args(argv)
     cells = [tuple(int(x) for x in c.split(":")) for c in args.cells.split(",") if c]
