@@ -25,7 +25,9 @@ toward AR's point: :class:`OldGridCurve`), so the grid's effect is timed on one 
 
 A cell is ``C:context``; it runs ``--waves`` x C prompts, C in flight (newcomers arrive as requests finish); with
 ``--mix-words`` every other one is random words instead of held-out code, meant to make rows that differ in
-confidence (on the demo pair they accept as much as code: docs/benchmarks.md, "Budget auto's predictions"). Every
+confidence (on the demo pair they accept as much as code: docs/benchmarks.md, "Budget auto's predictions"); with
+``--mix-sampled T`` every other request samples at temperature ``T`` (seeded by its index), which does ("=AR"
+counts the sampled rows too; the sampling is counter-based, and in fp32 on the CPU every sampled row equalled AR's). Every
 config is warmed up once per cell (``--warm-waves``, 2: arrivals while others decode), then timed. Writes
 ``OUT/auto_ab.json`` after every run (and ``OUT/cost_curve.json``, the curve auto divided by); prints a table.
 
@@ -180,6 +182,8 @@ def main(argv: list[str] | None = None) -> None:
                          "the run's row, the rounds in OUT/trace-<C>-<context>-<config>-<repeat>.json")
     ap.add_argument("--mix-words", action="store_true",
                     help="every other prompt random words instead of held-out code")
+    ap.add_argument("--mix-sampled", type=float, default=0.0,
+                    help="every other request sampled at this temperature (seeded), the rest greedy")
     ap.add_argument("--time-budget", type=float, default=500.0, help="seconds from start after which no run starts")
     args = ap.parse_args(argv)
     cells = [tuple(int(x) for x in c.split(":")) for c in args.cells.split(",") if c]
@@ -210,7 +214,8 @@ def main(argv: list[str] | None = None) -> None:
     stream = held_out_token_stream(tokenizer, max(x for _, x in cells) * 2 + 4096)
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "dtype": str(dtype),
-              "shape": args.shape, "mix_words": args.mix_words, "new_tokens": args.new_tokens, "waves": args.waves,
+              "shape": args.shape, "mix_words": args.mix_words,
+              "mix_sampled": args.mix_sampled, "new_tokens": args.new_tokens, "waves": args.waves,
               "variants": variants,
               "defaults": defaults, "engine_start_s": time.perf_counter() - t0,
               "prefill_every": engine.config.prefill_every, "prefill_chunk": engine.config.prefill_chunk,
@@ -235,6 +240,7 @@ def main(argv: list[str] | None = None) -> None:
             words = build_prompts(tokenizer, ctx, len(prompts) // 2, phase="mix", seed=0, context=ctx,
                                   concurrency=conc, text="words")
             prompts[1::2] = [p.ids for p in words]
+        temps = [args.mix_sampled * (i % 2) for i in range(len(prompts))] if args.mix_sampled > 0 else None
         refs: list | None = None
         for rep in range(args.repeats):
             for name, tree, consts, fields in configs:
@@ -255,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
                 captures_before = 0 if engine.graphs is None else engine.graphs.mixed_captures
                 traced = args.trace and tree.auto
                 with ExploreCounter() as explored, AutoTrace(engine) if traced else nullcontext() as trace:
-                    res = run_cell(engine, prompts, tree, args.new_tokens, concurrency=conc)
+                    res = run_cell(engine, prompts, tree, args.new_tokens, concurrency=conc, temperatures=temps)
                 if name.split("@")[0] == "ar":
                     refs = res["tokens"]
                 row = {**key, "tok_s": res["tok_s"], "accept_length": res["accept_length"],

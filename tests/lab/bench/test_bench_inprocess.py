@@ -144,3 +144,18 @@ def test_an_auto_cell_reports_the_budgets_auto_chose(demo_engine, stream):
     assert ("ddtree", "auto") not in methods
     (_, _, methods), = plan_cells([64], [2], [4], 4096, auto=True, chain=False)
     assert methods == [("ar", 0), ("ddtree", 4), ("ddtree", "auto")]
+
+
+def test_a_cell_can_mix_sampled_rows_with_greedy_ones(demo_engine, stream):
+    """``temperatures``: one per prompt, 0 greedy; a sampled request is seeded by its index. The greedy rows of a
+    mixed auto run still equal AR's greedy output (lossless beside sampled rows), the sampled ones run to length."""
+    prompts = prompts_for(stream, 32, 4, salt=5)
+    temps = [0.0, 1.0, 0.0, 0.7]
+    reqs = greedy_requests(prompts, TreeSettings(budget=4), NEW_TOKENS, temps)
+    assert [(r.sampling.temperature, r.sampling.seed) for r in reqs] == [(0.0, None), (1.0, 1), (0.0, None), (0.7, 3)]
+    assert all(r.sampling.temperature == 0.0 for r in greedy_requests(prompts, TreeSettings(budget=4), NEW_TOKENS))
+    mixed = run_cell(demo_engine, prompts, TreeSettings(method="ddtree", budget="auto"), NEW_TOKENS, concurrency=4,
+                     temperatures=temps)
+    ar = run_cell(demo_engine, prompts, TreeSettings(method="ar"), NEW_TOKENS, concurrency=4)
+    assert mixed["errors"] == [] and [len(t) for t in mixed["tokens"]] == [NEW_TOKENS] * 4
+    assert mixed["tokens"][0::2] == ar["tokens"][0::2]

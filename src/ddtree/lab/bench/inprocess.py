@@ -65,13 +65,17 @@ class EngineRun:
         return rows
 
 
-def greedy_requests(prompts: Sequence[Sequence[int]], tree: TreeSettings,
-                    new_tokens: int | Sequence[int]) -> list[GenerationRequest]:
-    """Token-id prompts, greedy, exactly ``new_tokens`` each (``ignore_eos``): one count for all, or one per prompt."""
+def greedy_requests(prompts: Sequence[Sequence[int]], tree: TreeSettings, new_tokens: int | Sequence[int],
+                    temperatures: Sequence[float] | None = None) -> list[GenerationRequest]:
+    """Token-id prompts, exactly ``new_tokens`` each (``ignore_eos``): one count for all, or one per prompt. Greedy,
+    unless ``temperatures`` gives one per prompt (0: greedy); a sampled request's seed is its index, so every config
+    and repeat of a run samples from the same streams."""
     counts = list(new_tokens) if not isinstance(new_tokens, int) else [new_tokens] * len(prompts)
+    temps = [0.0] * len(prompts) if temperatures is None else list(temperatures)
     return [GenerationRequest(prompt_token_ids=list(p), tree=tree,
-                              sampling=SamplingParams(max_tokens=n, ignore_eos=True))
-            for p, n in zip(prompts, counts, strict=True)]
+                              sampling=SamplingParams(max_tokens=n, ignore_eos=True, temperature=t,
+                                                      seed=i if t > 0 else None))
+            for i, (p, n, t) in enumerate(zip(prompts, counts, temps, strict=True))]
 
 
 def run_closed_loop(engine: Any, requests: Sequence[GenerationRequest], concurrency: int | None) -> EngineRun:
@@ -96,12 +100,13 @@ def mean_in_flight(timeline: list[list[float]], wall: float) -> float:
 
 
 def run_cell(engine: Any, prompts: Sequence[Sequence[int]], tree: TreeSettings, new_tokens: int | list[int], *,
-             concurrency: int | None = None) -> dict:
+             concurrency: int | None = None, temperatures: Sequence[float] | None = None) -> dict:
     """Every prompt through ``engine``, at most ``concurrency`` in flight; the run's measurements (module doc).
 
     With more prompts than the concurrency, acceptance averages over texts and the throughput is the loop's, not
-    one batch's drain to its slowest request. ``new_tokens``: one count for every prompt, or one per prompt."""
-    run = run_closed_loop(engine, greedy_requests(prompts, tree, new_tokens), concurrency)
+    one batch's drain to its slowest request. ``new_tokens``: one count for every prompt, or one per prompt;
+    ``temperatures``: greedy when None, else one per prompt (:func:`greedy_requests`)."""
+    run = run_closed_loop(engine, greedy_requests(prompts, tree, new_tokens, temperatures), concurrency)
     outs, wall = run.outputs, run.wall_s
     errors = [o.error for o in outs if o.finish_reason == "error"]
     completion = sum(len(o.token_ids) for o in outs)
