@@ -35,7 +35,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from ddtree.engine import Engine, EngineConfig, TreeSettings
-from ddtree.lab.bench.inprocess import greedy_requests, run_cell, synchronize
+from ddtree.lab.bench.inprocess import bench_requests, run_cell, synchronize
 from ddtree.lab.bench.kernel_timing import kernel_times
 from ddtree.lab.bench.workload import held_out_token_stream, prompts_for
 
@@ -90,7 +90,7 @@ def decode_window(engine: Engine, prompts, tree: TreeSettings, new_tokens: int, 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     engine._collect = counted
     try:
-        for req in greedy_requests(prompts, tree, new_tokens):
+        for req in bench_requests(prompts, tree, new_tokens):
             engine.submit(req, on_chunk)
         if not all_first.wait(600):
             raise RuntimeError("the requests' first tokens did not all arrive")

@@ -21,7 +21,7 @@ from ddtree.lab.bench import (
     run_closed_loop,
     run_engine_bench,
 )
-from ddtree.lab.bench.inprocess import greedy_requests, mean_in_flight, tree_from_extra_body
+from ddtree.lab.bench.inprocess import bench_requests, mean_in_flight, tree_from_extra_body
 
 NEW_TOKENS = 5
 
@@ -58,7 +58,7 @@ def test_held_out_prompts_are_exact_windows_of_the_stream(stream):
 
 def test_closed_loop_times_come_from_the_engine(demo_engine, stream):
     prompts = prompts_for(stream, 24, 4, salt=1)
-    run = run_closed_loop(demo_engine, greedy_requests(prompts, TreeSettings(method="ddtree", budget=4), NEW_TOKENS),
+    run = run_closed_loop(demo_engine, bench_requests(prompts, TreeSettings(method="ddtree", budget=4), NEW_TOKENS),
                           concurrency=2)
     assert [o.prompt_token_ids for o in run.outputs] == prompts  # request order kept
     for o in run.outputs:
@@ -151,9 +151,9 @@ def test_a_cell_can_mix_sampled_rows_with_greedy_ones(demo_engine, stream):
     mixed auto run still equal AR's greedy output (lossless beside sampled rows), the sampled ones run to length."""
     prompts = prompts_for(stream, 32, 4, salt=5)
     temps = [0.0, 1.0, 0.0, 0.7]
-    reqs = greedy_requests(prompts, TreeSettings(budget=4), NEW_TOKENS, temps)
+    reqs = bench_requests(prompts, TreeSettings(budget=4), NEW_TOKENS, temps)
     assert [(r.sampling.temperature, r.sampling.seed) for r in reqs] == [(0.0, None), (1.0, 1), (0.0, None), (0.7, 3)]
-    assert all(r.sampling.temperature == 0.0 for r in greedy_requests(prompts, TreeSettings(budget=4), NEW_TOKENS))
+    assert all(r.sampling.temperature == 0.0 for r in bench_requests(prompts, TreeSettings(budget=4), NEW_TOKENS))
     mixed = run_cell(demo_engine, prompts, TreeSettings(method="ddtree", budget="auto"), NEW_TOKENS, concurrency=4,
                      temperatures=temps)
     ar = run_cell(demo_engine, prompts, TreeSettings(method="ar"), NEW_TOKENS, concurrency=4)

@@ -65,7 +65,7 @@ class EngineRun:
         return rows
 
 
-def greedy_requests(prompts: Sequence[Sequence[int]], tree: TreeSettings, new_tokens: int | Sequence[int],
+def bench_requests(prompts: Sequence[Sequence[int]], tree: TreeSettings, new_tokens: int | Sequence[int],
                     temperatures: Sequence[float] | None = None) -> list[GenerationRequest]:
     """Token-id prompts, exactly ``new_tokens`` each (``ignore_eos``): one count for all, or one per prompt. Greedy,
     unless ``temperatures`` gives one per prompt (0: greedy); a sampled request's seed is its index, so every config
@@ -105,8 +105,8 @@ def run_cell(engine: Any, prompts: Sequence[Sequence[int]], tree: TreeSettings, 
 
     With more prompts than the concurrency, acceptance averages over texts and the throughput is the loop's, not
     one batch's drain to its slowest request. ``new_tokens``: one count for every prompt, or one per prompt;
-    ``temperatures``: greedy when None, else one per prompt (:func:`greedy_requests`)."""
-    run = run_closed_loop(engine, greedy_requests(prompts, tree, new_tokens, temperatures), concurrency)
+    ``temperatures``: greedy when None, else one per prompt (:func:`bench_requests`)."""
+    run = run_closed_loop(engine, bench_requests(prompts, tree, new_tokens, temperatures), concurrency)
     outs, wall = run.outputs, run.wall_s
     errors = [o.error for o in outs if o.finish_reason == "error"]
     completion = sum(len(o.token_ids) for o in outs)
