@@ -27,8 +27,8 @@ A cell is ``C:context``; it runs ``--waves`` x C prompts, C in flight (newcomers
 ``--mix-words`` every other one is random words instead of held-out code, meant to make rows that differ in
 confidence (on the demo pair they accept as much as code: docs/benchmarks.md, "Budget auto's predictions"); with
 ``--mix-sampled T`` every other request samples at temperature ``T`` (seeded by its index), which does ("=AR"
-counts the sampled rows too; the sampling is counter-based, and in fp32 on the CPU every sampled row equalled AR's). Every
-config is warmed up once per cell (``--warm-waves``, 2: arrivals while others decode), then timed. Writes
+counts the sampled rows too; the sampling is counter-based, and in fp32 on the CPU every sampled row equalled
+AR's). Every config is warmed up once per cell (``--warm-waves``, 2: arrivals while others decode), then timed. Writes
 ``OUT/auto_ab.json`` after every run (and ``OUT/cost_curve.json``, the curve auto divided by); prints a table.
 
     python benchmarks/auto_ab.py --out $OUT --cells 64:60,64:1024 --budgets 7 --repeats 3 \\
@@ -186,6 +186,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="every other request sampled at this temperature (seeded), the rest greedy")
     ap.add_argument("--time-budget", type=float, default=500.0, help="seconds from start after which no run starts")
     args = ap.parse_args(argv)
+    if args.mix_sampled < 0:
+        raise SystemExit(f"--mix-sampled: a temperature >= 0, got {args.mix_sampled}")
     cells = [tuple(int(x) for x in c.split(":")) for c in args.cells.split(",") if c]
     budgets = [int(b) for b in args.budgets.split(",") if b]
     variants = parse_variants(args.variants)
@@ -214,9 +216,8 @@ def main(argv: list[str] | None = None) -> None:
     stream = held_out_token_stream(tokenizer, max(x for _, x in cells) * 2 + 4096)
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "dtype": str(dtype),
-              "shape": args.shape, "mix_words": args.mix_words,
-              "mix_sampled": args.mix_sampled, "new_tokens": args.new_tokens, "waves": args.waves,
-              "variants": variants,
+              "shape": args.shape, "mix_words": args.mix_words, "mix_sampled": args.mix_sampled,
+              "new_tokens": args.new_tokens, "waves": args.waves, "variants": variants,
               "defaults": defaults, "engine_start_s": time.perf_counter() - t0,
               "prefill_every": engine.config.prefill_every, "prefill_chunk": engine.config.prefill_chunk,
               "prefill_step_tokens": engine.config.prefill_step_tokens, "mixed_chunk": engine.config.mixed_chunk,
