@@ -26,7 +26,8 @@ toward AR's point: :class:`OldGridCurve`), so the grid's effect is timed on one 
 A cell is ``C:context``; it runs ``--waves`` x C prompts, C in flight (newcomers arrive as requests finish); with
 ``--mix-words`` every other one is random words instead of held-out code, meant to make rows that differ in
 confidence (on the demo pair they accept as much as code: docs/benchmarks.md, "Budget auto's predictions"); with
-``--mix-sampled T`` every other request samples at temperature ``T`` (seeded by its index), which does ("=AR"
+``--mix-sampled T`` every other request (``--sampled-share``: another share, 1 = all) samples at temperature ``T``
+(seeded by its index), which does ("=AR"
 counts the sampled rows too; the sampling is counter-based, and in fp32 on the CPU every sampled row equalled
 AR's). Every config is warmed up once per cell (``--warm-waves``, 2: arrivals while others decode), then timed. Writes
 ``OUT/auto_ab.json`` after every run (and ``OUT/cost_curve.json``, the curve auto divided by); prints a table.
@@ -73,6 +74,13 @@ def parse_variants(text: str) -> dict[str, dict[str, float]]:
             consts[key] = float(value)
         out[name] = consts
     return out
+
+
+def sampled_temperatures(count: int, temperature: float, share: float) -> list[float]:
+    """Each request's temperature: ``temperature`` for a ``share`` of them spread evenly (request ``i`` is sampled
+    when ``floor((i + 1) share)`` passes ``floor(i share)``: 0.5 samples requests 1, 3, 5, ..., 1 every one), 0 for
+    the rest."""
+    return [temperature if int((i + 1) * share) > int(i * share) else 0.0 for i in range(count)]
 
 
 SETTABLE = ("prefill_step_tokens", "mixed_chunk", "prefill_every")  # read by the scheduler at every round or step
@@ -184,10 +192,14 @@ def main(argv: list[str] | None = None) -> None:
                     help="every other prompt random words instead of held-out code")
     ap.add_argument("--mix-sampled", type=float, default=0.0,
                     help="every other request sampled at this temperature (seeded), the rest greedy")
+    ap.add_argument("--sampled-share", type=float, default=0.5,
+                    help="with --mix-sampled: the share of requests sampled, spread evenly (0.5: every other, 1: all)")
     ap.add_argument("--time-budget", type=float, default=500.0, help="seconds from start after which no run starts")
     args = ap.parse_args(argv)
     if args.mix_sampled < 0:
         raise SystemExit(f"--mix-sampled: a temperature >= 0, got {args.mix_sampled}")
+    if not 0 < args.sampled_share <= 1:
+        raise SystemExit(f"--sampled-share: a share in (0, 1], got {args.sampled_share}")
     cells = [tuple(int(x) for x in c.split(":")) for c in args.cells.split(",") if c]
     budgets = [int(b) for b in args.budgets.split(",") if b]
     variants = parse_variants(args.variants)
@@ -217,6 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "dtype": str(dtype),
               "shape": args.shape, "mix_words": args.mix_words, "mix_sampled": args.mix_sampled,
+              "sampled_share": args.sampled_share if args.mix_sampled > 0 else None,
               "new_tokens": args.new_tokens, "waves": args.waves, "variants": variants,
               "defaults": defaults, "engine_start_s": time.perf_counter() - t0,
               "prefill_every": engine.config.prefill_every, "prefill_chunk": engine.config.prefill_chunk,
@@ -241,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
             words = build_prompts(tokenizer, ctx, len(prompts) // 2, phase="mix", seed=0, context=ctx,
                                   concurrency=conc, text="words")
             prompts[1::2] = [p.ids for p in words]
-        temps = [args.mix_sampled * (i % 2) for i in range(len(prompts))] if args.mix_sampled > 0 else None
+        temps = sampled_temperatures(len(prompts), args.mix_sampled, args.sampled_share) if args.mix_sampled > 0 else None
         refs: list | None = None
         for rep in range(args.repeats):
             for name, tree, consts, fields in configs:

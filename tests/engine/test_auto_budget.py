@@ -13,7 +13,7 @@ import random
 
 import pytest
 import torch
-from engine_helpers import plain_greedy
+from engine_helpers import emulate_graphs, plain_greedy
 
 from ddtree import speculative
 from ddtree.engine import GenerationRequest, SamplingParams, TreeSettings
@@ -60,6 +60,8 @@ def test_candidates_and_widths_by_hand():
     assert ab.curve_width(15, (1, 3, 7, 15)) == 15  # the top reports its own size only
     assert ab.options((1, 3, 7, 15), 0) == (1, 3, 7, 15)
     assert ab.options((1, 3, 7, 15), 4) == (4, 7, 15)  # a fixed b4 row: the round is at least 4
+    assert ab.options((1, 3, 7, 15), 0, zero=True) == (0, 1, 3, 7, 15)  # no tree as well
+    assert ab.options((1, 3, 7, 15), 4, zero=True) == (4, 7, 15)  # not beside a fixed row that drafts
 
 
 def test_worked_example_of_the_module_doc():
@@ -113,7 +115,7 @@ def test_choice_is_the_argmax_of_the_objective_against_brute_force():
                            lambda r, b, k: rng.uniform(0.001, 0.02) + r * b * rng.uniform(1e-5, 1e-3) + k * 1e-6)
         rows = len(curves)
         cost = lambda b, curve=curve, rows=rows: curve.round_seconds(rows, b, 100 + b)  # noqa: E731
-        opts = ab.options(cands, floor)
+        opts = ab.options(cands, floor, zero=trial % 2 == 0)
         got = ab.choose_budget([ab.RowCurve(c, cap) for c, cap in zip(curves, caps, strict=True)], opts, cost)
         assert got == brute_choice(curves, caps, opts, cost), f"trial {trial}"
 
@@ -131,6 +133,7 @@ def test_the_rounds_time_past_their_price_is_added_to_every_option(monkeypatch):
     every option's price (at most halving a price), which can turn the choice to a larger tree: the brute-force
     argmax of the objective under the shifted prices."""
     monkeypatch.setattr(ab, "OFFSET", True)
+    monkeypatch.setattr(ab, "ZERO", False)  # trees only here (no tree: test_no_tree_is_chosen_...)
     chooser = ab.AutoChooser(15)
     assert chooser.offset() == 0.0
     chooser.observe_period(0.030, 0.010, decay=0.5)
@@ -305,8 +308,8 @@ def test_auto_without_a_cost_curve_measures_one(tiny_engine_factory, tiny_tokeni
 
 
 def test_warmup_plans_every_auto_candidate_when_the_default_tree_is_auto():
-    """With the default tree auto, the fast level holds the key of an auto round at every candidate, every rows
-    bucket and every length (the scheduler's shape, bucketed by graph_key)."""
+    """With the default tree auto, the fast level holds the key of an auto round at every candidate and at no tree
+    (budget 0, the block kept), every rows bucket and every length (the scheduler's shape, bucketed by graph_key)."""
     from ddtree.engine import EngineConfig
     from ddtree.engine.cuda_graphs import bucket_nodes, graph_key
     from ddtree.engine.round import RoundShape
@@ -315,7 +318,7 @@ def test_warmup_plans_every_auto_candidate_when_the_default_tree_is_auto():
     config = EngineConfig(max_batch=4, max_len=200, max_budget=16, default_tree=TreeSettings(budget="auto"))
     cache_len = 240
     plan = set(plan_warmup(config, cache_len=cache_len, drafts=True, block_size=8, prefill_max_width=None).rounds)
-    for b in ab.candidates(16):  # 1, 3, 7, 15
+    for b in (0, *ab.candidates(16)):  # no tree (ZERO), 1, 3, 7, 15
         width = ab.curve_width(bucket_nodes(b), ab.candidates(16))
         for rows in range(1, 5):
             for reach in (0, 50, cache_len - b - 9):
@@ -517,9 +520,10 @@ def test_a_rows_kept_curve_is_the_fresh_one_after_every_change():
     assert calls == []
 
 
-def test_a_size_one_round_made_look_poor_is_explored_again():
+def test_a_size_one_round_made_look_poor_is_explored_again(monkeypatch):
     """A first round that accepted nothing at b15: the best is then b1, but b3's evidence is that one round; once
     it has decayed (about 11 rounds) b3 runs once, while its objective is within the slack of the best's."""
+    monkeypatch.setattr(ab, "ZERO", False)  # trees only here (no tree: test_no_tree_is_chosen_...)
     chooser = ab.AutoChooser(64)
     cost = {1: 0.040, 3: 0.041, 7: 0.042, 15: 0.045, 31: 0.05, 63: 0.06}.__getitem__
     flat = (1.0,) * 31  # the surrogate: nothing beyond the root
@@ -691,3 +695,102 @@ def test_follow_up_rounds_change_the_auto_size_on_the_device(tiny_engine_factory
     assert {size for *_, size in verified_seen} == {7, 15}
     for auto, method, verified, size in verified_seen:  # a read round's nodes are its own, not its follow-up's
         assert verified == (size if auto else 4 if method == "ddtree" else 0)
+
+
+# ---- no tree (budget 0) ---------------------------------------------------------------------------------------------
+
+def test_no_tree_is_chosen_where_no_tree_earns_its_cost_and_a_tree_comes_back(monkeypatch):
+    """Rows whose trees commit nothing past the root: no tree (budget 0) is the argmax, as the brute force says;
+    rounds at 0 observe nothing and only decay the rows' evidence (read_idle), and once the evidence on size 1 has
+    faded below EXPLORE_EVIDENCE a b1 round runs (its objective within the slack of no tree's); a row whose tree then
+    commits more makes a tree the best again. Beside a fixed row that drafts, or with ZERO off, 0 is no option."""
+    chooser = ab.AutoChooser(15)
+    cost = {0: 0.0100, 1: 0.0105, 3: 0.012, 4: 0.013, 7: 0.015, 15: 0.020}.__getitem__
+    flat = (1.0,) * 15
+    seen = ab.observed_update((), [], 3)  # a b3 round that accepted nothing
+    rows = [_Row("a", seen, flat), _Row("b", seen, flat)]
+    curves = [chooser.row_curve(r) for r in rows]
+    assert brute_choice(curves, [None, None], (0, 1, 3, 7, 15), cost) == 0
+    assert chooser.choose(rows, cost) == (0, 0)
+    idle = 0
+    while ab.evidence(rows[0].auto_seen, 1) >= ab.EXPLORE_EVIDENCE:
+        assert chooser.choose(rows, cost) == (0, 0)
+        for r in rows:
+            chooser.read_idle(r)
+        idle += 1
+    assert idle == 11  # 0.9^11 = 0.31 of the one round's evidence
+    assert chooser.choose(rows, cost) == (1, 0)  # explored; the best stays no tree
+    assert chooser.choose(rows, cost, explore=False) == (0, 0)
+    for _ in range(3):  # the b1 rounds accept: a tree earns its cost again
+        for r in rows:
+            chooser.read_row(r, 2, (1.9, 2.5, 2.8, 2.9), [0, 1], 1)
+    assert chooser.choose(rows, cost)[1] > 0
+    fixed = [_Row("a", seen, flat), _Row("c", (), (1.2, 1.3, 1.3, 1.3), auto=False, budget=4)]
+    assert chooser.choose(fixed, cost)[1] >= 4
+    monkeypatch.setattr(ab, "ZERO", False)
+    assert ab.AutoChooser(15).choose([_Row("a", seen, flat)], cost) == (1, 1)
+
+
+@pytest.mark.parametrize("overlap, graphs", [(True, False), (False, False), (True, True)],
+                         ids=["follow-ups", "host-launches", "graphs"])
+def test_rounds_at_budget_0_keep_outputs_and_the_drafters_context(tiny_engine_factory, tiny_tokenizer, tiny_pair,
+                                                                   monkeypatch, overlap, graphs):
+    """A chooser forced through no tree and trees (0, 0, 3, 0, 7, 1, ...) for auto rows beside an AR row (fp32,
+    greedy, the real drafter; eager rounds, or CUDA graphs emulated on the CPU, whose budget-0 keys must not share
+    a drafting key's draft stage): every output equals the plain decoder's; rounds at 0 draft nothing but keep the
+    drafter's context (RoundShape.drafts off, keeps_context on), and when a request finishes its drafter context
+    equals the one a prefill of its whole text writes (the reference: ModelRunner.prefill over prompt + output but
+    the last token, in a fresh runner); its stats count the rounds at 0."""
+    from ddtree.engine.engine import Engine
+    from ddtree.engine.kernels import KernelSet
+    from ddtree.engine.runner import ModelRunner, PrefillInputs
+
+    cycle = itertools.cycle([0, 0, 3, 0, 7, 1, 0, 15])
+    monkeypatch.setattr(ab.AutoChooser, "choose", lambda self, states, cost, explore=True: (next(cycle),) * 2)
+    shapes, finished = [], {}
+    real_queue, real_finish = Engine._queue, Engine._finish
+
+    def queue(self, states, rows, shape, *args, **kw):
+        shapes.append(shape)
+        return real_queue(self, states, rows, shape, *args, **kw)
+
+    def finish(self, state, reason, **kw):
+        finished[state.request_id] = state.slot
+        return real_finish(self, state, reason, **kw)
+
+    monkeypatch.setattr(Engine, "_queue", queue)
+    monkeypatch.setattr(Engine, "_finish", finish)
+    engine = tiny_engine_factory(overlap_rounds=overlap, max_batch=4)
+    if graphs:
+        emulate_graphs(engine, monkeypatch, max_rows=4)
+    engine.cost_curve = hand_curve(4, 1e-5)
+    target, drafter = tiny_pair
+    trees = [TreeSettings(budget="auto"), TreeSettings(method="ar"), TreeSettings(budget="auto", topk=2)]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(trees))]
+    outs = engine.generate([GenerationRequest(prompt=p, tree=t, request_id=f"r{i}",
+                                              sampling=SamplingParams(max_tokens=36, ignore_eos=True))
+                            for i, (p, t) in enumerate(zip(prompts, trees, strict=True))])
+    auto_shapes = [s for s in shapes if s.auto_width]
+    assert {s.max_budget for s in auto_shapes} >= {0, 3, 7}
+    for s in auto_shapes:
+        assert s.drafts == (s.max_budget > 0) and s.keeps_context
+    if graphs:  # both kinds of key were captured, each with its own front (a draft graph only where it drafts)
+        keys = list(engine.graphs.graphs)
+        assert {k.max_budget == 0 for k in keys if k.auto_width} == {True, False}
+        assert any(f.draft is None for f in engine.graphs.fronts.values())
+        assert any(f.draft is not None for f in engine.graphs.fronts.values())
+    reference = ModelRunner(target, drafter, slots=1, cache_len=128, kernels=KernelSet.torch())
+    one = lambda v: torch.tensor([v])  # noqa: E731
+    for i, (out, p, t) in enumerate(zip(outs, prompts, trees, strict=True)):
+        prompt = tiny_tokenizer.encode(p)
+        assert out.token_ids == plain_greedy(target, prompt, 36), f"{t} differs from the plain decoder"
+        if not t.auto:
+            continue
+        assert out.stats.auto_budgets.get(0, 0) > 0 and sum(out.stats.auto_budgets.values()) == out.stats.verify_rounds
+        text = prompt + out.token_ids[:-1]  # every token whose features the drafter has read
+        reference.prefill(PrefillInputs(ids=torch.tensor([text]), slots=one(0), start=one(0), valid_len=one(len(text)),
+                                        last_index=one(len(text) - 1), kv_len=len(text)))
+        slot = finished[f"r{i}"]
+        for got, want in ((engine.runner.drafter_cache.k, reference.drafter_cache.k),
+                          (engine.runner.drafter_cache.v, reference.drafter_cache.v)):
+            torch.testing.assert_close(got[:, slot, :, : len(text)], want[:, 0, :, : len(text)], rtol=1e-4, atol=1e-4)

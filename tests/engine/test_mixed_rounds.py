@@ -6,13 +6,12 @@ and a spy on the runner that records every target forward: what it carried and w
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 
 import pytest
 import torch
-from engine_helpers import plain_greedy, submit_staggered
+from engine_helpers import emulate_graphs, plain_greedy, submit_staggered
 
 from ddtree.engine import EngineConfig, GenerationRequest, SamplingParams, TreeSettings, prefill_steps
 from ddtree.engine.runner import ModelRunner
@@ -309,79 +308,10 @@ def test_gpu_exact_mixed_rounds_give_ar_bits():
 
 
 
-def _copy_into(old, new) -> None:
-    """Write ``new``'s tensors into ``old``'s (same structure): what a CUDA graph's replay does to its outputs."""
-    if isinstance(old, torch.Tensor):
-        assert isinstance(new, torch.Tensor) and old.shape == new.shape
-        old.copy_(new)
-    elif dataclasses.is_dataclass(old):
-        for f in dataclasses.fields(old):
-            _copy_into(getattr(old, f.name), getattr(new, f.name))
-    elif isinstance(old, tuple):
-        for a, b in zip(old, new, strict=True):
-            _copy_into(a, b)
-    else:
-        assert old == new, (old, new)
-
-
-class _Replays:
-    """CUDA graphs on a CPU: a "graph" reruns the function it recorded, and while it replays, a stage output it
-    assigns (a RoundWork, TreeStage or VerifyStage field already holding one) is copied into the tensors it held
-    at the recording instead, as a real replay writes into the memory it captured. What this cannot show is the
-    device's memory (a tensor the graph reads that nothing keeps alive; the GPU test covers that)."""
-
-    def __init__(self, monkeypatch) -> None:
-        from ddtree.engine import round as rnd
-
-        self.replaying = False
-        for cls in (rnd.RoundWork, rnd.TreeStage, rnd.VerifyStage):
-            monkeypatch.setattr(cls, "__setattr__", self._setter())
-
-    def _setter(self):
-        def setattr_(obj, name, value):
-            current = obj.__dict__.get(name)
-            if self.replaying and current is not None and value is not None:
-                _copy_into(current, value)
-            else:
-                object.__setattr__(obj, name, value)
-
-        return setattr_
-
-    def make_room(self) -> None:
-        pass
-
-    def warm_up(self, fn, signature=None) -> bool:
-        fn()
-        return True
-
-    def record(self, fn, pool, *, stage: str = "graph", signature=None):
-        recorder = self
-
-        class Graph:
-            def replay(self) -> None:
-                recorder.replaying = True
-                try:
-                    fn()
-                finally:
-                    recorder.replaying = False
-
-        return Graph(), fn()
-
-    def record_stages(self, eager, stages, pool, *, signature):
-        eager()
-        return [self.record(fn, pool, stage=stage) for stage, fn in stages]
-
-
 def _emulated_graphs(tiny_engine_factory, monkeypatch, mixed_chunk: int):
-    """An engine whose rounds replay graphs emulated on the CPU (:class:`_Replays`)."""
-    from ddtree.engine.cuda_graphs import RoundGraphs
-
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
-    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
-    monkeypatch.setattr(RoundGraphs, "can_run", lambda self, rows: rows <= self.max_rows)
+    """An engine whose rounds replay graphs emulated on the CPU (engine_helpers.emulate_graphs)."""
     engine = tiny_engine_factory(oracle=True, max_batch=4, mixed_chunk=mixed_chunk)
-    engine.graphs = RoundGraphs(engine.runner, max_rows=4, cache_len=engine.cache_len,
-                                recorder=_Replays(monkeypatch), max_chunk_width=16)
+    emulate_graphs(engine, monkeypatch, max_rows=4, max_chunk_width=16)
     return engine
 
 
@@ -389,7 +319,7 @@ def _emulated_graphs(tiny_engine_factory, monkeypatch, mixed_chunk: int):
 def test_graphed_mixed_rounds_give_the_plain_decoders_tokens(mixed_chunk, tiny_engine_factory, references,
                                                              monkeypatch, queued_rides):
     """The graphed path of mixed rounds (RoundGraphs.run_mixed: the chunk's layers graph per round key and chunk
-    bucket in place of the shared layers graph) with replays emulated on the CPU (:class:`_Replays`): a value the
+    bucket in place of the shared layers graph) with replays emulated on the CPU (engine_helpers.EmulatedReplays): a value the
     capture fixed (the chunk's last token), an output not written where the key's choice graph reads it, or a
     wrong copy of the first tokens' states changes tokens. Several chunk keys must really be captured, and rounds
     queued from the device must carry chunks too."""

@@ -58,8 +58,11 @@ class _ReadLog:
         self._shape, self.read = shape, set()
 
     def __getattr__(self, name: str):
+        from ddtree.engine.runner import STAGE_SHAPE_FIELDS
+
         prop = getattr(RoundShape, name, None)
-        if isinstance(prop, property):  # a derived size (drafts, draft_depths): record the fields it reads
+        keyed = any(name in fields for fields in STAGE_SHAPE_FIELDS.values())
+        if isinstance(prop, property) and not keyed:  # a derived size (draft_depths): record the fields it reads
             return prop.fget(self)
         self.read.add(name)
         return getattr(self._shape, name)
@@ -76,8 +79,8 @@ def test_the_draft_and_tree_stages_read_only_their_declared_shape_fields(tiny_pa
     target, drafter = tiny_pair
     runner = ModelRunner(target, drafter, slots=3, cache_len=64, kernels=KernelSet.torch())
     rows = [dataclasses.replace(_row(i), slot=i, root_token=3 + i, start=4 + i, window=99) for i in range(2)]
-    for auto_width in (0, 7):
-        shape = RoundShape(rows=2, max_budget=3, block_size=8, kv_len=20, draft_kv_len=20, greedy=False,
+    for budget, auto_width in ((3, 0), (3, 7), (0, 1)):  # (0, 1): an auto round at budget 0 (no draft)
+        shape = RoundShape(rows=2, max_budget=budget, block_size=8, kv_len=20, draft_kv_len=20, greedy=False,
                            filtered=True, contiguous=False, logprobs=True, min_tokens=True, auto_width=auto_width)
         logs = {}
         work = RoundWork()
@@ -85,10 +88,12 @@ def test_the_draft_and_tree_stages_read_only_their_declared_shape_fields(tiny_pa
                             ("forward", runner.stage_forward)):
             logs[name] = _ReadLog(shape)
             stage(RoundInputs.from_packed(PackedRows.pack(rows), logs[name]), work)
-        assert work.draft_hidden is not None and work.tree is not None and work.verify.normed is not None
+        assert (work.draft_hidden is not None) == (budget > 0) and work.tree is not None
+        assert work.verify.normed is not None and work.verify.hidden is not None  # the drafter's context is kept
         for name, log in logs.items():
             assert log.read - {"rows"} <= set(STAGE_SHAPE_FIELDS[name]), (name, log.read)
-        assert "draft_kv_len" in logs["draft"].read and "max_budget" in logs["tree"].read
+        assert "drafts" in logs["draft"].read  # whether it drafts, then (only then) its sizes
+        assert ("draft_kv_len" in logs["draft"].read) == ("max_budget" in logs["tree"].read) == (budget > 0)
 
 
 def test_the_tree_stage_heads_only_the_reachable_depths_and_builds_the_full_heads_trees(tiny_pair):

@@ -6,7 +6,18 @@ candidates
     The declared, finite set of budgets auto may choose: ``2^k - 1`` up to the engine's ``max_budget``
     (1, 3, 7, 15, 31, 63 for 64). ``2^k - 1`` verifies exactly ``2^k`` rows with the root (a GEMM and tree-attention
     tile boundary; on the H200 it beat ``2^k`` in every cell measured), and a finite set is what a warm-up plan can
-    capture (``ddtree.engine.warmup`` plans these buckets when the default tree is auto).
+    capture (``ddtree.engine.warmup`` plans these buckets when the default tree is auto). With :data:`ZERO`, a
+    round may also take budget 0, no tree (:func:`options`).
+no tree
+    An auto round at budget 0 verifies each row's root alone, as AR does, and drafts nothing; its verify still
+    returns the target's features and the commit appends them, so the drafter's context stays whole and a later
+    round drafts from it (``RoundShape.drafts`` against ``keeps_context``). Its objective is the rows' count over
+    the curve's budget-0 point (``E(0) = 1``), measured on AR rounds, which lack that feature copy (on the H200
+    stand-in 0.36 ms of a 7 ms round at 64 rows): no tree is priced a few per cent cheap. Why: where no tree earns
+    its cost (rows whose drafter is rarely right: sampling at temperature 1, 64 in flight) the smallest tree still
+    cost 16 % of AR's tokens per second on the H100 stand-in (docs/benchmarks.md, "Budget 0 in auto"). A round at
+    0 reports no expected lengths, so it only decays the rows' evidence (:meth:`AutoChooser.read_idle`), and the
+    exploration brings a tree back: size 1 is verified once the rows' evidence on it has faded.
 expected length ``E(n)``
     The expected tokens a round commits with the best tree of ``n`` draft nodes under the drafter's factorised
     surrogate: ``1 + sum of the n largest node probabilities``. DDTree's nodes come in descending-score order, so
@@ -29,7 +40,8 @@ fewer nodes than the round verifies: every auto row takes the round's whole budg
 
     B* = argmax over B in {floor} + {c in candidates: c > floor} of  sum_i E_i(min(B, cap_i)) / T(R, B, kv(B))
 
-``floor``: the largest budget of a fixed row (its tree, or a chain's depth, sets the round's width anyway);
+``floor``: the largest budget of a fixed row (its tree, or a chain's depth, sets the round's width anyway), 0
+when no fixed row drafts (with :data:`ZERO` the options then hold 0, no tree, whose ``E`` is 1 for every row);
 ``cap_i``: a fixed row's own budget (its ``E`` stops growing there), none for auto rows; ``E_i`` beyond the sizes a
 row has reported is held at its last value (a lower bound: ``E`` never decreases), so unexplored sizes are never
 favoured. ``T`` is the cost curve (:mod:`ddtree.engine.cost_curve`), made non-decreasing in the budget
@@ -107,6 +119,8 @@ STEPS = False
 # pair it moved auto by -11 % to +7 % against b15 across four cells (docs/benchmarks.md, "Budget auto's predictions
 # against its rounds"); the offset is still measured, and traced by auto_ab.py --trace
 OFFSET = False
+# a round may take budget 0, no tree (module doc): where every tree costs more than it earns, auto runs as AR does
+ZERO = True
 
 
 def candidates(max_budget: int) -> tuple[int, ...]:
@@ -144,9 +158,10 @@ class RowCurve:
         return self.curve[min(b, len(self.curve)) - 1]
 
 
-def options(cands: Sequence[int], floor: int) -> tuple[int, ...]:
-    """The budgets a round may take: the fixed rows' floor (when above 0) and every candidate above it."""
-    return tuple(sorted(({floor} if floor > 0 else set()) | {c for c in cands if c > floor}))
+def options(cands: Sequence[int], floor: int, zero: bool = False) -> tuple[int, ...]:
+    """The budgets a round may take: the fixed rows' floor (when above 0) and every candidate above it; with
+    ``zero`` and no fixed row drafting (``floor`` 0), also 0 (no tree)."""
+    return tuple(sorted(({floor} if floor > 0 or zero else set()) | {c for c in cands if c > floor}))
 
 
 def objective(rows: Sequence[RowCurve], budget: int, cost: Callable[[int], float]) -> float:
@@ -351,6 +366,12 @@ class AutoChooser:
         self.gain = gain_update(self.gain, committed, e_used, decay=0.99)
         state.auto_curve = smoothed(state.auto_curve, reported)
 
+    @staticmethod
+    def read_idle(state: Any) -> None:
+        """Account for one row of a read auto round at budget 0 (no tree, nothing observed): its observed lengths
+        decay as every round's do, so that the exploration verifies a tree again once they have faded."""
+        state.auto_seen = observed_update(state.auto_seen, (), 0)
+
     def row_curve(self, state: Any) -> tuple[float, ...]:
         """The row's observed and calibrated curve, ``observed_curve(seen, calibrated(curve, gain, prior))``, kept on
         the state (``auto_cached``) until one of its inputs changes. Why: the choice runs when a round is launched
@@ -381,7 +402,7 @@ class AutoChooser:
         auto = [s for s in states if s.tree.auto]
         fixed = [s for s in states if not s.tree.auto]
         floor = max((s.budget for s in fixed), default=0)
-        opts = options(self.candidates, floor)
+        opts = options(self.candidates, floor, zero=ZERO)
         curves = {s.request_id: self.row_curve(s) for s in auto}
         have = [c for c in curves.values() if c]
         if not have:
@@ -412,6 +433,6 @@ class AutoChooser:
 
 
 __all__ = ["AUTO", "EXPLORE_EVIDENCE", "EXPLORE_SLACK", "GAIN_DECAY", "MARGIN", "OFFSET", "PRIOR_WEIGHT", "SMOOTHING",
-           "STEPS", "AutoChooser", "KeptCurve", "RowCurve", "best_of", "calibrated", "candidates", "choose_budget",
+           "STEPS", "ZERO", "AutoChooser", "KeptCurve", "RowCurve", "best_of", "calibrated", "candidates", "choose_budget",
            "curve_width", "evidence", "gain_update", "initial_budget", "mean_curve", "objective", "observed_curve",
            "observed_update", "options", "rising", "smoothed"]

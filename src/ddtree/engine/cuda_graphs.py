@@ -491,8 +491,10 @@ class RoundGraphs:
                 front.valid_at = self.generation
             return front
         runner, rec = self.runner, self.recorder
-        host = PackedRows(self._pad.longs.expand(-1, key.rows).contiguous().pin_memory(),
-                          self._pad.floats.expand(-1, key.rows).contiguous().pin_memory())
+        # repeat, not expand().contiguous(): for one row that returns the template itself, which a CPU run (no
+        # pinned copy) would then load real rows into, making every later padding row a live request's
+        host = PackedRows(self._pad.longs.repeat(1, key.rows).pin_memory(),
+                          self._pad.floats.repeat(1, key.rows).pin_memory())
         packed = PackedRows(host.longs.to(runner.device), host.floats.to(runner.device))
         front = _Front(packed=packed, host=host, pad=PackedRows(packed.longs.clone(), packed.floats.clone()),
                        draft=None, draft_hidden=None, valid_at=self.generation)

@@ -37,7 +37,7 @@ class RoundShape:
     """The host-known sizes of one round; nothing inside a round reads a device value to learn them."""
 
     rows: int  # requests in the round (a graph key: the batch bucket, padding rows included)
-    max_budget: int  # N - 1: tree nodes past the root (0 when no row drafts)
+    max_budget: int  # N - 1: tree nodes past the root (0 when no row drafts, or budget auto chose no tree)
     block_size: int  # batch max block size (L + 1); 1 when no row drafts
     kv_len: int  # target cache positions the verify reads: >= max(start) + N
     draft_kv_len: int  # drafter cache positions the draft reads: >= max(start)
@@ -51,20 +51,35 @@ class RoundShape:
     # output index is below its min_tokens; rounds without skip the masking
     min_tokens: bool = False
     # some row has budget "auto" (ddtree.engine.auto_budget): the tree stage selects this many nodes (>= max_budget),
-    # verifies the first max_budget and appends each row's expected lengths E(1 .. auto_width) to the result; 0: none
+    # verifies the first max_budget and appends each row's expected lengths E(1 .. auto_width) to the result; 0: none.
+    # A round at budget 0 (drafts is False) keeps it (the curve width above 0) but drafts, selects and appends nothing
     auto_width: int = 0
 
     @property
-    def drafts(self) -> bool:
-        """Whether some row drafts (block size above 1)."""
+    def keeps_context(self) -> bool:
+        """Whether some row drafts in its lifetime (block size above 1): the verify returns the target's feature
+        layers and the commit appends the accepted nodes' to the drafter's context."""
         return self.block_size > 1
+
+    @property
+    def drafts(self) -> bool:
+        """Whether the drafter drafts this round: some row drafts and the round verifies nodes past the root. An
+        auto round at budget 0 (``max_budget`` 0 with a block above 1: budget auto chose no tree) drafts nothing
+        but keeps the drafter's context (:attr:`keeps_context`), so its rows can draft again in a later round."""
+        return self.block_size > 1 and self.max_budget > 0
+
+    @property
+    def commit_width(self) -> int:
+        """Positions per row the commit walks (the result's token columns): the block's ``L + 1`` when the round
+        drafts, else 1 (the root's bonus token alone)."""
+        return self.block_size if self.drafts else 1
 
     @property
     def draft_depths(self) -> int:
         """Depths of the block whose drafter logits the tree stage computes: a tree of B nodes past the root is at
         most B deep, so no tree of this round (``max(max_budget, auto_width)`` nodes) reaches past that depth;
-        at most the block's ``block_size - 1``, 0 when no row drafts."""
-        return min(self.block_size - 1, max(self.max_budget, self.auto_width))
+        at most the block's ``block_size - 1``, 0 when the round drafts nothing."""
+        return min(self.block_size - 1, max(self.max_budget, self.auto_width)) if self.drafts else 0
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,9 @@ One round for R requests (rows) that may each use a different method, budget, to
             drafter.append_context (features of accepted nodes)  drafter context grows by n
     host    to_host(result)                                   [R, 2 + L]: the one place results cross to the host
 
-AR rows have budget 0 (a tree of the root alone); DFlash rows have top-k 1 and budget = depth, which makes
+AR rows have budget 0 (a tree of the root alone); so do the rows of an auto round at budget 0, whose round drafts
+nothing but whose verify still returns the features the commit appends (``RoundShape.drafts`` against
+``keeps_context``: the drafter's context stays whole for the rounds that draft again); DFlash rows have top-k 1 and budget = depth, which makes
 ``build_trees`` return exactly the drafter's top-1 chain. Nothing inside a round reads a device value on the host:
 every size (N, L, kv_len) is known on the host from the requests' settings and committed lengths.
 
@@ -52,10 +54,12 @@ __all__ = ["STAGE_SHAPE_FIELDS", "HostCopy", "ModelRunner", "PrefillInputs", "Ro
 # The verify's head and choice (stage_choose) and the commit read the rest (sampling flags, log-probs, min_tokens,
 # contiguous) and are captured per key.
 STAGE_SHAPE_FIELDS: dict[str, tuple[str, ...]] = {
-    "draft": ("rows", "block_size", "draft_kv_len"),
-    "tree": ("rows", "block_size", "draft_kv_len", "max_budget", "kv_len", "auto_width"),
+    # drafts: a derived value (RoundShape.drafts), in the key as such: the draft graphs of every node bucket above 0
+    # stay one, and an auto round at budget 0 (no draft) gets a front of its own
+    "draft": ("rows", "block_size", "draft_kv_len", "drafts"),
+    "tree": ("rows", "block_size", "draft_kv_len", "max_budget", "kv_len", "auto_width", "drafts"),
     # the verify's layers (stage_forward): the tree's fields (it reads the tree stage's outputs) and nothing more
-    "forward": ("rows", "block_size", "draft_kv_len", "max_budget", "kv_len", "auto_width"),
+    "forward": ("rows", "block_size", "draft_kv_len", "max_budget", "kv_len", "auto_width", "drafts"),
 }
 
 
@@ -188,8 +192,8 @@ class ModelRunner:
                 ("commit", self.stage_commit))
 
     def drafts(self, inp: RoundInputs) -> bool:
-        """Whether the draft stage does any work for this round (some row drafts and there is a drafter); the graph
-        runner skips capturing an empty stage (CUDA warns on an empty graph)."""
+        """Whether the draft stage does any work for this round (:attr:`RoundShape.drafts` and there is a drafter);
+        the graph runner skips capturing an empty stage (CUDA warns on an empty graph)."""
         return self.drafter is not None and inp.shape.drafts
 
     def stage_draft(self, inp: RoundInputs, work: RoundWork) -> None:
@@ -331,11 +335,12 @@ class ModelRunner:
         work.result = torch.cat(parts, 1)
 
     def _round_feature_layers(self, inp: RoundInputs) -> tuple[int, ...]:
-        """Target layers whose features the drafter needs after this round: none when no row drafts.
+        """Target layers whose features the drafter needs after this round: none when no row drafts in its lifetime
+        (:attr:`RoundShape.keeps_context`; an auto round at budget 0 drafts nothing now but keeps them).
 
         Why: a request's method is fixed for its lifetime, so an AR row never reads its drafter context; a batch of
         AR rows skips the feature copy and the drafter's context projection (0.36 ms a round on the stand-in)."""
-        return self.feature_layers if inp.shape.drafts else ()
+        return self.feature_layers if inp.shape.keeps_context else ()
 
     @torch.inference_mode()
     def round(self, inp: RoundInputs, timer: StageTimer, work: RoundWork | None = None) -> Tensor:

@@ -409,13 +409,15 @@ class Scheduler(PrefillSteps, FollowUps):
                 st.stage_s[name] = st.stage_s.get(name, 0.0) + secs
             if flight.shape.auto_width and flight.shape.drafts:
                 width = flight.shape.auto_width  # the last columns: this row's E(1 .. W), before them its path
-                path = row[-width - flight.shape.block_size:-width]
+                path = row[-width - flight.shape.commit_width:-width]
                 # its tree's draft nodes (an auto row's budget may already be a follow-up's)
                 verified = flight.shape.max_budget if state.tree.auto else min(flight.shape.max_budget, state.budget)
                 self._auto.read_row(state, n, bits_to_floats(row[-width:]), path, verified)
-                if state.tree.auto:
-                    b = flight.shape.max_budget
-                    st.auto_budgets[b] = st.auto_budgets.get(b, 0) + 1
+            elif flight.shape.auto_width and state.tree.auto:  # budget 0: no tree, nothing observed
+                self._auto.read_idle(state)
+            if flight.shape.auto_width and state.tree.auto:
+                b = flight.shape.max_budget
+                st.auto_budgets[b] = st.auto_budgets.get(b, 0) + 1
             with self._lock:
                 c = self._counters
                 if state.counted:
@@ -426,7 +428,7 @@ class Scheduler(PrefillSteps, FollowUps):
             tokens = row[1 : 1 + n]
             logprobs = None
             if flight.shape.logprobs and state.sampling.logprobs is not None:
-                width = flight.shape.block_size  # L + 1 committed positions per row (1 for AR)
+                width = flight.shape.commit_width  # L + 1 committed positions per row (1 for AR, or no tree)
                 logprobs = unpack_logprobs(row[1 + width :], tokens, width, MAX_LOGPROBS, state.sampling.logprobs)
             out.append((state, tokens, logprobs))
         return out

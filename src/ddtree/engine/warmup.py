@@ -127,6 +127,8 @@ def tree_shapes(level: str, budgets: tuple[int, ...], *, drafts: bool, block_siz
         shapes.add(chain)
     elif default.auto:  # budget "auto" chooses among declared candidates: plan every one's bucket
         shapes.update((block_size, bucket_nodes(b), False) for b in auto_budget.candidates(max_budget))
+        if auto_budget.ZERO:  # and no tree: the roots alone, the drafter's block kept for its context
+            shapes.add((block_size, 0, False))
     elif default.method == "ddtree":
         shapes.add((block_size, bucket_nodes(default.budget), False))
     if level == "full":
