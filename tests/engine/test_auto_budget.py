@@ -485,6 +485,7 @@ class _Row:
         self.request_id, self.auto_seen, self.auto_curve, self.auto_gain = rid, seen, curve, (0.0, 0.0)
         self.tree, self.budget = TreeSettings(budget="auto" if auto else budget), budget
         self.auto_cached = None
+        self.auto_idle = 0
 
 
 def test_a_rows_kept_curve_is_the_fresh_one_after_every_change():
@@ -700,32 +701,34 @@ def test_follow_up_rounds_change_the_auto_size_on_the_device(tiny_engine_factory
 # ---- no tree (budget 0) ---------------------------------------------------------------------------------------------
 
 def test_no_tree_is_chosen_where_no_tree_earns_its_cost_and_a_tree_comes_back(monkeypatch):
-    """Rows whose trees commit nothing past the root: no tree (budget 0) is the argmax, as the brute force says;
-    rounds at 0 observe nothing and only decay the rows' evidence (read_idle), and once the evidence on size 1 has
-    faded below EXPLORE_EVIDENCE a b1 round runs (its objective within the slack of no tree's); a row whose tree then
-    commits more makes a tree the best again. Beside a fixed row that drafts, or with ZERO off, 0 is no option."""
+    """Rows whose trees commit nothing past the root: no tree (budget 0) is the argmax, as the brute force says.
+    Rounds at 0 observe nothing: the rows' observed lengths stay as they were (read_idle counts the round), and once
+    the rows have run PROBE_ROUNDS at 0 on average one round probes the best tree size (here b1, though its
+    objective is a fifth below no tree's: far past the exploration's slack); a probe that commits more makes a tree
+    the best again. Newcomers count from their first round. Beside a fixed row that drafts, or with ZERO off, 0
+    is no option."""
     chooser = ab.AutoChooser(15)
-    cost = {0: 0.0100, 1: 0.0105, 3: 0.012, 4: 0.013, 7: 0.015, 15: 0.020}.__getitem__
+    cost = {0: 0.0100, 1: 0.0125, 3: 0.014, 4: 0.015, 7: 0.017, 15: 0.025}.__getitem__
     flat = (1.0,) * 15
     seen = ab.observed_update((), [], 3)  # a b3 round that accepted nothing
     rows = [_Row("a", seen, flat), _Row("b", seen, flat)]
     curves = [chooser.row_curve(r) for r in rows]
     assert brute_choice(curves, [None, None], (0, 1, 3, 7, 15), cost) == 0
-    assert chooser.choose(rows, cost) == (0, 0)
-    idle = 0
-    while ab.evidence(rows[0].auto_seen, 1) >= ab.EXPLORE_EVIDENCE:
+    for _ in range(ab.PROBE_ROUNDS):
         assert chooser.choose(rows, cost) == (0, 0)
         for r in rows:
             chooser.read_idle(r)
-        idle += 1
-    assert idle == 11  # 0.9^11 = 0.31 of the one round's evidence
-    assert chooser.choose(rows, cost) == (1, 0)  # explored; the best stays no tree
-    assert chooser.choose(rows, cost, explore=False) == (0, 0)
-    for _ in range(3):  # the b1 rounds accept: a tree earns its cost again
+    assert rows[0].auto_seen == seen  # nothing observed, nothing decayed
+    assert chooser.choose(rows, cost) == (1, 0)  # the probe; the best stays no tree
+    assert chooser.choose(rows, cost, explore=False) == (0, 0)  # a follow-up check never probes
+    newcomer = _Row("c", (), ())  # joined at 0: no rounds counted yet, so the mean falls below PROBE_ROUNDS
+    assert chooser.choose([*rows, newcomer], cost) == (0, 0)
+    for _ in range(2):  # the b1 probes accept: a tree earns its cost again
         for r in rows:
             chooser.read_row(r, 2, (1.9, 2.5, 2.8, 2.9), [0, 1], 1)
+    assert rows[0].auto_idle == 0
     assert chooser.choose(rows, cost)[1] > 0
-    fixed = [_Row("a", seen, flat), _Row("c", (), (1.2, 1.3, 1.3, 1.3), auto=False, budget=4)]
+    fixed = [_Row("a", seen, flat), _Row("d", (), (1.2, 1.3, 1.3, 1.3), auto=False, budget=4)]
     assert chooser.choose(fixed, cost)[1] >= 4
     monkeypatch.setattr(ab, "ZERO", False)
     assert ab.AutoChooser(15).choose([_Row("a", seen, flat)], cost) == (1, 1)

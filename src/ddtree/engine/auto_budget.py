@@ -15,9 +15,14 @@ no tree
     the curve's budget-0 point (``E(0) = 1``), measured on AR rounds, which lack that feature copy (on the H200
     stand-in 0.36 ms of a 7 ms round at 64 rows): no tree is priced a few per cent cheap. Why: where no tree earns
     its cost (rows whose drafter is rarely right: sampling at temperature 1, 64 in flight) the smallest tree still
-    cost 16 % of AR's tokens per second on the H100 stand-in (docs/benchmarks.md, "Budget 0 in auto"). A round at
-    0 reports no expected lengths, so it only decays the rows' evidence (:meth:`AutoChooser.read_idle`), and the
-    exploration brings a tree back: size 1 is verified once the rows' evidence on it has faded.
+    cost 16 % of AR's tokens per second on the H100 stand-in (docs/benchmarks.md, "No tree as an auto option"). A
+    round at 0 observes nothing: its rows keep their observed lengths as they were and count the round
+    (:meth:`AutoChooser.read_idle`), and once the rows have run :data:`PROBE_ROUNDS` rounds at 0 on average, one
+    round probes the best tree size (:meth:`AutoChooser.choose`). Why not the exploration of trees (decayed
+    evidence, the next size up, within a slack): decayed to nothing, a row's lengths fall back to the surrogate,
+    which undervalues trees, and the next size up from 0, b1, pays a draft and a tree stage for one node, far
+    beyond any slack; on the CPU demo pair under the H100's prices that kept greedy code at 0 for two thirds of
+    its rows' rounds until the rows finished (accepting 1.5 tokens a round against b7's 2.4).
 expected length ``E(n)``
     The expected tokens a round commits with the best tree of ``n`` draft nodes under the drafter's factorised
     surrogate: ``1 + sum of the n largest node probabilities``. DDTree's nodes come in descending-score order, so
@@ -121,6 +126,10 @@ STEPS = False
 OFFSET = False
 # a round may take budget 0, no tree (module doc): where every tree costs more than it earns, auto runs as AR does
 ZERO = True
+# rounds at budget 0 the auto rows have run on average (since their last tree or since they joined) after which one
+# round probes the best tree size: about the exploration's pace (0.9^11 = 0.31); each probe gives up at most the
+# gap between no tree and that tree's objective, for one round in PROBE_ROUNDS + 1
+PROBE_ROUNDS = 11
 
 
 def candidates(max_budget: int) -> tuple[int, ...]:
@@ -362,6 +371,7 @@ class AutoChooser:
         used = min(verified, len(reported))
         e_used = reported[used - 1] if used else 1.0
         state.auto_seen = observed_update(state.auto_seen, path[1:committed], verified)
+        state.auto_idle = 0
         state.auto_gain = gain_update(state.auto_gain, committed, e_used)
         self.gain = gain_update(self.gain, committed, e_used, decay=0.99)
         state.auto_curve = smoothed(state.auto_curve, reported)
@@ -369,8 +379,9 @@ class AutoChooser:
     @staticmethod
     def read_idle(state: Any) -> None:
         """Account for one row of a read auto round at budget 0 (no tree, nothing observed): its observed lengths
-        decay as every round's do, so that the exploration verifies a tree again once they have faded."""
-        state.auto_seen = observed_update(state.auto_seen, (), 0)
+        stay as they were (decayed, they would fall back to the surrogate, which undervalues trees: module doc) and
+        the round is counted toward the next probe of a tree (:data:`PROBE_ROUNDS`)."""
+        state.auto_idle += 1
 
     def row_curve(self, state: Any) -> tuple[float, ...]:
         """The row's observed and calibrated curve, ``observed_curve(seen, calibrated(curve, gain, prior))``, kept on
@@ -397,8 +408,9 @@ class AutoChooser:
         acceptance so far), AR rows 1. Exploration: when the auto rows' evidence on the next candidate above the
         best has decayed below :data:`EXPLORE_EVIDENCE` and its objective is within :data:`EXPLORE_SLACK` of the
         best's, that candidate runs instead (with ``explore``): one such round tells the observed lengths of every
-        size up to it. Returns (the size to run, the best size): the hysteresis keeps the best, not an exploration,
-        so an explored size is not favoured next round."""
+        size up to it. Where the best is no tree (budget 0), the probe instead: the best tree size once the auto rows
+        have run :data:`PROBE_ROUNDS` rounds at 0 on average. Returns (the size to run, the best size): the
+        hysteresis keeps the best, not an exploration, so an explored size is not favoured next round."""
         auto = [s for s in states if s.tree.auto]
         fixed = [s for s in states if not s.tree.auto]
         floor = max((s.budget for s in fixed), default=0)
@@ -423,6 +435,11 @@ class AutoChooser:
         up = (lambda b: max(rise(b) + off, 0.5 * rise(b))) if off else rise  # a curve too dear: at most halved
         values = {b: objective(rows, b, up) for b in opts}  # once: the exploration test reads them too
         best = best_of(values, previous=self.previous, margin=MARGIN)
+        if best == 0:  # no tree: probe the best tree once the rows have run PROBE_ROUNDS at 0 (module doc)
+            trees = [b for b in opts if b > 0]
+            if explore and trees and sum(s.auto_idle for s in auto) / len(auto) >= PROBE_ROUNDS:
+                return max(trees, key=lambda b: (values[b], -b)), best
+            return best, best
         above = [b for b in opts if b > best]
         if explore and above:
             nxt = above[0]
@@ -433,6 +450,6 @@ class AutoChooser:
 
 
 __all__ = ["AUTO", "EXPLORE_EVIDENCE", "EXPLORE_SLACK", "GAIN_DECAY", "MARGIN", "OFFSET", "PRIOR_WEIGHT", "SMOOTHING",
-           "STEPS", "ZERO", "AutoChooser", "KeptCurve", "RowCurve", "best_of", "calibrated", "candidates", "choose_budget",
+           "PROBE_ROUNDS", "STEPS", "ZERO", "AutoChooser", "KeptCurve", "RowCurve", "best_of", "calibrated", "candidates", "choose_budget",
            "curve_width", "evidence", "gain_update", "initial_budget", "mean_curve", "objective", "observed_curve",
            "observed_update", "options", "rising", "smoothed"]

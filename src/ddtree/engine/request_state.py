@@ -75,6 +75,9 @@ class RequestState:
     # AutoChooser.row_curve recomputes it only when one of them changed, which happens once per read round, while
     # the choice runs up to twice a round (ddtree.engine.auto_budget.KeptCurve)
     auto_cached: KeptCurve | None = None
+    # rounds this request has run at budget 0 (no tree) since its last tree, or since it joined: budget auto probes
+    # a tree once the rows' mean reaches auto_budget.PROBE_ROUNDS (AutoChooser.choose)
+    auto_idle: int = 0
 
     # ---- derived positions -------------------------------------------------------------------------------
     @property
