@@ -6,7 +6,8 @@
 #   all   every request sampled at temperature 1 (no tree earns its cost), C = 64 at 60 tokens
 #   code  greedy code (trees earn theirs; no tree must not cost auto there), C = 64 at 60 and 1k tokens
 # On an H100 the curve is the one an H100 measured (docs/benchmarks/auto_gpu_2026-12-07b/h100_cost_curve.json);
-# on another card it is measured at start. Run from the repository root with OUT set; LIMIT (s, default 560).
+# on another card it is measured at start. Run from the repository root with OUT set; LIMIT (s, default 560);
+# PARTS (default "mix all code"; "mix64": the mix part at C = 64 alone) the parts, in order.
 set -u
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 SECONDS=0
@@ -24,7 +25,13 @@ part() {  # name, seconds it may take, then auto_ab.py's arguments
     --variants "zero: nozero:ZERO=0" --time-budget $((secs - 45)) "$@" > "$OUT/$name.log" 2>&1 || echo "$name: failed or timed out"
   grep -v '^{' "$OUT/$name.log" | grep -v Warning | grep '^|' | tail -12
 }
-part mix 230 --cells 64:60,8:60 --budgets 3,7 --mix-sampled 1.0
-part all 130 --cells 64:60 --budgets 3 --mix-sampled 1.0 --sampled-share 1.0
-part code 180 --cells 64:60,64:1024 --budgets 7
+PARTS=${PARTS:-mix all code}
+for p in $PARTS; do
+  case $p in
+    mix) part mix 230 --cells 64:60,8:60 --budgets 3,7 --mix-sampled 1.0 ;;
+    mix64) part mix64 150 --cells 64:60 --budgets 3 --mix-sampled 1.0 ;;
+    all) part all 130 --cells 64:60 --budgets 3 --mix-sampled 1.0 --sampled-share 1.0 ;;
+    code) part code 180 --cells 64:60,64:1024 --budgets 7 ;;
+  esac
+done
 echo "all done at ${SECONDS}s"
