@@ -6,7 +6,7 @@
 #   all   every request sampled at temperature 1 (no tree earns its cost), C = 64 at 60 tokens
 #   code  greedy code (trees earn theirs; no tree must not cost auto there), C = 64 at 60 and 1k tokens
 # On an H100 the curve is the one an H100 measured (docs/benchmarks/auto_gpu_2026-12-07b/h100_cost_curve.json);
-# on another card it is measured at start. Run from the repository root with OUT set; LIMIT (s, default 560);
+# on another card it is measured at start (by the first part; the others read its file). Run from the repository root with OUT set; LIMIT (s, default 560);
 # PARTS (default "mix all code"; "mix64": the mix part at C = 64 alone) the parts, in order.
 set -u
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -24,6 +24,8 @@ part() {  # name, seconds it may take, then auto_ab.py's arguments
   timeout "$secs" python3 benchmarks/auto_ab.py --out "$OUT/$name" --cost-curve "$curve" --repeats 2 \
     --variants "zero: nozero:ZERO=0" --time-budget $((secs - 45)) "$@" > "$OUT/$name.log" 2>&1 || echo "$name: failed or timed out"
   grep -v '^{' "$OUT/$name.log" | grep -v Warning | grep '^|' | tail -12
+  # a curve measured at start is measured once: the later parts divide by the first part's
+  [ "$curve" = auto ] && [ -f "$OUT/$name/cost_curve.json" ] && curve=$OUT/$name/cost_curve.json
 }
 PARTS=${PARTS:-mix all code}
 for p in $PARTS; do
