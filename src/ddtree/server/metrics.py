@@ -37,7 +37,7 @@ model, as vLLM and SGLang label theirs; empty while the engine loads):
                                                        definition) over the finished requests
 ``ddtree:auto_budget_chosen``               histogram  the budget each round of a ``budget: "auto"``
                                                        request chose, one sample per round (buckets: the
-                                                       node buckets 1, 2, 3, 4, 7, 8, ... 512)
+                                                       node buckets 1, 2, 3, 4, 7, 8, ... 512; 0: no tree)
 ==========================================  =========  ==================================================
 
 vLLM's speculative counters, under vLLM's own names (exported with ``_total``) so vLLM dashboards and
@@ -80,7 +80,7 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
                   10.0)
 # budget "auto": its candidates are 2^k - 1, a fixed row's floor any budget; the node buckets (ddtree.engine.cuda_graphs)
-_AUTO_BUCKETS = tuple(sorted({(1 << k) - 1 for k in range(1, 10)} | {1 << k for k in range(0, 10)}))
+_AUTO_BUCKETS = tuple(sorted({0} | {(1 << k) - 1 for k in range(1, 10)} | {1 << k for k in range(0, 10)}))  # 0: no tree
 MODEL = ["model_name"]
 
 
