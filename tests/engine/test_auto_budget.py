@@ -303,7 +303,7 @@ def test_auto_without_a_cost_curve_measures_one(tiny_engine_factory, tiny_tokeni
                                                  sampling=SamplingParams(max_tokens=12, ignore_eos=True))])[0]
     assert out.token_ids == plain_greedy(target, tiny_tokenizer.encode(PROMPTS[0]), 12)
     assert "no cost curve" in caplog.text
-    assert engine.cost_curve is not None and engine.cost_curve.budgets == (1, 3, 7)
+    assert engine.cost_curve is not None and engine.cost_curve.budgets == (0, 1, 3, 7)  # 0: no tree (AR rounds)
     assert engine.cost_curve.rows == (1, 2)
 
 

@@ -38,6 +38,6 @@ def test_engine_sizing_ignores_auto():
 def test_prepare_auto_measures_on_the_running_engine_once(tiny_engine_factory):
     engine = tiny_engine_factory(max_batch=2, max_budget=3, default_tree=TreeSettings(budget=2))
     curve = engine.prepare_auto(timeout=120)
-    assert curve.budgets == (1, 3) and curve.rows == (1, 2)
+    assert curve.budgets == (0, 1, 3) and curve.rows == (1, 2)  # 0: no tree (AR rounds)
     assert all(s > 0 for s in curve.seconds)
     assert engine.prepare_auto() is curve  # measured once

@@ -267,7 +267,8 @@ def measure_cost_curve(runner: Any, grid: CostGrid, *, graphs: Any = None, prefi
 def fallback_curve(sched: Any, cands: Sequence[int]) -> CostCurve:
     """The fallback curve of a scheduler (:class:`ddtree.engine.scheduler.Scheduler`) that was given none, measured
     by the engine's one measurer (:func:`measure_cost_curve`) while it may be serving: auto
-    rounds over budget auto's ``cands`` at :func:`rows_buckets` x :func:`fallback_kv_lens`, every row in the scratch slot (live slots are
+    rounds over budget auto's ``cands`` and AR rounds (budget 0, no tree: auto's option too, ``auto_budget.ZERO``; a
+    curve without it would price no tree as b1) at :func:`rows_buckets` x :func:`fallback_kv_lens`, every row in the scratch slot (live slots are
     never touched), one untimed round a point then the fastest of three passes over the grid (load only ever adds
     time), on its graphs (CUDA) or eagerly; logged with the values, since a busy machine makes them noisy.
 
@@ -276,7 +277,7 @@ def fallback_curve(sched: Any, cands: Sequence[int]) -> CostCurve:
     rows, kv = rows_buckets(sched.config.max_batch), fallback_kv_lens(sched.cache_len)
     log.warning("budget auto: no cost curve set on the engine; measuring one now (%d rows x %d budgets x %d lengths, "
                 "greedy rounds in the scratch slot)", len(rows), len(cands), len(kv))
-    grid = CostGrid(rows=rows, budgets=tuple(cands), kv_lens=kv, block_size=max(2, int(sched.trained_block_size)),
+    grid = CostGrid(rows=rows, budgets=(0, *cands), kv_lens=kv, block_size=max(2, int(sched.trained_block_size)),
                     repeats=3, long_round_s=math.inf, statistic="min", slots="scratch", auto_candidates=tuple(cands))
     curve = measure_cost_curve(sched.runner, grid, graphs=sched.graphs, device_name=str(sched.device),
                                model=sched.model_name)
