@@ -7,7 +7,7 @@
 #   code  greedy code (trees earn theirs; no tree must not cost auto there), C = 64 at 60 and 1k tokens
 # On an H100 the curve is the one an H100 measured (docs/benchmarks/auto_gpu_2026-12-07b/h100_cost_curve.json);
 # on another card it is measured at start (by the first part; the others read its file). Run from the repository root with OUT set; LIMIT (s, default 560);
-# PARTS (default "mix all code"; "mix64": the mix part at C = 64 alone) the parts, in order.
+# PARTS (default "mix all code"; "mix64", "code60": those parts at C = 64 and 60 tokens alone) the parts, in order.
 set -u
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 SECONDS=0
@@ -35,6 +35,7 @@ for p in $PARTS; do
     mix64) part mix64 150 --cells 64:60 --budgets 3 --mix-sampled 1.0 ;;
     all) part all 130 --cells 64:60 --budgets 3 --mix-sampled 1.0 --sampled-share 1.0 ;;
     code) part code 180 --cells 64:60,64:1024 --budgets 7 ;;
+    code60) part code60 130 --cells 64:60 --budgets 7 ;;
   esac
 done
 echo "all done at ${SECONDS}s"
