@@ -7,15 +7,15 @@
 #   code  greedy code (trees earn theirs; no tree must not cost auto there), C = 64 at 60 and 1k tokens
 # On an H100 the curve is the one an H100 measured (docs/benchmarks/auto_gpu_2026-12-07b/h100_cost_curve.json);
 # on another card it is measured at start (by the first part; the others read its file). Run from the repository root with OUT set; LIMIT (s, default 560);
-# PARTS (default "mix all code"; "mix64", "code60": those parts at C = 64 and 60 tokens alone) the parts, in order.
+# CURVE a curve file to divide by on any card (else as above); PARTS (default "mix all code"; "mix64", "code60": those parts at C = 64 and 60 tokens alone) the parts, in order.
 set -u
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 SECONDS=0
 LIMIT=${LIMIT:-560}
 nvidia-smi --query-gpu=name --format=csv,noheader
 git log --oneline -1 2>/dev/null || true
-curve=auto
-nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H100 && curve=docs/benchmarks/auto_gpu_2026-12-07b/h100_cost_curve.json
+curve=${CURVE:-auto}
+[ -z "${CURVE:-}" ] && nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H100 && curve=docs/benchmarks/auto_gpu_2026-12-07b/h100_cost_curve.json
 part() {  # name, seconds it may take, then auto_ab.py's arguments
   local name=$1 secs=$2; shift 2
   [ "$curve" = auto ] && secs=$((secs + 90))  # the curve's measurement at start (94 s on the H100 grid)
