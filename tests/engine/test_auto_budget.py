@@ -797,3 +797,21 @@ def test_rounds_at_budget_0_keep_outputs_and_the_drafters_context(tiny_engine_fa
         for got, want in ((engine.runner.drafter_cache.k, reference.drafter_cache.k),
                           (engine.runner.drafter_cache.v, reference.drafter_cache.v)):
             torch.testing.assert_close(got[:, slot, :, : len(text)], want[:, 0, :, : len(text)], rtol=1e-4, atol=1e-4)
+
+
+def test_auto_leaves_no_tree_to_probe_a_tree_and_keeps_outputs(tiny_engine_factory, tiny_tokenizer, tiny_pair):
+    """The real chooser under a curve where every node costs more than a round (a tree never pays on this
+    drafter): auto runs most rounds at no tree, and still probes a tree now and then (rounds above 0 after the
+    first), every output equal to the plain decoder's (fp32, greedy)."""
+    engine = tiny_engine_factory(max_batch=4)
+    engine.cost_curve = hand_curve(4, 5e-2)
+    target, _ = tiny_pair
+    outs = engine.generate([GenerationRequest(prompt=p, tree=TreeSettings(budget="auto"),
+                                              sampling=SamplingParams(max_tokens=64, ignore_eos=True))
+                            for p in PROMPTS[:2]])
+    for out, p in zip(outs, PROMPTS, strict=False):
+        assert out.token_ids == plain_greedy(target, tiny_tokenizer.encode(p), 64)
+        sizes = out.stats.auto_budgets
+        assert sizes.get(0, 0) > sum(n for b, n in sizes.items() if b > 0)  # mostly no tree
+        trees = sum(n for b, n in sizes.items() if b > 0)
+        assert trees >= 1 + (sizes[0] - 1) // (ab.PROBE_ROUNDS + 1)  # the first round, then a probe every 12
