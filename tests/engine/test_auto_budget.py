@@ -815,3 +815,41 @@ def test_auto_leaves_no_tree_to_probe_a_tree_and_keeps_outputs(tiny_engine_facto
         assert sizes.get(0, 0) > sum(n for b, n in sizes.items() if b > 0)  # mostly no tree
         trees = sum(n for b, n in sizes.items() if b > 0)
         assert trees >= 1 + (sizes[0] - 1) // (ab.PROBE_ROUNDS + 1)  # the first round, then a probe every 12
+
+
+def test_logprobs_of_rounds_at_budget_0_equal_the_full_forward(tiny_engine_factory, tiny_tokenizer, tiny_pair,
+                                                                monkeypatch):
+    """A round at no tree commits one token a row and carries its log-probs in one column (RoundShape.commit_width,
+    not the block's): a chooser forced through 0 and trees, requests asking for log-probs; every token's log-prob and
+    top ones equal a full forward's (test_logprobs' reference), and the rounds at 0 really ran."""
+    from test_logprobs import N_TOP, _check_against_reference
+
+    cycle = itertools.cycle([0, 3, 0, 0, 7])
+    monkeypatch.setattr(ab.AutoChooser, "choose", lambda self, states, cost, explore=True: (next(cycle),) * 2)
+    engine = tiny_engine_factory(max_batch=4)
+    engine.cost_curve = hand_curve(4, 1e-5)
+    target, _ = tiny_pair
+    outs = engine.generate([GenerationRequest(prompt=p, tree=TreeSettings(budget="auto"), sampling=SamplingParams(
+        max_tokens=24, ignore_eos=True, logprobs=N_TOP)) for p in PROMPTS[:3]])
+    for out in outs:
+        assert out.stats.auto_budgets.get(0, 0) > 0
+        _check_against_reference(target, out)
+
+
+def test_min_tokens_holds_in_rounds_at_budget_0(tiny_engine_factory, monkeypatch):
+    """min_tokens masks the banned ids at the root of a round at no tree as at every tree node: a chooser forced
+    through 0 and trees, stop ids that end AR early without the mask (test_min_tokens' construction); auto's
+    outputs and finish reasons equal AR's with min_tokens, and rounds at 0 ran."""
+    from test_min_tokens import METHODS, MIN_TOKENS, _early_stop_ids, _requests
+
+    engine = tiny_engine_factory(oracle=True, max_batch=4)
+    engine.cost_curve = hand_curve(4, 1e-5)
+    stops = _early_stop_ids(engine)
+    ar = engine.generate(_requests(stops, METHODS[0], min_tokens=MIN_TOKENS))
+    cycle = itertools.cycle([0, 0, 3, 0, 7])
+    monkeypatch.setattr(ab.AutoChooser, "choose", lambda self, states, cost, explore=True: (next(cycle),) * 2)
+    outs = engine.generate(_requests(stops, TreeSettings(budget="auto"), min_tokens=MIN_TOKENS))
+    for out, base in zip(outs, ar, strict=True):
+        assert len(out.token_ids) >= MIN_TOKENS
+        assert out.token_ids == base.token_ids and out.finish_reason == base.finish_reason
+    assert any(out.stats.auto_budgets.get(0, 0) for out in outs)
