@@ -132,8 +132,8 @@ class OldGridCurve(CostCurve):
     """A curve read as ``CostCurve.round_seconds`` read it before 2026-12-07: trilinear over the whole budget axis,
     so a b1 round is a third of the way from AR's point to b3's (the A/B of ``--old-grid``)."""
 
-    def round_seconds(self, rows: int, budget: int, kv_len: int) -> float:
-        return self.interpolated(rows, budget, kv_len)
+    def round_seconds(self, rows: int, budget: int, kv_len: int, *, keeps_context: bool = False) -> float:
+        return self.interpolated(rows, budget, kv_len)  # the old grid had no context points
 
 
 def old_grid(curve: CostCurve, max_batch: int, max_budget: int) -> OldGridCurve:

@@ -191,7 +191,7 @@ def test_periods_with_prompt_work_or_a_gap_are_not_timed(monkeypatch):
     monkeypatch.setattr(ab, "OFFSET", True)
 
     def read(seq, *, auto=True, riders=()):
-        shape = SimpleNamespace(auto_width=15 if auto else 0, max_budget=7, kv_len=100)
+        shape = SimpleNamespace(auto_width=15 if auto else 0, max_budget=7, kv_len=100, keeps_context=True)
         Scheduler._time_auto_round(sched, SimpleNamespace(seq=seq, shape=shape, states=[0, 0], riders=list(riders)))
         return len(calls)
 
@@ -304,6 +304,7 @@ def test_auto_without_a_cost_curve_measures_one(tiny_engine_factory, tiny_tokeni
     assert out.token_ids == plain_greedy(target, tiny_tokenizer.encode(PROMPTS[0]), 12)
     assert "no cost curve" in caplog.text
     assert engine.cost_curve is not None and engine.cost_curve.budgets == (0, 1, 3, 7)  # 0: no tree (AR rounds)
+    assert len(engine.cost_curve.context_seconds) == len(engine.cost_curve.rows) * len(engine.cost_curve.kv_lens)
     assert engine.cost_curve.rows == (1, 2)
 
 
@@ -853,3 +854,24 @@ def test_min_tokens_holds_in_rounds_at_budget_0(tiny_engine_factory, monkeypatch
         assert len(out.token_ids) >= MIN_TOKENS
         assert out.token_ids == base.token_ids and out.finish_reason == base.finish_reason
     assert any(out.stats.auto_budgets.get(0, 0) for out in outs)
+
+
+def test_no_tree_is_priced_by_the_curves_context_points(tiny_engine_factory, tiny_tokenizer, tiny_pair):
+    """The same requests (the real drafter: its trees commit nothing past the root) under a curve whose AR point is
+    cheap: auto runs most rounds at no tree; with context points (a round at 0 keeping the drafter's context) dearer
+    than any tree, it runs none at 0. Outputs equal the plain decoder's either way."""
+    base = hand_curve(4, 5e-2)
+    dear = make_curve("cpu", "hand", base.rows, base.budgets, base.kv_lens, base.round_seconds,
+                      context_seconds=tuple(10.0 for _ in base.rows for _ in base.kv_lens))
+    target, _ = tiny_pair
+    at_zero = {}
+    for name, c in (("ar-point", base), ("dear-context", dear)):
+        engine = tiny_engine_factory(max_batch=4)
+        engine.cost_curve = c
+        outs = engine.generate([GenerationRequest(prompt=p, tree=TreeSettings(budget="auto"),
+                                                  sampling=SamplingParams(max_tokens=32, ignore_eos=True))
+                                for p in PROMPTS[:2]])
+        for out, p in zip(outs, PROMPTS, strict=False):
+            assert out.token_ids == plain_greedy(target, tiny_tokenizer.encode(p), 32)
+        at_zero[name] = sum(out.stats.auto_budgets.get(0, 0) for out in outs)
+    assert at_zero["ar-point"] > 0 and at_zero["dear-context"] == 0

@@ -98,8 +98,28 @@ def test_bad_arguments_are_named():
         curve().round_seconds(1, -1, 64)
 
 
+def test_context_points_price_no_tree_and_nothing_else():
+    """context_seconds ([rows][kv_lens]): a round at budget 0 that keeps the drafter's context reads them with
+    keeps_context, interpolated as the grid is; AR's point and the drafting budgets are unchanged; a curve without
+    them prices that round at AR's point; restricted keeps the matching points; a wrong count is named."""
+    plain = curve()
+    c = curve(context_seconds=(0.012, 0.034, 0.019, 0.046))  # rows 1: k64, k576; rows 4
+    assert c.round_seconds(1, 0, 64, keeps_context=True) == pytest.approx(0.012)
+    assert c.round_seconds(4, 0, 320, keeps_context=True) == pytest.approx((0.019 + 0.046) / 2)
+    assert c.round_seconds(2, 0, 64, keeps_context=True) == pytest.approx(2 / 3 * 0.012 + 1 / 3 * 0.019)
+    for point in ((1, 0, 64), (2, 0, 320), (4, 8, 576), (2, 4, 64)):
+        assert c.round_seconds(*point) == plain.round_seconds(*point)
+        assert c.round_seconds(*point, keeps_context=point[1] > 0) == plain.round_seconds(*point)
+    assert plain.round_seconds(1, 0, 64, keeps_context=True) == plain.round_seconds(1, 0, 64)
+    sub = c.restricted(rows=(4,), kv_lens=(576,))
+    assert sub.context_seconds == (0.046,) and sub.round_seconds(4, 0, 576, keeps_context=True) == 0.046
+    with pytest.raises(CostCurveError, match="context_seconds"):
+        curve(context_seconds=(0.01, 0.02, 0.03))
+
+
 def test_json_round_trip(tmp_path):
-    c = curve(repeats=3, measure_seconds=1.5, prefill_tokens=(16, 64), prefill_seconds=(0.001, 0.002))
+    c = curve(repeats=3, measure_seconds=1.5, prefill_tokens=(16, 64), prefill_seconds=(0.001, 0.002),
+              context_seconds=(0.012, 0.034, 0.019, 0.046))
     assert CostCurve.from_json(json.loads(json.dumps(c.to_json()))) == c
     path = save_curve(c, tmp_path / "sub" / "c.json")
     assert load_curve(path) == c
@@ -117,6 +137,7 @@ def test_json_round_trip(tmp_path):
     (lambda d: d.update(extra=1), r"unknown fields \['extra'\]"),
     (lambda d: d.update(device=""), r"device must be a non-empty string"),
     (lambda d: d.update(prefill_tokens=[16], prefill_seconds=[]), r"one value per prefill_tokens entry"),
+    (lambda d: d.update(context_seconds=[0.01, -1.0, 0.01, 0.01]), r"context_seconds .*finite and > 0"),
 ])
 def test_malformed_curves_get_clear_errors(tmp_path, mutate, message):
     data = curve().to_json()
@@ -193,12 +214,12 @@ def demo_engine():
 @pytest.mark.slow
 def test_measurement_on_the_demo_pair_covers_the_declared_grid(demo_engine):
     grid = CostGrid(rows=(1, 2), budgets=(0, 4), kv_lens=(16, 64), block_size=demo_engine.trained_block_size,
-                    prefill_tokens=(16, 32), repeats=1)
+                    prefill_tokens=(16, 32), repeats=1, context=True)
     c = measure_cost_curve(demo_engine.runner, grid, graphs=demo_engine.parts.graphs, device_name="cpu",
                            model="demo")
     assert (c.rows, c.budgets, c.kv_lens, c.prefill_tokens) == ((1, 2), (0, 4), (16, 64), (16, 32))
-    assert len(c.seconds) == 8 and len(c.prefill_seconds) == 2
-    assert all(math.isfinite(s) and s > 0 for s in c.seconds + c.prefill_seconds)
+    assert len(c.seconds) == 8 and len(c.prefill_seconds) == 2 and len(c.context_seconds) == 4
+    assert all(math.isfinite(s) and s > 0 for s in c.seconds + c.prefill_seconds + c.context_seconds)
     assert c.measure_seconds > 0
     # a grid the cache cannot hold is refused before anything runs
     with pytest.raises(CostCurveError, match="leaves no room"):
@@ -369,6 +390,7 @@ def test_engine_start_measures_caches_and_reports_the_curve(tiny_pair, tiny_toke
     first = curve_at_start(engine.parts, cache_dir=tmp_path)
     assert first.source == "measured" and Path(first.path).parent == tmp_path
     assert first.curve.rows == (1, 2) and first.curve.budgets == (0, 1, 4, 16)  # no graphs: no node buckets
+    assert len(first.curve.context_seconds) == len(first.curve.rows) * len(first.curve.kv_lens)
     assert all(s > 0 for s in first.curve.seconds)
     again = curve_at_start(engine.parts, cache_dir=tmp_path)
     assert again.source == "cache" and again.curve == first.curve
@@ -380,6 +402,7 @@ def test_engine_start_measures_caches_and_reports_the_curve(tiny_pair, tiny_toke
     try:
         info = started.info()["cost_curve"]
         assert (info["source"], info["path"], info["grid"]["rows"]) == ("file", first.path, [1, 2])
+        assert info["grid"]["context_points"] is True
         assert started.cost_curve_source.curve == first.curve
         assert started.cost_curve == first.curve  # what budget "auto" reads
     finally:
@@ -399,3 +422,6 @@ def test_default_grid_is_the_declared_one():
     # the tightest budget is 1: its 16-token draft block from a root at kv_len - 2 ends inside the cache
     assert (g.rows, g.budgets, g.kv_lens) == ((1, 4, 16, 64), (0, 1, 4, 16, 64), (64, 512, 700 - 16 + 1 - 1))
     assert default_grid(max_batch=3, max_budget=8, cache_len=300, block_size=None, step_tokens=128).budgets == (0,)
+    # with a drafter, no tree's own points (budget auto's no tree: the drafter's context kept); without, none
+    assert g.context and not default_grid(max_batch=3, max_budget=8, cache_len=300, block_size=None,
+                                          step_tokens=128).context

@@ -11,9 +11,10 @@ candidates
 no tree
     An auto round at budget 0 verifies each row's root alone, as AR does, and drafts nothing; its verify still
     returns the target's features and the commit appends them, so the drafter's context stays whole and a later
-    round drafts from it (``RoundShape.drafts`` against ``keeps_context``). Its objective is the rows' count over
-    the curve's budget-0 point (``E(0) = 1``), measured on AR rounds, which lack that feature copy (on the H200
-    stand-in 0.36 ms of a 7 ms round at 64 rows): no tree is priced a few per cent cheap. Why: where no tree earns
+    round drafts from it (``RoundShape.drafts`` against ``keeps_context``). Its objective is the rows' count
+    (``E(0) = 1``) over the curve's context points (``CostCurve.context_seconds``: such rounds timed), or on a
+    curve without them over its budget-0 point, AR's rounds, which lack that feature copy (on the H200 stand-in
+    0.36 ms of a 7 ms round at 64 rows): a few per cent cheap. Why: where no tree earns
     its cost (rows whose drafter is rarely right: sampling at temperature 1, 64 in flight) the smallest tree still
     cost 16 % of AR's tokens per second on the H100 stand-in (docs/benchmarks.md, "No tree as an auto option"). A
     round at 0 observes nothing: its rows keep their observed lengths as they were and count the round

@@ -21,6 +21,12 @@ look nearly free: with budgets (0, 3, 15) a b1 round was timed at a third of the
 b1 and b3 where b7 was best (docs/benchmarks.md, "The cost curve's grid"). The grids the engine measures hold
 budget 1 (:func:`ddtree.engine.cost_measure.default_grid`), so this matters only for a curve without it.
 
+Budget auto's no tree (``ddtree.engine.auto_budget``) is a round at budget 0 that still copies the verify's features
+into the drafter's context, which an AR round skips: a curve may hold its own points for it, ``context_seconds``
+over rows x kv_lens (the grids the engine measures with a drafter do, ``CostGrid.context``), read by
+``round_seconds(..., keeps_context=True)``; a curve without them prices such a round at AR's point, a few per cent
+cheap (0.36 ms of a 7 ms round at 64 rows on the H200 stand-in; 0.4-0.5 ms of 4-6 ms on the 2-core CPU VM).
+
 Interpolation is piecewise-linear along each axis (trilinear on the grid cell): a round's cost is close to linear
 in the rows it verifies once the forward is past its bandwidth-bound knee (below it, extra rows ride almost free,
 and the measured points are that knee: a denser rows grid near it is the remedy, not a fancier curve), linear in
@@ -110,6 +116,10 @@ class CostCurve:
     # optional: one prefill step's wall seconds for prefill_tokens[i] prompt tokens (one row, from position 0)
     prefill_tokens: tuple[int, ...] = ()
     prefill_seconds: tuple[float, ...] = ()
+    # optional: flattened [len(rows), len(kv_lens)] wall seconds of a round at budget 0 that keeps the drafter's
+    # context (budget auto's no tree: the verify's features copied and appended, which an AR round skips); empty:
+    # such a round is priced at AR's point (budget 0)
+    context_seconds: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("device", "model"):
@@ -152,17 +162,33 @@ class CostCurve:
         else:
             object.__setattr__(self, "prefill_tokens", ())
             object.__setattr__(self, "prefill_seconds", ())
+        context = None
+        if self.context_seconds:
+            # the points as a curve of one budget, read by the same interpolation (round_seconds)
+            try:
+                context = CostCurve(self.device, self.model, self.rows, (0,), self.kv_lens, self.context_seconds)
+            except CostCurveError as exc:
+                raise CostCurveError(f"cost curve context_seconds (one value per rows x kv_lens point): "
+                                     f"{exc}") from None
+            object.__setattr__(self, "context_seconds", context.seconds)
+        else:
+            object.__setattr__(self, "context_seconds", ())
+        object.__setattr__(self, "_context", context)
 
     def point(self, r: int, b: int, k: int) -> float:
         """The measured seconds at grid indices (r, b, k)."""
         return self.seconds[(r * len(self.budgets) + b) * len(self.kv_lens) + k]
 
-    def round_seconds(self, rows: int, budget: int, kv_len: int) -> float:
+    def round_seconds(self, rows: int, budget: int, kv_len: int, *, keeps_context: bool = False) -> float:
         """One round's wall seconds for ``rows`` requests at ``budget`` reading ``kv_len`` keys (trilinear; a drafting
-        budget below the grid's smallest drafting budget is read there, never toward AR's point)."""
+        budget below the grid's smallest drafting budget is read there, never toward AR's point). ``keeps_context``:
+        a round at budget 0 that keeps the drafter's context (budget auto's no tree), read from
+        :attr:`context_seconds` where the curve has them, else at AR's point."""
         for name, v, lo in (("rows", rows, 1), ("budget", budget, 0), ("kv_len", kv_len, 0)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < lo:
                 raise CostCurveError(f"round_seconds: {name} must be a number >= {lo}, got {v!r}")
+        if budget == 0 and keeps_context and self._context is not None:
+            return self._context.interpolated(rows, 0, kv_len)
         if budget > 0 and len(self.budgets) > 1 and self.budgets[0] == 0:
             budget = max(budget, self.budgets[1])  # a drafting round never blends with AR's point (module doc)
         return self.interpolated(rows, budget, kv_len)
@@ -220,10 +246,13 @@ class CostCurve:
                 raise CostCurveError(f"restricted: {name} {missing} are not on the curve's axis {list(axis)}")
             picked.append([axis.index(v) for v in want])
         ri, bi, ki = picked
+        context = self.context_seconds
+        if context:
+            context = tuple(context[r * len(self.kv_lens) + k] for r in ri for k in ki)
         return replace(
             self, rows=tuple(self.rows[r] for r in ri), budgets=tuple(self.budgets[b] for b in bi),
             kv_lens=tuple(self.kv_lens[k] for k in ki),
-            seconds=tuple(self.point(r, b, k) for r in ri for b in bi for k in ki))
+            seconds=tuple(self.point(r, b, k) for r in ri for b in bi for k in ki), context_seconds=context)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -238,6 +267,7 @@ class CostCurve:
             "measure_seconds": self.measure_seconds,
             "prefill_tokens": list(self.prefill_tokens),
             "prefill_seconds": list(self.prefill_seconds),
+            **({"context_seconds": list(self.context_seconds)} if self.context_seconds else {}),
         }
 
     @classmethod
@@ -251,12 +281,13 @@ class CostCurve:
         if missing:
             raise CostCurveError(f"cost curve lacks {', '.join(missing)}")
         unknown = sorted(set(d) - {"schema", "device", "model", "rows", "budgets", "kv_lens", "seconds", "repeats",
-                                   "measure_seconds", "prefill_tokens", "prefill_seconds"})
+                                   "measure_seconds", "prefill_tokens", "prefill_seconds", "context_seconds"})
         if unknown:
             raise CostCurveError(f"cost curve has unknown fields {unknown}")
         return cls(device=d["device"], model=d["model"], rows=d["rows"], budgets=d["budgets"], kv_lens=d["kv_lens"],
                    seconds=d["seconds"], repeats=d.get("repeats", 1), measure_seconds=d.get("measure_seconds", 0.0),
-                   prefill_tokens=d.get("prefill_tokens", ()), prefill_seconds=d.get("prefill_seconds", ()))
+                   prefill_tokens=d.get("prefill_tokens", ()), prefill_seconds=d.get("prefill_seconds", ()),
+                   context_seconds=d.get("context_seconds", ()))
 
 
 # Bumped when the engine's rounds change what they cost (so curves cached by an older engine are measured again):

@@ -27,6 +27,10 @@ from ddtree.engine.cost_curve import (
 
 log = logging.getLogger("ddtree.engine.cost_curve")
 
+# a point's budget in measure_cost_curve standing for a round at budget 0 that keeps the drafter's context
+# (CostGrid.context): budget auto's no tree
+CONTEXT = -1
+
 @dataclass(frozen=True)
 class CostGrid:
     """The declared grid a measurement times: every (rows, budget, kv_len) point, plus prefill step sizes."""
@@ -49,6 +53,9 @@ class CostGrid:
     # budget auto's candidates: when set, every drafting point is an auto round, whose tree stage selects the next
     # candidate's nodes to report the expected lengths (auto_budget.curve_width), as served
     auto_candidates: tuple[int, ...] = ()
+    # also time, at every rows x kv_lens point, a round at budget 0 that keeps the drafter's context (budget auto's
+    # no tree: CostCurve.context_seconds); needs a drafter and block_size >= 2
+    context: bool = False
 
     def __post_init__(self) -> None:
         check_axis("rows", self.rows, 1)
@@ -63,6 +70,8 @@ class CostGrid:
         if isinstance(self.long_round_s, bool) or not isinstance(self.long_round_s, (int, float)) or not (
                 self.long_round_s > 0):
             raise CostCurveError(f"cost grid long_round_s must be > 0 seconds, got {self.long_round_s!r}")
+        if self.context and self.block_size < 2:
+            raise CostCurveError("cost grid context points need a drafting block_size >= 2")
         if self.statistic not in ("median", "min"):
             raise CostCurveError(f"cost grid statistic must be 'median' or 'min', got {self.statistic!r}")
         if self.slots not in ("free", "scratch"):
@@ -70,7 +79,7 @@ class CostGrid:
 
     @property
     def points(self) -> int:
-        return len(self.rows) * len(self.budgets) * len(self.kv_lens)
+        return (len(self.rows) * (len(self.budgets) + self.context) * len(self.kv_lens))
 
 
 def reach_limit(cache_len: int, budget: int, block_size: int) -> int:
@@ -98,7 +107,8 @@ def default_grid(*, max_batch: int, max_budget: int, cache_len: int, block_size:
     stage that AR lacks, module doc of :mod:`ddtree.engine.cost_curve`), 4, 16 below ``max_budget`` and
     ``max_budget`` (a CPU round's cost is smooth in the budget past the draft).
 
-    ``budgets`` given: 0 plus those. kv_lens: 64, 512 and 4096, capped at what the cache leaves room for
+    With a drafter, also the context points (``CostGrid.context``: budget auto's no tree, a round at budget 0 that
+    keeps the drafter's context, which AR's point leaves out). ``budgets`` given: 0 plus those. kv_lens: 64, 512 and 4096, capped at what the cache leaves room for
     (:func:`reach_limit`); prefill steps of 16, 64, 256 .. tokens up to ``step_tokens``
     (``EngineConfig.prefill_step_tokens``: a step's size, padding included; timed as one row, which costs about what
     a step of as many tokens in several rows does once the step is compute-bound). ``block_size`` None (no
@@ -125,7 +135,7 @@ def default_grid(*, max_batch: int, max_budget: int, cache_len: int, block_size:
         raise CostCurveError(f"cache length {cache_len} leaves no room to time a round of budget {max(chosen)}")
     kv = sorted({min(v, top) for v in (64, 512, 4096)})
     prefill = sorted({min(16 * 4 ** i, step_tokens, cache_len) for i in range(5)})
-    return CostGrid(tuple(rows), tuple(chosen), tuple(kv), block, tuple(prefill), repeats)
+    return CostGrid(tuple(rows), tuple(chosen), tuple(kv), block, tuple(prefill), repeats, context=block > 1)
 
 
 def sample_points(points: Sequence[tuple[int, int, int]], one_round: Callable[[int, int, int], float], *,
@@ -184,6 +194,8 @@ def measure_cost_curve(runner: Any, grid: CostGrid, *, graphs: Any = None, prefi
         raise CostCurveError(f"cost grid rows {list(grid.rows)} exceed the engine's {scratch} KV slots")
     if max(grid.budgets) > 0 and (runner.drafter is None or grid.block_size < 2):
         raise CostCurveError(f"cost grid budgets {list(grid.budgets)} need a drafter and a block size >= 2")
+    if grid.context and runner.drafter is None:
+        raise CostCurveError("cost grid context points (no tree with the drafter's context kept) need a drafter")
     cache_len = runner.target_cache.max_len
     for b in grid.budgets:
         top = reach_limit(cache_len, b, grid.block_size if b else 1)
@@ -194,6 +206,11 @@ def measure_cost_curve(runner: Any, grid: CostGrid, *, graphs: Any = None, prefi
     pad = RowInputs.padding(scratch)
 
     def point_shape(rows: int, budget: int, kv_len: int) -> RoundShape:
+        if budget == CONTEXT:  # no tree as budget auto runs it: the block kept, the curve width above 0
+            start = max(kv_len - 1, 1)
+            return RoundShape(rows=rows, max_budget=0, block_size=grid.block_size, kv_len=start + 1,
+                              draft_kv_len=start, greedy=True, filtered=False, contiguous=False,
+                              auto_width=curve_width(0, grid.auto_candidates or candidates(1)))
         start = max(kv_len - budget - 1, 1)  # the root: the verify reads start + budget + 1 keys
         width = curve_width(budget, grid.auto_candidates) if grid.auto_candidates and budget else 0
         return RoundShape(rows=rows, max_budget=budget, block_size=grid.block_size if budget else 1,
@@ -203,8 +220,9 @@ def measure_cost_curve(runner: Any, grid: CostGrid, *, graphs: Any = None, prefi
     def one_round(rows: int, budget: int, kv_len: int) -> float:
         shape = point_shape(rows, budget, kv_len)
         row_list = [dataclasses.replace(pad, slot=i if grid.slots == "free" else scratch, root_token=0,
-                                        start=shape.draft_kv_len, budget=budget, depth_limit=shape.block_size - 1,
-                                        window=NO_WINDOW) for i in range(rows)]
+                                        start=shape.draft_kv_len, budget=shape.max_budget,
+                                        depth_limit=shape.block_size - 1, window=NO_WINDOW, auto=int(budget == CONTEXT))
+                    for i in range(rows)]
         t0 = time.perf_counter()
         packed = PackedRows.pack(row_list)
         timer = StageTimer(runner.device)
@@ -216,6 +234,9 @@ def measure_cost_curve(runner: Any, grid: CostGrid, *, graphs: Any = None, prefi
         return time.perf_counter() - t0
 
     points = [(r, b, k) for r in grid.rows for b in grid.budgets for k in grid.kv_lens]  # storage order
+    grid_points = len(points)
+    if grid.context:  # then the context points, in their own storage order
+        points += [(r, CONTEXT, k) for r in grid.rows for k in grid.kv_lens]
     kept = None if graphs is None else graphs.max_graphs
     if graphs is not None:
         # Every point's graph stays captured through the passes: past the graphs' LRU cap a pass in grid order
@@ -230,7 +251,8 @@ def measure_cost_curve(runner: Any, grid: CostGrid, *, graphs: Any = None, prefi
             graphs.max_graphs = kept  # the next capture trims the cache back to it
     if progress is not None:
         for (r, b, k), sec in zip(points, seconds, strict=True):
-            progress(f"rows {r} budget {b} kv_len {k}: {sec * 1e3:.2f} ms")
+            what = "no tree, context kept" if b == CONTEXT else f"budget {b}"
+            progress(f"rows {r} {what} kv_len {k}: {sec * 1e3:.2f} ms")
 
     dev = runner.device
     one = lambda v: torch.tensor([v], dtype=torch.long, device=dev)  # noqa: E731
@@ -259,8 +281,9 @@ def measure_cost_curve(runner: Any, grid: CostGrid, *, graphs: Any = None, prefi
         timed_prefill = [[one_prefill(t) for t in grid.prefill_tokens] for _ in range(grid.repeats)]
     prefill = [statistics.median(rep[i] for rep in timed_prefill) for i in range(len(grid.prefill_tokens))]
     return CostCurve(device=device_name, model=model, rows=grid.rows, budgets=grid.budgets, kv_lens=grid.kv_lens,
-                     seconds=tuple(seconds), repeats=grid.repeats, measure_seconds=time.perf_counter() - began,
-                     prefill_tokens=grid.prefill_tokens, prefill_seconds=tuple(prefill))
+                     seconds=tuple(seconds[:grid_points]), repeats=grid.repeats,
+                     measure_seconds=time.perf_counter() - began, prefill_tokens=grid.prefill_tokens,
+                     prefill_seconds=tuple(prefill), context_seconds=tuple(seconds[grid_points:]))
 
 
 # ------------------------------------------------------------------------------------------------ budget auto's fallback
@@ -278,7 +301,8 @@ def fallback_curve(sched: Any, cands: Sequence[int]) -> CostCurve:
     log.warning("budget auto: no cost curve set on the engine; measuring one now (%d rows x %d budgets x %d lengths, "
                 "greedy rounds in the scratch slot)", len(rows), len(cands), len(kv))
     grid = CostGrid(rows=rows, budgets=(0, *cands), kv_lens=kv, block_size=max(2, int(sched.trained_block_size)),
-                    repeats=3, long_round_s=math.inf, statistic="min", slots="scratch", auto_candidates=tuple(cands))
+                    repeats=3, long_round_s=math.inf, statistic="min", slots="scratch", auto_candidates=tuple(cands),
+                    context=True)
     curve = measure_cost_curve(sched.runner, grid, graphs=sched.graphs, device_name=str(sched.device),
                                model=sched.model_name)
     log.warning("budget auto: cost curve measured in %.1f s: %s", curve.measure_seconds, curve.to_json())
@@ -316,7 +340,7 @@ class CurveSource:
                 "device": None if c is None else c.device, "model": None if c is None else c.model,
                 "grid": None if c is None else {"rows": list(c.rows), "budgets": list(c.budgets),
                                                 "kv_lens": list(c.kv_lens), "prefill_tokens": list(c.prefill_tokens),
-                                                "repeats": c.repeats}}
+                                                "context_points": bool(c.context_seconds), "repeats": c.repeats}}
 
 
 def engine_device_name(device: Any) -> str:

@@ -443,8 +443,10 @@ class Scheduler(PrefillSteps, FollowUps):
         the best size the hysteresis' previous once the round is queued."""
         n = self._priced_rows(len(states))
         reach = max(s.root_position + len(pending.get(s.request_id, ())) for s in states)
-        chosen, best = self._auto.choose(states, lambda b: self._auto_cost().round_seconds(n, b, reach + b + 1),
-                                         explore=explore)
+        # keeps_context: an auto round at budget 0 keeps the drafter's context (its price, where the curve has it)
+        chosen, best = self._auto.choose(
+            states, lambda b: self._auto_cost().round_seconds(n, b, reach + b + 1, keeps_context=True),
+            explore=explore)
         return chosen, best
 
     def _time_auto_round(self, flight: Flight) -> None:
@@ -463,7 +465,7 @@ class Scheduler(PrefillSteps, FollowUps):
                 or stepped or flight.riders or self.cost_curve is None):
             return
         priced = self.cost_curve.round_seconds(self._priced_rows(len(flight.states)), flight.shape.max_budget,
-                                               flight.shape.kv_len)
+                                               flight.shape.kv_len, keeps_context=flight.shape.keeps_context)
         self._auto.observe_period(now - last[1], priced)
 
     def _priced_rows(self, count: int) -> int:
