@@ -31,6 +31,7 @@ log = logging.getLogger("ddtree.engine.cost_curve")
 # (CostGrid.context): budget auto's no tree
 CONTEXT = -1
 
+
 @dataclass(frozen=True)
 class CostGrid:
     """The declared grid a measurement times: every (rows, budget, kv_len) point, plus prefill step sizes."""
