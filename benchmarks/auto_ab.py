@@ -27,9 +27,8 @@ A cell is ``C:context``; it runs ``--waves`` x C prompts, C in flight (newcomers
 ``--mix-words`` every other one is random words instead of held-out code, meant to make rows that differ in
 confidence (on the demo pair they accept as much as code: docs/benchmarks.md, "Budget auto's predictions"); with
 ``--mix-sampled T`` every other request (``--sampled-share``: another share, 1 = all) samples at temperature ``T``
-(seeded by its index), which does ("=AR"
-counts the sampled rows too; the sampling is counter-based, and in fp32 on the CPU every sampled row equalled
-AR's). Every config is warmed up once per cell (``--warm-waves``, 2: arrivals while others decode), then timed. Writes
+(seeded by its index), which does ("=AR" counts the sampled rows too; the sampling is counter-based, and in fp32
+on the CPU every sampled row equalled AR's). Every config is warmed up once per cell (``--warm-waves``, 2: arrivals while others decode), then timed. Writes
 ``OUT/auto_ab.json`` after every run (and ``OUT/cost_curve.json``, the curve auto divided by); prints a table.
 
     python benchmarks/auto_ab.py --out $OUT --cells 64:60,64:1024 --budgets 7 --repeats 3 \\

@@ -80,7 +80,7 @@ class CostGrid:
 
     @property
     def points(self) -> int:
-        return (len(self.rows) * (len(self.budgets) + self.context) * len(self.kv_lens))
+        return len(self.rows) * (len(self.budgets) + self.context) * len(self.kv_lens)
 
 
 def reach_limit(cache_len: int, budget: int, block_size: int) -> int:
@@ -109,8 +109,8 @@ def default_grid(*, max_batch: int, max_budget: int, cache_len: int, block_size:
     ``max_budget`` (a CPU round's cost is smooth in the budget past the draft).
 
     With a drafter, also the context points (``CostGrid.context``: budget auto's no tree, a round at budget 0 that
-    keeps the drafter's context, which AR's point leaves out). ``budgets`` given: 0 plus those. kv_lens: 64, 512 and 4096, capped at what the cache leaves room for
-    (:func:`reach_limit`); prefill steps of 16, 64, 256 .. tokens up to ``step_tokens``
+    keeps the drafter's context, which AR's point leaves out). ``budgets`` given: 0 plus those. kv_lens: 64, 512
+    and 4096, capped at what the cache leaves room for (:func:`reach_limit`); prefill steps of 16, 64, 256 .. tokens up to ``step_tokens``
     (``EngineConfig.prefill_step_tokens``: a step's size, padding included; timed as one row, which costs about what
     a step of as many tokens in several rows does once the step is compute-bound). ``block_size`` None (no
     drafter) measures AR only."""
@@ -207,11 +207,10 @@ def measure_cost_curve(runner: Any, grid: CostGrid, *, graphs: Any = None, prefi
     pad = RowInputs.padding(scratch)
 
     def point_shape(rows: int, budget: int, kv_len: int) -> RoundShape:
-        if budget == CONTEXT:  # no tree as budget auto runs it: the block kept, the curve width above 0
-            start = max(kv_len - 1, 1)
+        if budget == CONTEXT:  # no tree as budget auto runs it: the block kept, the curve width above 0 (always 1,
+            start = max(kv_len - 1, 1)  # the smallest candidate: auto_budget.curve_width)
             return RoundShape(rows=rows, max_budget=0, block_size=grid.block_size, kv_len=start + 1,
-                              draft_kv_len=start, greedy=True, filtered=False, contiguous=False,
-                              auto_width=curve_width(0, grid.auto_candidates or candidates(1)))
+                              draft_kv_len=start, greedy=True, filtered=False, contiguous=False, auto_width=1)
         start = max(kv_len - budget - 1, 1)  # the root: the verify reads start + budget + 1 keys
         width = curve_width(budget, grid.auto_candidates) if grid.auto_candidates and budget else 0
         return RoundShape(rows=rows, max_budget=budget, block_size=grid.block_size if budget else 1,

@@ -407,17 +407,19 @@ class Scheduler(PrefillSteps, FollowUps):
             st.accept_hist[n] += 1
             for name, secs in stages.items():
                 st.stage_s[name] = st.stage_s.get(name, 0.0) + secs
-            if flight.shape.auto_width and flight.shape.drafts:
-                width = flight.shape.auto_width  # the last columns: this row's E(1 .. W), before them its path
-                path = row[-width - flight.shape.commit_width:-width]
-                # its tree's draft nodes (an auto row's budget may already be a follow-up's)
-                verified = flight.shape.max_budget if state.tree.auto else min(flight.shape.max_budget, state.budget)
-                self._auto.read_row(state, n, bits_to_floats(row[-width:]), path, verified)
-            elif flight.shape.auto_width and state.tree.auto:  # budget 0: no tree, nothing observed
-                self._auto.read_idle(state)
-            if flight.shape.auto_width and state.tree.auto:
-                b = flight.shape.max_budget
-                st.auto_budgets[b] = st.auto_budgets.get(b, 0) + 1
+            if flight.shape.auto_width:
+                if flight.shape.drafts:
+                    width = flight.shape.auto_width  # the last columns: this row's E(1 .. W), before them its path
+                    path = row[-width - flight.shape.commit_width:-width]
+                    # its tree's draft nodes (an auto row's budget may already be a follow-up's)
+                    verified = (flight.shape.max_budget if state.tree.auto
+                                else min(flight.shape.max_budget, state.budget))
+                    self._auto.read_row(state, n, bits_to_floats(row[-width:]), path, verified)
+                elif state.tree.auto:  # budget 0: no tree, nothing observed
+                    self._auto.read_idle(state)
+                if state.tree.auto:
+                    b = flight.shape.max_budget
+                    st.auto_budgets[b] = st.auto_budgets.get(b, 0) + 1
             with self._lock:
                 c = self._counters
                 if state.counted:

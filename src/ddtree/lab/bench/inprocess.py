@@ -66,7 +66,7 @@ class EngineRun:
 
 
 def bench_requests(prompts: Sequence[Sequence[int]], tree: TreeSettings, new_tokens: int | Sequence[int],
-                    temperatures: Sequence[float] | None = None) -> list[GenerationRequest]:
+                   temperatures: Sequence[float] | None = None) -> list[GenerationRequest]:
     """Token-id prompts, exactly ``new_tokens`` each (``ignore_eos``): one count for all, or one per prompt. Greedy,
     unless ``temperatures`` gives one per prompt (0: greedy); a sampled request's seed is its index, so every config
     and repeat of a run samples from the same streams."""
