@@ -23,9 +23,25 @@ LIMITS = SandboxLimits(wall_s=6.0, cpu_s=2, memory_bytes=256 << 20, max_processe
 
 
 def _survivors(*results) -> list[int]:
-    """Processes still running under the uids the given programs ran as (root only: else they share ours)."""
+    """Processes still running under the uids the given programs ran as (root only: else they share ours), of the
+    uids no sandboxed program holds now. Why the lock: a uid goes back to the machine's pool when its program ends,
+    and another test worker's program (a coding gate beside this test under ``pytest -n``) may run under it by the
+    time this looks; a uid taken again is cleared of leftovers by its next holder (``sandbox._kill_uid``)."""
+    import fcntl
+
     uids = {r.isolation.uid for r in results if r.isolation is not None and r.isolation.separate_uid}
-    return [pid for uid in uids for pid in sandbox._pids_of_uid(uid)]
+    out = []
+    for uid in sorted(uids):
+        fd = os.open(sandbox._LOCK_DIR / f"{uid}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # held by a program running now
+            out += sandbox._pids_of_uid(uid)
+        finally:
+            os.close(fd)  # closing releases the lock
+    return out
 
 
 @pytest.mark.slow
