@@ -107,7 +107,8 @@ def record(
 @replay_app.command("predict")
 def predict_cmd(
     trace: Path = typer.Argument(..., help="A trace written by `ddtree replay record`."),
-    budget: str = typer.Option("2,4,8,16,32,64", help="Budgets to predict."),
+    budget: str = typer.Option("2,4,8,16,32,64", help="Budgets to predict; auto (with --cost-curve): budget auto, "
+                               "its rounds replayed through the engine's chooser."),
     topk: str = typer.Option("none", help="Top-k caps to predict (none = no cap)."),
     json_out: Path | None = typer.Option(None, "--json", help="Also write the predictions as JSON here."),
     cost_curve: Path | None = typer.Option(None, help="A cost curve JSON (`ddtree replay curve`): also predict tok/s "
@@ -123,6 +124,8 @@ def predict_cmd(
     prefill_chunk: int = typer.Option(512, help="With --cost-curve and no --run: the engine's prefill chunk."),
     prefill_step_tokens: int | None = typer.Option(None, help="With --cost-curve and no --run: the engine's "
                                                    "prefill step size (default: the engine's on the curve's device)."),
+    max_budget: int | None = typer.Option(None, help="With budget auto: the engine's max_budget, which bounds "
+                                          "auto's sizes (default: the run's engine, else 64)."),
 ) -> None:
     """Print predicted acceptance length per setting (AR and the DFlash chain included); with --cost-curve also
     predicted tok/s per cell."""
@@ -131,11 +134,17 @@ def predict_cmd(
 
     from ddtree.lab.replay.predict import predict
     from ddtree.lab.replay.trace import Trace
+    from ddtree.lab.sweep.grid import parse_budgets
     from ddtree.lab.sweep.layout import atomic_write_json
 
     loaded = Trace.load(trace)
-    budgets = [b for b in _list(budget, what="budget", optional=False) if b is not None]
-    predictions = predict(loaded, budgets, _list(topk, what="topk", optional=True))
+    parsed = parse_budgets(budget)
+    budgets = [b for b in parsed if isinstance(b, int)]
+    topks = _list(topk, what="topk", optional=True)
+    if "auto" in parsed and cost_curve is None:
+        raise ConfigError("--budget auto needs --cost-curve: auto's sizes depend on the batch and the round costs, "
+                          "so its acceptance is predicted per cell")
+    predictions = predict(loaded, budgets, topks)
     chain = next(p.accept_length for p in predictions if p.setting.method == "dflash")
     table = Table(title=f"predicted acceptance ({loaded.model}, block {loaded.block_size}, "
                         f"window {loaded.draft_window or 'none'}, {loaded.num_sequences} sequences x "
@@ -174,14 +183,22 @@ def predict_cmd(
                                    cells.prompts(load_tokenizer(cells.tokenizer)[0]))
         ctxs, concs, reqs, chunk = cells.contexts, cells.concurrency, cells.num_requests, cells.prefill_chunk
         step = cells.prefill_step_tokens
+        max_budget = max_budget or cells.max_budget
     else:
         ctxs = tuple(c for c in _list(contexts, what="contexts", optional=False) if c is not None)
         concs = tuple(c for c in _list(concurrency, what="concurrency", optional=False) if c is not None)
         reqs = {c: num_requests or loaded.num_sequences for c in concs}
         chunk, step = prefill_chunk, prefill_step_tokens
+    auto = None
+    if "auto" in parsed:
+        from ddtree.lab.replay.auto import auto_anchors
+
+        if len(topks) != 1:
+            raise ConfigError("--budget auto takes one --topk (the requests' cap)")
+        auto = auto_anchors(loaded, max_budget or 64, topks[0])
     cells_out = predict_cells(predictions, curve, depth=loaded.depth, contexts=ctxs, concurrency=concs,
                               num_requests=reqs, max_tokens=loaded.max_tokens, sequences=sequences,
-                              prefill_chunk=chunk, step_tokens=step)
+                              prefill_chunk=chunk, step_tokens=step, auto=auto)
     tok = Table(title=f"predicted tok/s (cost curve {curve.device}, {curve.model}"
                       f"{'' if curve.prefill_tokens else '; prefill not modelled'})")
     keys = [(c, n) for c in ctxs for n in concs]
@@ -189,10 +206,14 @@ def predict_cmd(
     for c, n in keys:
         tok.add_column(f"ctx {c} C={n}", justify="right")
     by = {(p.config, p.context, p.concurrency): p for p in cells_out}
-    for p in predictions:
-        tok.add_row(p.setting.label, *[f"{by[(p.setting.label, c, n)].tok_s:.1f}"
-                                       + ("*" if by[(p.setting.label, c, n)].extrapolated else "") for c, n in keys])
+    for label in dict.fromkeys(p.config for p in cells_out):
+        tok.add_row(label, *[f"{by[(label, c, n)].tok_s:.1f}" + ("*" if by[(label, c, n)].extrapolated else "")
+                             + (f" ({by[(label, c, n)].accept_length:.2f})" if by[(label, c, n)].auto_budgets else "")
+                             for c, n in keys])
     Console().print(tok)
+    if auto is not None:
+        typer.echo("budget auto: (its replayed accept length per cell); the sizes it chose are in the JSON "
+                   "(auto_budgets: row-rounds per size)")
     doc = predicted_document(cells_out, curve=curve, curve_path=str(cost_curve), trace=loaded.metadata(),
                              prefill_chunk=chunk, step_tokens=step)
     if run is not None:

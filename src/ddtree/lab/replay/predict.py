@@ -34,7 +34,7 @@ DENSE_ELEMENTS = 1 << 25  # floats per densified chunk (128 MiB): bounds memory 
 @dataclass(frozen=True)
 class Setting:
     method: str  # "ar" | "dflash" | "ddtree"
-    budget: int = 0
+    budget: int | str = 0  # "auto": budget auto (replayed in the closed loop only: ddtree.lab.replay.auto)
     topk: int | None = None
 
     @property

@@ -14,7 +14,8 @@ loop: a finished request's place goes to the next one at once), on one engine wh
   reads (the furthest root's position, prompt + tokens so far - 1, plus ``budget + 1``), each row committing the next count of its
   replayed sequence (:func:`ddtree.lab.replay.predict.predict`'s per-round commits), costing
   ``round_seconds(rows, budget, kv_len)``, with ``budget`` the setting's tree nodes past the root (AR 0, the DFlash
-  chain its depth, DDTree its budget).
+  chain its depth, DDTree its budget; budget auto the size the engine's own chooser takes for that round's rows,
+  and each row's commits those of that size: :mod:`ddtree.lab.replay.auto`).
 
 Predicted tok/s = completion tokens of all requests / the summed step times (the bench's output tok/s: tokens over
 first request sent to last one finished). In steady state this is the plain formula: committed tokens per round x
@@ -31,15 +32,19 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from ddtree.engine.auto_budget import AUTO
 from ddtree.engine.cost_curve import CostCurve
 from ddtree.engine.prefill_budget import resolve_step_tokens, step_takes
 from ddtree.errors import ConfigError
 from ddtree.lab.replay.predict import Prediction, Setting
+
+if TYPE_CHECKING:
+    from ddtree.lab.replay.auto import AutoAnchors
 
 # the file's schema, and its name inside a sweep's run directory, where `ddtree report` shows it beside the measured
 from ddtree.lab.report.predicted import PREDICTED_FILE, TOK_S_SCHEMA
@@ -51,7 +56,7 @@ class CellPrediction:
 
     config: str  # Setting.label
     method: str
-    budget: int | None
+    budget: int | str | None  # "auto": budget auto
     topk: int | None
     context: int
     concurrency: int
@@ -63,6 +68,7 @@ class CellPrediction:
     round_seconds: float  # summed round times
     prefill_seconds: float  # summed prefill step times (0 without prefill points)
     extrapolated: bool  # some round or prefill step fell outside the curve's grid
+    auto_budgets: dict[int, int] | None = None  # budget auto: row-rounds per size chosen (the engine's auto_budgets)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -82,26 +88,69 @@ def curve_step_tokens(curve: CostCurve, prefill_chunk: int, step_tokens: int | N
     return resolve_step_tokens(step_tokens, prefill_chunk, "cpu" if curve.device == "cpu" else "cuda")
 
 
-def simulate_cell(curve: CostCurve, commits: Sequence[Sequence[int]], *, context: int, concurrency: int,
-                  max_tokens: int, budget: int, prefill_chunk: int = 512,
-                  step_tokens: int | None = None) -> tuple[float, float, int, bool]:
-    """Run the module's model for one cell. ``commits[i]``: request i's tokens committed per decode round (the
-    first token comes from its prefill). Returns (round seconds, prefill seconds, rounds, extrapolated).
+class RoundModel(Protocol):
+    """What a cell's decode rounds verify and commit (:func:`closed_loop`): :class:`FixedRounds` for a fixed
+    setting, :class:`ddtree.lab.replay.auto.AutoRounds` for budget auto."""
+
+    keeps_context: bool  # a round at budget 0 keeps the drafter's context (auto's no tree), priced as such
+
+    def round(self, requests: Sequence[int], done: Sequence[int],
+              price: Callable[[int], float]) -> tuple[int, list[int]]:
+        """(The round's budget, the tokens each of ``requests`` commits); ``done[i]``: completion tokens request
+        ``requests[i]`` has; ``price(b)``: the curve's seconds for this round at budget ``b``."""
+        ...
+
+
+class FixedRounds:
+    """A fixed setting's rounds: request ``i`` commits ``commits[i]`` round after round, at one budget."""
+
+    keeps_context = False
+
+    def __init__(self, commits: Sequence[Sequence[int]], budget: int) -> None:
+        self.commits, self.budget = commits, budget
+        self.steps = [0] * len(commits)
+
+    def round(self, requests: Sequence[int], done: Sequence[int],
+              price: Callable[[int], float]) -> tuple[int, list[int]]:
+        out = []
+        for i, d in zip(requests, done, strict=True):
+            if self.steps[i] >= len(self.commits[i]):
+                raise ConfigError(f"request {i}'s replayed sequence ends after {d} tokens")
+            out.append(self.commits[i][self.steps[i]])
+            self.steps[i] += 1
+        return self.budget, out
+
+
+@dataclass(frozen=True)
+class LoopResult:
+    """One simulated run of a cell."""
+
+    round_seconds: float
+    prefill_seconds: float
+    rounds: int  # decode rounds (one serves every decoding row)
+    row_rounds: int  # verify rounds summed over the requests (accept length = tokens / row_rounds)
+    extrapolated: bool  # a round or prefill step read the curve outside its grid
+
+
+def closed_loop(curve: CostCurve, requests: int, model: RoundModel, *, context: int, concurrency: int,
+                max_tokens: int, prefill_chunk: int = 512, step_tokens: int | None = None) -> LoopResult:
+    """Run the module's model for one cell of ``requests`` requests whose rounds ``model`` gives (the first token
+    of each comes from its prefill).
 
     Each engine step, as the scheduler's loop: requests the closed loop has sent take free places; one prefill
     step takes prompt tokens of the admitted requests in arrival order (``prefill_chunk`` a prompt, ``step_tokens``
     a step, None: the engine's default on the curve's device; a request whose prompt completes decodes from this
     step on); then one round of every decoding request."""
-    if concurrency < 1 or not commits:
-        raise ConfigError(f"a cell needs concurrency >= 1 and at least one request, got {concurrency}, {len(commits)}")
+    if concurrency < 1 or requests < 1:
+        raise ConfigError(f"a cell needs concurrency >= 1 and at least one request, got {concurrency}, {requests}")
     if prefill_chunk < 1:
         raise ConfigError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
     step_tokens = curve_step_tokens(curve, prefill_chunk, step_tokens)
-    waiting = deque(range(len(commits)))
+    waiting = deque(range(requests))
     prefilling: deque[list[int]] = deque()  # [request, prompt tokens left]
-    decoding: dict[int, list[int]] = {}  # request -> [next round index, tokens committed]
+    decoding: dict[int, int] = {}  # request -> tokens committed
     round_s = prefill_s = 0.0
-    rounds = 0
+    rounds = row_rounds = 0
     extrapolated = False
     while waiting or prefilling or decoding:
         while waiting and len(prefilling) + len(decoding) < concurrency:
@@ -116,65 +165,97 @@ def simulate_cell(curve: CostCurve, commits: Sequence[Sequence[int]], *, context
                 prefill_s += cost
                 extrapolated |= not curve.prefill_tokens[0] <= step <= curve.prefill_tokens[-1]
             while prefilling and prefilling[0][1] == 0:
-                decoding[prefilling.popleft()[0]] = [0, 1]
-        rows = [i for i, (_, done) in decoding.items() if done < max_tokens]
+                decoding[prefilling.popleft()[0]] = 1
+        rows = [i for i, done in decoding.items() if done < max_tokens]
         if rows:
             # the keys the verify reads: the furthest root's position (prompt + tokens so far - 1) + budget + 1
-            kv_len = context + max(decoding[i][1] for i in rows) + budget
-            round_s += curve.round_seconds(len(rows), budget, kv_len)
-            extrapolated |= not curve.covers(len(rows), budget, kv_len)
+            reach = context + max(decoding[i] for i in rows) - 1
+            keeps = model.keeps_context
+
+            def price(b: int, n: int = len(rows), reach: int = reach, keeps: bool = keeps) -> float:
+                return curve.round_seconds(n, b, reach + b + 1, keeps_context=keeps)
+
+            budget, commits = model.round(rows, [decoding[i] for i in rows], price)
+            round_s += price(budget)
+            extrapolated |= not curve.covers(len(rows), budget, reach + budget + 1)
             rounds += 1
-            for i in rows:
-                step_index, done = decoding[i]
-                if step_index >= len(commits[i]):
-                    raise ConfigError(f"request {i}'s replayed sequence ends after {done} of {max_tokens} tokens")
-                decoding[i] = [step_index + 1, done + commits[i][step_index]]
-        for i in [i for i, (_, done) in decoding.items() if done >= max_tokens]:
+            row_rounds += len(rows)
+            for i, n in zip(rows, commits, strict=True):
+                decoding[i] += n
+        for i in [i for i, done in decoding.items() if done >= max_tokens]:
             del decoding[i]
-    return round_s, prefill_s, rounds, extrapolated
+    return LoopResult(round_s, prefill_s, rounds, row_rounds, extrapolated)
+
+
+def simulate_cell(curve: CostCurve, commits: Sequence[Sequence[int]], *, context: int, concurrency: int,
+                  max_tokens: int, budget: int, prefill_chunk: int = 512,
+                  step_tokens: int | None = None) -> tuple[float, float, int, bool]:
+    """:func:`closed_loop` for a fixed setting: ``commits[i]``, request i's tokens committed per decode round, at
+    ``budget``. Returns (round seconds, prefill seconds, rounds, extrapolated)."""
+    if not commits:
+        raise ConfigError(f"a cell needs concurrency >= 1 and at least one request, got {concurrency}, 0")
+    out = closed_loop(curve, len(commits), FixedRounds(commits, budget), context=context, concurrency=concurrency,
+                      max_tokens=max_tokens, prefill_chunk=prefill_chunk, step_tokens=step_tokens)
+    return out.round_seconds, out.prefill_seconds, out.rounds, out.extrapolated
 
 
 def predict_cells(predictions: Sequence[Prediction], curve: CostCurve, *, depth: int, contexts: Sequence[int],
                   concurrency: Sequence[int], num_requests: int | Mapping[int, int], max_tokens: int,
                   sequences: Mapping[tuple[int, int], Sequence[int]] | None = None,
-                  prefill_chunk: int = 512, step_tokens: int | None = None) -> list[CellPrediction]:
-    """Every setting of ``predictions`` (which must carry per-round ``commits``) at every (context, concurrency).
+                  prefill_chunk: int = 512, step_tokens: int | None = None,
+                  auto: AutoAnchors | None = None) -> list[CellPrediction]:
+    """Every setting of ``predictions`` (which must carry per-round ``commits``) at every (context, concurrency),
+    then budget auto's cells where ``auto`` is given (its rounds replayed by the engine's chooser inside the loop:
+    :mod:`ddtree.lab.replay.auto`).
 
     num_requests: requests per run of a cell, one number or one per concurrency; sequences: the trace sequences
     each (context, concurrency) cell's requests replay, in request order, repeat after repeat (a multiple of the
     requests: one simulated run per repeat, tok/s their mean as the bench reports it; otherwise one run whose
     requests take the sequences in turn; default: all of them)."""
-    out = []
+    from ddtree.lab.replay.auto import AutoRounds
+
+    per_setting: list[tuple[Setting, Callable[[list[int]], RoundModel]]] = []
     for pred in predictions:
         per_seq = [s.get("commits") for s in pred.per_sequence]
         if any(c is None for c in per_seq):
             raise ConfigError("predict_cells needs predictions with per-round commits (replay.predict's output)")
         budget = round_budget(pred.setting, depth)
+        per_setting.append((pred.setting, lambda run, per_seq=per_seq, budget=budget:
+                            FixedRounds([per_seq[s] for s in run], budget)))
+    if auto is not None:
+        per_setting.append((Setting("ddtree", AUTO, auto.topk), lambda run: AutoRounds(auto, run)))
+    count = len(predictions[0].per_sequence) if predictions else auto.num_sequences if auto is not None else 0
+    out = []
+    for setting, model_for in per_setting:
         for ctx in contexts:
             for conc in concurrency:
                 n = num_requests[conc] if isinstance(num_requests, Mapping) else int(num_requests)
-                chosen = list((sequences or {}).get((ctx, conc)) or range(len(per_seq)))
+                chosen = list((sequences or {}).get((ctx, conc)) or range(count))
                 # a cell's prompts, repeat after repeat (n each): every repeat is its own run, as the bench runs them
                 if len(chosen) % n == 0:
                     runs = [chosen[i : i + n] for i in range(0, len(chosen), n)]
                 else:
                     runs = [[chosen[i % len(chosen)] for i in range(n)]]
-                speeds, round_s, prefill_s, rounds, verify_rounds, extra = [], 0.0, 0.0, 0, 0, False
+                speeds, round_s, prefill_s, rounds, row_rounds, extra = [], 0.0, 0.0, 0, 0, False
+                sizes: dict[int, int] = {}
                 for run in runs:
-                    commits = [per_seq[s] for s in run]
-                    r_s, p_s, r_n, r_extra = simulate_cell(curve, commits, context=ctx, concurrency=conc,
-                                                           max_tokens=max_tokens, budget=budget,
-                                                           prefill_chunk=prefill_chunk, step_tokens=step_tokens)
-                    speeds.append(n * max_tokens / (r_s + p_s) if r_s + p_s > 0 else math.inf)
-                    round_s, prefill_s, rounds, extra = round_s + r_s, prefill_s + p_s, rounds + r_n, extra or r_extra
-                    verify_rounds += sum(len(c) for c in commits)
+                    model = model_for(run)
+                    res = closed_loop(curve, len(run), model, context=ctx, concurrency=conc, max_tokens=max_tokens,
+                                      prefill_chunk=prefill_chunk, step_tokens=step_tokens)
+                    spent = res.round_seconds + res.prefill_seconds
+                    speeds.append(n * max_tokens / spent if spent > 0 else math.inf)
+                    round_s, prefill_s = round_s + res.round_seconds, prefill_s + res.prefill_seconds
+                    rounds, row_rounds, extra = rounds + res.rounds, row_rounds + res.row_rounds, extra or res.extrapolated
+                    for b, c in getattr(model, "budgets", {}).items():
+                        sizes[b] = sizes.get(b, 0) + c
                 out.append(CellPrediction(
-                    config=pred.setting.label, method=pred.setting.method,
-                    budget=pred.setting.budget if pred.setting.method == "ddtree" else None, topk=pred.setting.topk,
+                    config=setting.label, method=setting.method,
+                    budget=setting.budget if setting.method == "ddtree" else None, topk=setting.topk,
                     context=ctx, concurrency=conc, num_requests=n, max_tokens=max_tokens,
                     tok_s=sum(speeds) / len(speeds),  # the bench's cell: the mean of its runs' tok/s
-                    accept_length=len(runs) * n * max_tokens / verify_rounds if verify_rounds else 0.0,
-                    rounds=rounds, round_seconds=round_s, prefill_seconds=prefill_s, extrapolated=extra))
+                    accept_length=len(runs) * n * max_tokens / row_rounds if row_rounds else 0.0,
+                    rounds=rounds, round_seconds=round_s, prefill_seconds=prefill_s, extrapolated=extra,
+                    auto_budgets={b: sizes[b] for b in sorted(sizes)} if setting.budget == AUTO else None))
     return out
 
 
@@ -212,9 +293,11 @@ class SweepCells:
     tokenizer: str | None  # the served model's tokenizer (None: the demo pair's)
     prefill_chunk: int
     prefill_step_tokens: int | None  # None: the engine's default on its device
+    max_budget: int  # the engine's (bounds budget auto's sizes)
 
     @classmethod
     def from_run(cls, run_dir: Path) -> SweepCells:
+        from ddtree.engine.config import EngineConfig
         from ddtree.lab.bench.workload import Workload
         from ddtree.lab.sweep.layout import RunLayout, read_json
 
@@ -232,7 +315,8 @@ class SweepCells:
                    {c: workload.requests_for(c) for c in workload.concurrency}, workload.repeats, workload.seed,
                    workload.text, target.get("tokenizer") or engine.get("target"),
                    int(engine.get("prefill_chunk") or 512),
-                   None if engine.get("prefill_step_tokens") is None else int(engine["prefill_step_tokens"]))
+                   None if engine.get("prefill_step_tokens") is None else int(engine["prefill_step_tokens"]),
+                   int(engine.get("max_budget") or EngineConfig.max_budget))
 
     def prompts(self, tokenizer: Any) -> dict[tuple[int, int], list[list[int]]]:
         """Every cell's prompt ids, all repeats in order, exactly as the bench builds them (same seed and tags)."""
