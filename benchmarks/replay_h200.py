@@ -30,12 +30,13 @@ from pathlib import Path
 
 import torch
 
-from ddtree.engine import Engine, EngineConfig
+from ddtree.engine import Engine, EngineConfig, auto_budget
 from ddtree.engine.cost_curve import save_curve
 from ddtree.engine.cost_measure import CostGrid, measure_cost_curve
 from ddtree.engine.options import int_list
 from ddtree.lab.bench.matrix import CompileLog, MatrixPlan, run_matrix
 from ddtree.lab.bench.workload import held_out_token_stream, prompts_for
+from ddtree.lab.replay.auto import auto_anchors
 from ddtree.lab.replay.predict import predict
 from ddtree.lab.replay.throughput import cell_sequences, predict_cells
 from ddtree.lab.replay.trace import record_trace
@@ -45,6 +46,8 @@ from ddtree.models.standin import load_demo_benchmark_pair
 
 def measured_name(config: str) -> str:
     """replay's setting label -> the matrix's method name (``ddtree-b4-knone`` -> ``ddtree-b4``)."""
+    if config.startswith("ddtree-bauto"):
+        return "ddtree-auto"
     return config.rsplit("-k", 1)[0] if config.startswith("ddtree") else config
 
 
@@ -55,6 +58,8 @@ def main() -> None:
     ap.add_argument("--contexts", default="60,1024")
     ap.add_argument("--concurrency", default="64")
     ap.add_argument("--budgets", default="4,7")
+    ap.add_argument("--auto", action="store_true", help="also budget auto: measured in every cell, and predicted by "
+                    "replaying the engine's chooser (ddtree.lab.replay.auto)")
     ap.add_argument("--waves", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--prefill-chunk", type=int, default=2048)
@@ -85,7 +90,7 @@ def main() -> None:
 
     stream = held_out_token_stream(tokenizer, max(contexts) * 2 + 4096)
     plan = MatrixPlan(contexts=tuple(contexts), concurrency=tuple(concurrency), budgets=tuple(budgets),
-                      new_tokens=args.new_tokens, waves=args.waves).validated()
+                      new_tokens=args.new_tokens, waves=args.waves, auto=args.auto).validated()
     report: dict = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__, "shape": args.shape,
                     "args": vars(args), "cells": [], "skipped": []}
     run_matrix(engine, stream, plan, report, compiles=CompileLog(), deadline=t_start + args.time_budget,
@@ -108,7 +113,8 @@ def main() -> None:
     traced = [p for ps in cells.values() for p in ps[: args.trace_prompts]]
     traced = list({tuple(p): list(p) for p in traced}.values())
     t_trace = time.perf_counter()
-    trace = record_trace(engine, traced, args.new_tokens, top_m=max(budgets) + 1)
+    top_m = max(max(budgets) + 1, *(auto_budget.candidates(config.max_budget) if args.auto else ()))
+    trace = record_trace(engine, traced, args.new_tokens, top_m=top_m)
     trace_s = time.perf_counter() - t_trace
     print(f"trace: {trace.num_sequences} sequences in {trace_s:.1f} s", flush=True)
     engine.shutdown(drain_timeout=0)
@@ -116,7 +122,8 @@ def main() -> None:
     seqs = cell_sequences([trace.sequence(s)[0] for s in range(trace.num_sequences)], cells)
     depth = trace.block_size - 1
     common = dict(depth=depth, contexts=contexts, concurrency=concurrency, num_requests=args.waves * max(concurrency),
-                  max_tokens=args.new_tokens, sequences=seqs, prefill_chunk=args.prefill_chunk)
+                  max_tokens=args.new_tokens, sequences=seqs, prefill_chunk=args.prefill_chunk,
+                  auto=auto_anchors(trace, config.max_budget) if args.auto else None)
     predicted = {"graphed": predict_cells(preds, curve, **common), "eager": predict_cells(preds, curve_eager, **common)}
     by_cell = {(c["context"], c["concurrency"], c["method"]): c for c in report["cells"]}
     rows = []
@@ -132,7 +139,9 @@ def main() -> None:
                          "predicted_round_s": round(p.round_seconds, 3),
                          "predicted_prefill_s": round(p.prefill_seconds, 3), "predicted_rounds": p.rounds,
                          "measured_round_ms": m["round_ms"], "stage_ms_per_round": m["stage_ms_per_round"],
-                         "extrapolated": p.extrapolated})
+                         "extrapolated": p.extrapolated,
+                         "measured_auto_budgets": m.get("auto_budgets") or None,
+                         "replayed_auto_budgets": p.auto_budgets})
     doc = {**report, "trace": {**trace.metadata(), "record_s": round(trace_s, 1)}, "comparison": rows,
            "curve": curve.to_json(), "curve_eager_prefill": curve_eager.to_json(),
            "total_s": round(time.perf_counter() - t_start, 1)}
@@ -144,6 +153,10 @@ def main() -> None:
     for r in rows:
         print(f"| {r['prefill_points']} | {r['context']} | {r['concurrency']} | {r['method']} | {r['measured_tok_s']} "
               f"| {r['predicted_tok_s']} | {r['error']:+.1%} | {r['measured_accept']} / {r['replayed_accept']} |")
+    for r in rows:
+        if r["replayed_auto_budgets"] is not None and r["prefill_points"] == "graphed":
+            print(f"auto {r['context']} C={r['concurrency']}: sizes measured {r['measured_auto_budgets']}, replayed "
+                  f"{r['replayed_auto_budgets']}")
     print(f"total {doc['total_s']} s")
 
 
