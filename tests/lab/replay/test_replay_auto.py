@@ -173,3 +173,26 @@ def test_replay_cli_predicts_auto(tmp_path):
     auto = [c for c in cells if c["budget"] == "auto"]
     assert [c["concurrency"] for c in auto] == [1, 2]
     assert all(sum(c["auto_budgets"].values()) * c["accept_length"] == pytest.approx(2 * 20) for c in auto)
+
+
+@pytest.mark.slow
+def test_replay_curve_cli_times_no_trees_own_points(tmp_path):
+    """`ddtree replay curve` on the demo pair: the file holds the context points budget auto prices no tree by."""
+    import typer
+    from typer.testing import CliRunner
+
+    from ddtree.engine.cost_curve import load_curve
+    from ddtree.lab.replay.cli import register
+
+    app = typer.Typer()
+    register(app)
+    out = tmp_path / "curve.json"
+    result = CliRunner().invoke(app, ["replay", "curve", "--device", "cpu", "--max-batch", "2", "--max-len", "256",
+                                      "--max-budget", "16", "--warmup", "none", "--rows", "1,2", "--budgets", "0,3",
+                                      "--kv-lens", "64", "--prefill-tokens", "none", "--repeats", "1",
+                                      "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    curve = load_curve(out)
+    assert curve.rows == (1, 2) and curve.budgets == (0, 3) and curve.kv_lens == (64,)
+    assert len(curve.context_seconds) == 2 and all(s > 0 for s in curve.context_seconds)
+    assert curve.round_seconds(1, 0, 64, keeps_context=True) == curve.context_seconds[0]

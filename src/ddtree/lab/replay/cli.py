@@ -261,7 +261,8 @@ def curve_cmd(
         base = engine_grid(engine.parts)
         grid = CostGrid(rows=wanted_rows or base.rows, budgets=ints(budgets, "budgets", base.budgets),
                         kv_lens=ints(kv_lens, "kv_lens", base.kv_lens), block_size=base.block_size,
-                        prefill_tokens=ints(prefill_tokens, "prefill_tokens", base.prefill_tokens), repeats=repeats)
+                        prefill_tokens=ints(prefill_tokens, "prefill_tokens", base.prefill_tokens), repeats=repeats,
+                        context=base.context)  # no tree's own points (budget auto's budget 0), as the engine's
         typer.echo(f"timing {grid.points} points x {repeats + 1} rounds "
                    f"+ {len(grid.prefill_tokens)} prefill sizes ...")
         curve = measure_cost_curve(engine.runner, grid, graphs=engine.parts.graphs,
