@@ -704,10 +704,11 @@ def test_follow_up_rounds_change_the_auto_size_on_the_device(tiny_engine_factory
 def test_no_tree_is_chosen_where_no_tree_earns_its_cost_and_a_tree_comes_back(monkeypatch):
     """Rows whose trees commit nothing past the root: no tree (budget 0) is the argmax, as the brute force says.
     Rounds at 0 observe nothing: the rows' observed lengths stay as they were (read_idle counts the round), and once
-    the rows have run PROBE_ROUNDS at 0 on average one round probes the best tree size (here b1, though its
-    objective is a fifth below no tree's: far past the exploration's slack); a probe that commits more makes a tree
-    the best again. Newcomers count from their first round. Beside a fixed row that drafts, or with ZERO off, 0
-    is no option."""
+    the rows have run PROBE_ROUNDS at 0 on average one round probes a tree: the initial size (b15), since the best
+    tree by the objective (b1, a fifth below no tree's: far past the exploration's slack) would observe b1 alone.
+    The probe's read ages the evidence from before the idle rounds by as many rounds, and a probe that commits more
+    makes a tree the best again. Newcomers count from their first round. Beside a fixed row that drafts, or with
+    ZERO off, 0 is no option."""
     chooser = ab.AutoChooser(15)
     cost = {0: 0.0100, 1: 0.0125, 3: 0.014, 4: 0.015, 7: 0.017, 15: 0.025}.__getitem__
     flat = (1.0,) * 15
@@ -720,15 +721,22 @@ def test_no_tree_is_chosen_where_no_tree_earns_its_cost_and_a_tree_comes_back(mo
         for r in rows:
             chooser.read_idle(r)
     assert rows[0].auto_seen == seen  # nothing observed, nothing decayed
-    assert chooser.choose(rows, cost) == (1, 0)  # the probe; the best stays no tree
+    assert chooser.choose(rows, cost) == (15, 0)  # the probe, at the initial size; the best stays no tree
+    assert ab.probe_budget((1, 3, 7, 15), {1: 2.0, 3: 1.0, 7: 1.0, 15: 1.0}, chooser.candidates) == 15
+    assert ab.probe_budget((1, 3, 7, 15, 31), {1: 1.0, 3: 1.0, 7: 1.0, 15: 1.0, 31: 2.0}, (1, 3, 7, 15, 31)) == 31
+    assert ab.probe_budget((7, 15), {7: 2.0, 15: 1.0}, (1, 3, 7, 15)) == 15
+    assert ab.probe_budget((31,), {31: 1.0}, (1, 3, 7, 15, 31)) == 31  # a floor above the initial size
     assert chooser.choose(rows, cost, explore=False) == (0, 0)  # a follow-up check never probes
     newcomer = _Row("c", (), ())  # joined at 0: no rounds counted yet, so the mean falls below PROBE_ROUNDS
     assert chooser.choose([*rows, newcomer], cost) == (0, 0)
-    for _ in range(2):  # the b1 probes accept: a tree earns its cost again
-        for r in rows:
-            chooser.read_row(r, 2, (1.9, 2.5, 2.8, 2.9), [0, 1], 1)
+    probe = (1.9, 2.5, 2.8, 2.9, 3.0, 3.0, 3.1, 3.1, 3.1, 3.1, 3.1, 3.1, 3.1, 3.1, 3.2)
+    for r in rows:  # the b15 probe accepts three nodes (ranks 1, 2, 5)
+        chooser.read_row(r, 4, probe, [0, 1, 2, 5], 15)
+    age = ab.GAIN_DECAY ** ab.PROBE_ROUNDS
+    want = ab.observed_update(tuple((t * age, w * age) for t, w in seen), [1, 2, 5], 15)
+    assert [v for pair in rows[0].auto_seen for v in pair] == pytest.approx([v for pair in want for v in pair])  # the evidence from before the idle rounds aged by them
     assert rows[0].auto_idle == 0
-    assert chooser.choose(rows, cost)[1] > 0
+    assert chooser.choose(rows, cost)[1] > 0  # a tree earns its cost again
     fixed = [_Row("a", seen, flat), _Row("d", (), (1.2, 1.3, 1.3, 1.3), auto=False, budget=4)]
     assert chooser.choose(fixed, cost)[1] >= 4
     monkeypatch.setattr(ab, "ZERO", False)

@@ -19,7 +19,9 @@ no tree
     cost 16 % of AR's tokens per second on the H100 stand-in (docs/benchmarks.md, "No tree as an auto option"). A
     round at 0 observes nothing: its rows keep their observed lengths as they were and count the round
     (:meth:`AutoChooser.read_idle`), and once the rows have run :data:`PROBE_ROUNDS` rounds at 0 on average, one
-    round probes the best tree size (:meth:`AutoChooser.choose`). Why not the exploration of trees (decayed
+    round probes a tree (:meth:`AutoChooser.choose`), at least the initial size (:func:`probe_budget`); its read
+    ages the rows' evidence from before the idle rounds by their count, so the probe's fresh lengths weigh as a
+    round's newest do. Why not the exploration of trees (decayed
     evidence, the next size up, within a slack): decayed to nothing, a row's lengths fall back to the surrogate,
     which undervalues trees, and the next size up from 0, b1, pays a draft and a tree stage for one node, far
     beyond any slack; on the CPU demo pair under the H100's prices that kept greedy code at 0 for two thirds of
@@ -144,6 +146,19 @@ def initial_budget(cands: Sequence[int]) -> int:
     fixed budget at one request was 31-63, at 64 in flight 4; 15 sits between and its curve reaches 31)."""
     small = [c for c in cands if c <= 15]
     return max(small) if small else min(cands)
+
+
+def probe_budget(trees: Sequence[int], values: dict[int, float], cands: Sequence[int]) -> int:
+    """The tree size a probe out of no tree verifies: the best tree by ``values`` (the objective), or the initial
+    budget where that is larger (a probe verifies what a newcomer's first round does, and observes every size up
+    to it). Why not the best tree alone: rows that went to no tree on a few poor rounds have curves near 1 at every
+    size, whose best is the smallest tree, and a b1 round observes b1 only; on the CPU demo pair (greedy code,
+    replayed over the sweep's prompts: ``ddtree.lab.replay.auto``) probes at b1 kept 60-70 % of the row-rounds at
+    no tree where a per-round oracle would use it for 9-19 %, and auto at 0.83-0.88x the best fixed budget at one
+    request."""
+    best = max(trees, key=lambda b: (values[b], -b))
+    first = initial_budget(cands)
+    return max(best, first) if first in trees else best
 
 
 def curve_width(nodes: int, cands: Sequence[int]) -> int:
@@ -371,6 +386,10 @@ class AutoChooser:
         and smoothed curve, and the engine-wide sums."""
         used = min(verified, len(reported))
         e_used = reported[used - 1] if used else 1.0
+        if state.auto_idle:  # a probe after rounds at 0: the evidence before them is as old as those rounds
+            age = GAIN_DECAY ** state.auto_idle
+            state.auto_seen = tuple((total * age, weight * age) for total, weight in state.auto_seen)
+            state.auto_gain = (state.auto_gain[0] * age, state.auto_gain[1] * age)
         state.auto_seen = observed_update(state.auto_seen, path[1:committed], verified)
         state.auto_idle = 0
         state.auto_gain = gain_update(state.auto_gain, committed, e_used)
@@ -380,8 +399,9 @@ class AutoChooser:
     @staticmethod
     def read_idle(state: Any) -> None:
         """Account for one row of a read auto round at budget 0 (no tree, nothing observed): its observed lengths
-        stay as they were (decayed, they would fall back to the surrogate, which undervalues trees: module doc) and
-        the round is counted toward the next probe of a tree (:data:`PROBE_ROUNDS`)."""
+        stay as they were (decayed now, they would fall back to the surrogate, which undervalues trees: module doc)
+        and the round is counted, toward the next probe of a tree (:data:`PROBE_ROUNDS`) and as the age of the
+        row's evidence, which the probe's read applies (:meth:`read_row`)."""
         state.auto_idle += 1
 
     def row_curve(self, state: Any) -> tuple[float, ...]:
@@ -409,9 +429,9 @@ class AutoChooser:
         acceptance so far), AR rows 1. Exploration: when the auto rows' evidence on the next candidate above the
         best has decayed below :data:`EXPLORE_EVIDENCE` and its objective is within :data:`EXPLORE_SLACK` of the
         best's, that candidate runs instead (with ``explore``): one such round tells the observed lengths of every
-        size up to it. Where the best is no tree (budget 0), the probe instead: the best tree size once the auto rows
-        have run :data:`PROBE_ROUNDS` rounds at 0 on average. Returns (the size to run, the best size): the
-        hysteresis keeps the best, not an exploration, so an explored size is not favoured next round."""
+        size up to it. Where the best is no tree (budget 0), the probe instead: a tree (:func:`probe_budget`) once the
+        auto rows have run :data:`PROBE_ROUNDS` rounds at 0 on average. Returns (the size to run, the best size):
+        the hysteresis keeps the best, not an exploration, so an explored size is not favoured next round."""
         auto = [s for s in states if s.tree.auto]
         fixed = [s for s in states if not s.tree.auto]
         floor = max((s.budget for s in fixed), default=0)
@@ -436,10 +456,10 @@ class AutoChooser:
         up = (lambda b: max(rise(b) + off, 0.5 * rise(b))) if off else rise  # a curve too dear: at most halved
         values = {b: objective(rows, b, up) for b in opts}  # once: the exploration test reads them too
         best = best_of(values, previous=self.previous, margin=MARGIN)
-        if best == 0:  # no tree: probe the best tree once the rows have run PROBE_ROUNDS at 0 (module doc)
+        if best == 0:  # no tree: probe a tree once the rows have run PROBE_ROUNDS at 0 (module doc)
             trees = [b for b in opts if b > 0]
             if explore and trees and sum(s.auto_idle for s in auto) / len(auto) >= PROBE_ROUNDS:
-                return max(trees, key=lambda b: (values[b], -b)), best
+                return probe_budget(trees, values, self.candidates), best
             return best, best
         above = [b for b in opts if b > best]
         if explore and above:
@@ -453,4 +473,4 @@ class AutoChooser:
 __all__ = ["AUTO", "EXPLORE_EVIDENCE", "EXPLORE_SLACK", "GAIN_DECAY", "MARGIN", "OFFSET", "PRIOR_WEIGHT", "SMOOTHING",
            "PROBE_ROUNDS", "STEPS", "ZERO", "AutoChooser", "KeptCurve", "RowCurve", "best_of", "calibrated", "candidates", "choose_budget",
            "curve_width", "evidence", "gain_update", "initial_budget", "mean_curve", "objective", "observed_curve",
-           "observed_update", "options", "rising", "smoothed"]
+           "observed_update", "options", "probe_budget", "rising", "smoothed"]

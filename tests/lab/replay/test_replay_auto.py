@@ -95,15 +95,15 @@ def test_free_trees_replay_as_the_largest_fixed_budget(monkeypatch):
 
 def test_dear_trees_replay_as_ar_with_probes():
     """Every tree dearer than it can earn: after the first round (at the initial size) auto runs no tree, with one
-    probe of a tree after every PROBE_ROUNDS rounds at 0; a round at 0 commits one token."""
+    probe of a tree (at the initial size again) after every PROBE_ROUNDS rounds at 0."""
     trace = synthetic_trace(seed=4, max_tokens=40, sequences=1)
     anchors = auto_anchors(trace, max_budget=7)
     model = AutoRounds(anchors, [0])
     res = closed_loop(linear_curve(1.0), 1, model, context=2, concurrency=1, max_tokens=40)
     row = model.rows[0]
     sizes = [b for b in row.sizes for _ in range(row.sizes[b])]
-    assert row.sizes[0] == len(sizes) - 1 - row.sizes.get(1, 0)
-    assert 1 <= row.sizes.get(1, 0) <= 1 + (len(sizes) - 1) // (auto_budget.PROBE_ROUNDS + 1)
+    assert set(row.sizes) == {0, 7}  # the first round and the probes at the initial size (here the largest, 7)
+    assert 2 <= row.sizes[7] <= 1 + (len(sizes) - 1) // (auto_budget.PROBE_ROUNDS + 1)
     assert res.rounds == res.row_rounds == len(row.commits) == sum(row.sizes.values())
     assert sum(row.commits) >= 39
 
@@ -140,7 +140,7 @@ def test_replay_equals_the_engines_auto_rounds(tiny_engine_factory, tmp_path, mo
     model = AutoRounds(auto_anchors(trace, max_budget=64), range(len(prompts)))
     closed_loop(curve, len(prompts), model, context=8, concurrency=len(prompts), max_tokens=tokens)
     # a real check: the chooser moved between sizes (no tree among them where trees are dear) and rounds accepted
-    assert len({b for o in outs for b in o.stats.auto_budgets}) >= 3
+    assert len({b for o in outs for b in o.stats.auto_budgets}) >= (2 if per_node > 1e-3 else 3)
     assert sum(o.stats.completion_tokens for o in outs) > sum(o.stats.verify_rounds for o in outs)
     for out, row in zip(outs, model.rows, strict=True):
         assert out.stats.auto_budgets == row.sizes
