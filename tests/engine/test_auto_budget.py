@@ -486,7 +486,7 @@ class _Row:
         self.request_id, self.auto_seen, self.auto_curve, self.auto_gain = rid, seen, curve, (0.0, 0.0)
         self.tree, self.budget = TreeSettings(budget="auto" if auto else budget), budget
         self.auto_cached = None
-        self.auto_idle = self.auto_probes = 0
+        self.auto_idle = 0
 
 
 def test_a_rows_kept_curve_is_the_fresh_one_after_every_change():
@@ -704,9 +704,8 @@ def test_follow_up_rounds_change_the_auto_size_on_the_device(tiny_engine_factory
 def test_no_tree_is_chosen_where_no_tree_earns_its_cost_and_a_tree_comes_back(monkeypatch):
     """Rows whose trees commit nothing past the root: no tree (budget 0) is the argmax, as the brute force says.
     Rounds at 0 observe nothing: the rows' observed lengths stay as they were (read_idle counts the round), and once
-    the rows have run PROBE_ROUNDS at 0 on average one round probes a tree: the first time the initial size (b15),
-    since the best tree by the objective (b1, a fifth below no tree's: far past the exploration's slack) would
-    observe b1 alone; later probes that best tree.
+    the rows have run PROBE_ROUNDS at 0 on average one round probes a tree: the initial size (b15), since the best
+    tree by the objective (b1, a fifth below no tree's: far past the exploration's slack) would observe b1 alone.
     The probe's read ages the evidence from before the idle rounds by as many rounds, and a probe that commits more
     makes a tree the best again. Newcomers count from their first round. Beside a fixed row that drafts, or with
     ZERO off, 0 is no option."""
@@ -722,16 +721,11 @@ def test_no_tree_is_chosen_where_no_tree_earns_its_cost_and_a_tree_comes_back(mo
         for r in rows:
             chooser.read_idle(r)
     assert rows[0].auto_seen == seen  # nothing observed, nothing decayed
-    assert chooser.choose(rows, cost) == (15, 0)  # the rows' first probe, at the initial size; the best stays 0
-    assert ab.probe_budget((1, 3, 7, 15), {1: 2.0, 3: 1.0, 7: 1.0, 15: 1.0}, chooser.candidates, first=True) == 15
-    assert ab.probe_budget((1, 3, 7, 15), {1: 2.0, 3: 1.0, 7: 1.0, 15: 1.0}, chooser.candidates, first=False) == 1
-    cands = (1, 3, 7, 15, 31)
-    assert ab.probe_budget(cands, {1: 1.0, 3: 1.0, 7: 1.0, 15: 1.0, 31: 2.0}, cands, first=True) == 31
-    assert ab.probe_budget((31,), {31: 1.0}, cands, first=True) == 31  # a floor above the initial size
-    probed = [_Row(r.request_id, seen, flat) for r in rows]  # the same rows once they have read a probe
-    for r in probed:
-        r.auto_probes, r.auto_idle = 1, ab.PROBE_ROUNDS
-    assert chooser.choose(probed, cost) == (1, 0)  # a later probe runs the best tree by the objective
+    assert chooser.choose(rows, cost) == (15, 0)  # the probe, at the initial size; the best stays no tree
+    assert ab.probe_budget((1, 3, 7, 15), {1: 2.0, 3: 1.0, 7: 1.0, 15: 1.0}, chooser.candidates) == 15
+    assert ab.probe_budget((1, 3, 7, 15, 31), {1: 1.0, 3: 1.0, 7: 1.0, 15: 1.0, 31: 2.0}, (1, 3, 7, 15, 31)) == 31
+    assert ab.probe_budget((7, 15), {7: 2.0, 15: 1.0}, (1, 3, 7, 15)) == 15
+    assert ab.probe_budget((31,), {31: 1.0}, (1, 3, 7, 15, 31)) == 31  # a floor above the initial size
     assert chooser.choose(rows, cost, explore=False) == (0, 0)  # a follow-up check never probes
     newcomer = _Row("c", (), ())  # joined at 0: no rounds counted yet, so the mean falls below PROBE_ROUNDS
     assert chooser.choose([*rows, newcomer], cost) == (0, 0)
@@ -741,7 +735,7 @@ def test_no_tree_is_chosen_where_no_tree_earns_its_cost_and_a_tree_comes_back(mo
     age = ab.GAIN_DECAY ** ab.PROBE_ROUNDS
     want = ab.observed_update(tuple((t * age, w * age) for t, w in seen), [1, 2, 5], 15)
     assert [v for pair in rows[0].auto_seen for v in pair] == pytest.approx([v for pair in want for v in pair])  # the evidence from before the idle rounds aged by them
-    assert rows[0].auto_idle == 0 and rows[0].auto_probes == 1
+    assert rows[0].auto_idle == 0
     assert chooser.choose(rows, cost)[1] > 0  # a tree earns its cost again
     fixed = [_Row("a", seen, flat), _Row("d", (), (1.2, 1.3, 1.3, 1.3), auto=False, budget=4)]
     assert chooser.choose(fixed, cost)[1] >= 4

@@ -19,8 +19,7 @@ no tree
     cost 16 % of AR's tokens per second on the H100 stand-in (docs/benchmarks.md, "No tree as an auto option"). A
     round at 0 observes nothing: its rows keep their observed lengths as they were and count the round
     (:meth:`AutoChooser.read_idle`), and once the rows have run :data:`PROBE_ROUNDS` rounds at 0 on average, one
-    round probes a tree (:meth:`AutoChooser.choose`), the first time at least the initial size
-    (:func:`probe_budget`); its read
+    round probes a tree (:meth:`AutoChooser.choose`), at least the initial size (:func:`probe_budget`); its read
     ages the rows' evidence from before the idle rounds by their count, so the probe's fresh lengths weigh as a
     round's newest do. Why not the exploration of trees (decayed
     evidence, the next size up, within a slack): decayed to nothing, a row's lengths fall back to the surrogate,
@@ -149,21 +148,17 @@ def initial_budget(cands: Sequence[int]) -> int:
     return max(small) if small else min(cands)
 
 
-def probe_budget(trees: Sequence[int], values: dict[int, float], cands: Sequence[int], *, first: bool) -> int:
-    """The tree size a probe out of no tree verifies: the best tree by ``values`` (the objective); for the rows'
-    ``first`` probe, the initial budget where that is larger (the probe verifies what a newcomer's first round does,
-    and observes every size up to it).
-
-    Why the first probe large: rows that went to no tree on their first few poor rounds have curves near 1 at every
-    size, whose best is the smallest tree, and a b1 round observes b1 alone; on the CPU demo pair (greedy code,
+def probe_budget(trees: Sequence[int], values: dict[int, float], cands: Sequence[int]) -> int:
+    """The tree size a probe out of no tree verifies: the best tree by ``values`` (the objective), or the initial
+    budget where that is larger (a probe verifies what a newcomer's first round does, and observes every size up
+    to it). Why not the best tree alone: rows that went to no tree on a few poor rounds have curves near 1 at every
+    size, whose best is the smallest tree, and a b1 round observes b1 only; on the CPU demo pair (greedy code,
     replayed over the sweep's prompts: ``ddtree.lab.replay.auto``) probes at b1 kept 60-70 % of the row-rounds at
     no tree where a per-round oracle would use it for 9-19 %, and auto at 0.83-0.88x the best fixed budget at one
-    request. Why only the first: at 64 rows every one sampled (H100 stand-in), where no tree is right, a probe at
-    b15 every twelfth round cost auto 12 % of its tokens per second (docs/benchmarks.md, "Replay predicts budget
-    auto")."""
+    request."""
     best = max(trees, key=lambda b: (values[b], -b))
-    size = initial_budget(cands)
-    return max(best, size) if first and size in trees else best
+    first = initial_budget(cands)
+    return max(best, first) if first in trees else best
 
 
 def curve_width(nodes: int, cands: Sequence[int]) -> int:
@@ -392,7 +387,6 @@ class AutoChooser:
         used = min(verified, len(reported))
         e_used = reported[used - 1] if used else 1.0
         if state.auto_idle:  # a probe after rounds at 0: the evidence before them is as old as those rounds
-            state.auto_probes += 1
             age = GAIN_DECAY ** state.auto_idle
             state.auto_seen = tuple((total * age, weight * age) for total, weight in state.auto_seen)
             state.auto_gain = (state.auto_gain[0] * age, state.auto_gain[1] * age)
@@ -465,8 +459,7 @@ class AutoChooser:
         if best == 0:  # no tree: probe a tree once the rows have run PROBE_ROUNDS at 0 (module doc)
             trees = [b for b in opts if b > 0]
             if explore and trees and sum(s.auto_idle for s in auto) / len(auto) >= PROBE_ROUNDS:
-                first = 2 * sum(1 for s in auto if s.auto_probes == 0) > len(auto)  # most rows never probed
-                return probe_budget(trees, values, self.candidates, first=first), best
+                return probe_budget(trees, values, self.candidates), best
             return best, best
         above = [b for b in opts if b > best]
         if explore and above:

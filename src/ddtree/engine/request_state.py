@@ -78,9 +78,6 @@ class RequestState:
     # rounds this request has run at budget 0 (no tree) since its last tree, or since it joined: budget auto probes
     # a tree once the rows' mean reaches auto_budget.PROBE_ROUNDS (AutoChooser.choose)
     auto_idle: int = 0
-    # probes this request has read (tree rounds after rounds at 0): while most rows have none, a probe runs at least
-    # the initial size (auto_budget.probe_budget)
-    auto_probes: int = 0
 
     # ---- derived positions -------------------------------------------------------------------------------
     @property

@@ -109,7 +109,6 @@ class _Row:
     auto_seen: tuple[tuple[float, float], ...] = ()
     auto_cached: auto_budget.KeptCurve | None = None
     auto_idle: int = 0
-    auto_probes: int = 0
     sizes: dict[int, int] = field(default_factory=dict)  # rounds per size (the engine's stats' auto_budgets)
     commits: list[int] = field(default_factory=list)  # tokens each round committed
 
