@@ -190,10 +190,12 @@ def test_sweep_cells_are_the_manifest_ones_and_their_prompts_the_benchs(tmp_path
                   resume=False)
     cells = SweepCells.from_run(tmp_path / "run")
     assert (cells.contexts, cells.concurrency, cells.output_tokens, cells.num_requests, cells.repeats,
-            cells.prefill_chunk, cells.prefill_step_tokens) == ((24, 40), (1, 2), 8, {1: 3, 2: 3}, 2, 128, None)
+            cells.prefill_chunk, cells.prefill_step_tokens, cells.max_budget) == (
+        (24, 40), (1, 2), 8, {1: 3, 2: 3}, 2, 128, None, 64)  # max_budget: the engine's default
     Manifest.open(RunLayout(tmp_path / "run2"), config, {"mode": "inprocess", "engine_config": {
-        "prefill_chunk": 128, "prefill_step_tokens": 1024}}, resume=False)
-    assert SweepCells.from_run(tmp_path / "run2").prefill_step_tokens == 1024
+        "prefill_chunk": 128, "prefill_step_tokens": 1024, "max_budget": 16}}, resume=False)
+    run2 = SweepCells.from_run(tmp_path / "run2")
+    assert (run2.prefill_step_tokens, run2.max_budget) == (1024, 16)  # budget auto's sizes stop at 15 there
     prompts = cells.prompts(tiny_tokenizer)
     assert sorted(prompts) == [(24, 1), (24, 2), (40, 1), (40, 2)]
     assert all(len(v) == 6 and all(len(p) == ctx for p in v) for (ctx, _), v in prompts.items())
