@@ -165,6 +165,8 @@ def test_replay_cli_predicts_auto(tmp_path):
     args = ["replay", "predict", str(trace), "--budget", "3,auto", "--json", str(tmp_path / "p.json")]
     result = CliRunner().invoke(app, args)
     assert result.exit_code != 0 and "--budget auto needs --cost-curve" in str(result.exception)
+    result = CliRunner().invoke(app, [*args, "--cost-curve", str(curve), "--contexts", "2", "--max-budget", "0"])
+    assert result.exit_code != 0 and "max_budget must be >= 1, got 0" in str(result.exception)
     result = CliRunner().invoke(app, [*args, "--cost-curve", str(curve), "--concurrency", "1,2", "--contexts", "2",
                                       "--max-budget", "7"])
     assert result.exit_code == 0, result.output

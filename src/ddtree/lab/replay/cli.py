@@ -183,7 +183,7 @@ def predict_cmd(
                                    cells.prompts(load_tokenizer(cells.tokenizer)[0]))
         ctxs, concs, reqs, chunk = cells.contexts, cells.concurrency, cells.num_requests, cells.prefill_chunk
         step = cells.prefill_step_tokens
-        max_budget = max_budget or cells.max_budget
+        max_budget = cells.max_budget if max_budget is None else max_budget
     else:
         ctxs = tuple(c for c in _list(contexts, what="contexts", optional=False) if c is not None)
         concs = tuple(c for c in _list(concurrency, what="concurrency", optional=False) if c is not None)
@@ -195,7 +195,9 @@ def predict_cmd(
 
         if len(topks) != 1:
             raise ConfigError("--budget auto takes one --topk (the requests' cap)")
-        auto = auto_anchors(loaded, max_budget or 64, topks[0])
+        from ddtree.engine.config import EngineConfig
+
+        auto = auto_anchors(loaded, EngineConfig.max_budget if max_budget is None else max_budget, topks[0])
     cells_out = predict_cells(predictions, curve, depth=loaded.depth, contexts=ctxs, concurrency=concs,
                               num_requests=reqs, max_tokens=loaded.max_tokens, sequences=sequences,
                               prefill_chunk=chunk, step_tokens=step, auto=auto)
