@@ -130,8 +130,9 @@ OFFSET = False
 # a round may take budget 0, no tree (module doc): where every tree costs more than it earns, auto runs as AR does
 ZERO = True
 # rounds at budget 0 the auto rows have run on average (since their last tree or since they joined) after which one
-# round probes the best tree size: about the exploration's pace (0.9^11 = 0.31); each probe gives up at most the
-# gap between no tree and that tree's objective, for one round in PROBE_ROUNDS + 1
+# round probes a tree (probe_budget): about the exploration's pace (0.9^11 = 0.31); each probe gives up the gap
+# between no tree's objective and the probed size's, for one round in PROBE_ROUNDS + 1 (where no tree stays right,
+# every row sampled at 64 in flight on the H100 stand-in, the probes cost about 11 % of auto's tokens per second)
 PROBE_ROUNDS = 11
 
 
