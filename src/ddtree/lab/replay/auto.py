@@ -36,7 +36,7 @@ from ddtree import speculative
 from ddtree.engine import auto_budget
 from ddtree.engine.cuda_graphs import bucket_nodes
 from ddtree.errors import ConfigError
-from ddtree.lab.replay.predict import DENSE_ELEMENTS, _anchor_tokens, _dense_logprobs, _next_tokens
+from ddtree.lab.replay.predict import anchor_chunks
 from ddtree.lab.replay.trace import Trace
 from ddtree.speculative.tree_select import expected_lengths
 
@@ -68,17 +68,11 @@ def auto_anchors(trace: Trace, max_budget: int = 64, topk: int | None = None) ->
                           f"kept {trace.top_m}; record it with top_m >= {largest}, or pass a smaller max_budget")
     if trace.depth < 1:
         raise ConfigError("budget auto needs a drafting block (block_size >= 2); the trace's is 1")
-    anchors = trace.anchor_seq.shape[0]
-    nxt = _next_tokens(trace)
     expected: list[tuple[float, ...]] = []
     ranks: list[tuple[int, ...]] = []
-    chunk = max(1, DENSE_ELEMENTS // (trace.depth * trace.vocab_size))
-    for lo in range(0, anchors, chunk):
-        rows = torch.arange(lo, min(lo + chunk, anchors))
-        dense = _dense_logprobs(trace, rows)  # [C, L, V]
-        trees = speculative.build_trees(dense, largest, topk, max_budget=largest,
-                                        root_tokens=_anchor_tokens(trace, rows))
-        choices = torch.gather(nxt[rows], 1, trees.depths)  # [C, N]: the continuation's next token at each node
+    for _, dense, roots, nxt in anchor_chunks(trace):
+        trees = speculative.build_trees(dense, largest, topk, max_budget=largest, root_tokens=roots)
+        choices = torch.gather(nxt, 1, trees.depths)  # [C, N]: the continuation's next token at each node
         walk = speculative.walk_trees(trees, choices, trace.depth)
         e: Tensor = expected_lengths(trees.scores)  # [C, largest]
         expected += [tuple(row) for row in e.tolist()]

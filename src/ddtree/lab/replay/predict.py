@@ -17,7 +17,7 @@ against measured requests round for round.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,26 +117,33 @@ def accepted_per_anchor(trace: Trace, settings: Sequence[Setting]) -> dict[Setti
                 f"record it with top_m >= {s.budget}"
             )
     anchors = trace.anchor_seq.shape[0]
-    nxt = _next_tokens(trace)
     out = {s: torch.ones(anchors, dtype=torch.long) for s in settings}  # AR: the bonus alone
     drafting = [s for s in settings if s.method != "ar"]
     if not drafting or depth == 0:
         return out
-    chunk = max(1, DENSE_ELEMENTS // (depth * trace.vocab_size))
-    for lo in range(0, anchors, chunk):
-        rows = torch.arange(lo, min(lo + chunk, anchors))
-        dense = _dense_logprobs(trace, rows)  # [C, L, V]
-        roots = _anchor_tokens(trace, rows)
+    for rows, dense, roots, nxt in anchor_chunks(trace):
         for s in drafting:
             if s.method == "dflash":
                 budget, topk = depth, 1
             else:
                 budget, topk = s.budget, s.topk
             trees = speculative.build_trees(dense, budget, topk, max_budget=budget, root_tokens=roots)
-            choices = torch.gather(nxt[rows], 1, trees.depths)  # [C, N]: t_{j + depth + 1}
+            choices = torch.gather(nxt, 1, trees.depths)  # [C, N]: t_{j + depth + 1}
             walk = speculative.walk_trees(trees, choices, depth)
             out[s][rows] = walk.num_accepted
     return out
+
+
+def anchor_chunks(trace: Trace) -> Iterator[tuple[Tensor, Tensor, Tensor, Tensor]]:
+    """The trace's anchors in chunks whose densified marginals fit :data:`DENSE_ELEMENTS`: per chunk (anchor
+    indices ``[C]``, log-probs ``[C, L, V]`` as :func:`_dense_logprobs` spreads them, root tokens ``[C]``, the
+    continuation after each anchor ``[C, L + 1]``), what a tree anchored there is built and walked from."""
+    nxt = _next_tokens(trace)
+    anchors = trace.anchor_seq.shape[0]
+    chunk = max(1, DENSE_ELEMENTS // (max(trace.depth, 1) * trace.vocab_size))
+    for lo in range(0, anchors, chunk):
+        rows = torch.arange(lo, min(lo + chunk, anchors))
+        yield rows, _dense_logprobs(trace, rows), _anchor_tokens(trace, rows), nxt[rows]
 
 
 def _anchor_tokens(trace: Trace, rows: Tensor) -> Tensor:
@@ -182,4 +189,4 @@ def predict(
     return results
 
 
-__all__ = ["Prediction", "Setting", "accepted_per_anchor", "predict", "settings_grid"]
+__all__ = ["Prediction", "Setting", "accepted_per_anchor", "anchor_chunks", "predict", "settings_grid"]

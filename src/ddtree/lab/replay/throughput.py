@@ -94,6 +94,11 @@ class RoundModel(Protocol):
 
     keeps_context: bool  # a round at budget 0 keeps the drafter's context (auto's no tree), priced as such
 
+    @property
+    def budgets(self) -> dict[int, int]:
+        """Row-rounds per size where the model chooses sizes (budget auto); empty for one fixed budget."""
+        ...
+
     def round(self, requests: Sequence[int], done: Sequence[int],
               price: Callable[[int], float]) -> tuple[int, list[int]]:
         """(The round's budget, the tokens each of ``requests`` commits); ``done[i]``: completion tokens request
@@ -109,6 +114,10 @@ class FixedRounds:
     def __init__(self, commits: Sequence[Sequence[int]], budget: int) -> None:
         self.commits, self.budget = commits, budget
         self.steps = [0] * len(commits)
+
+    @property
+    def budgets(self) -> dict[int, int]:
+        return {}  # one fixed budget
 
     def round(self, requests: Sequence[int], done: Sequence[int],
               price: Callable[[int], float]) -> tuple[int, list[int]]:
@@ -246,7 +255,7 @@ def predict_cells(predictions: Sequence[Prediction], curve: CostCurve, *, depth:
                     speeds.append(n * max_tokens / spent if spent > 0 else math.inf)
                     round_s, prefill_s = round_s + res.round_seconds, prefill_s + res.prefill_seconds
                     rounds, row_rounds, extra = rounds + res.rounds, row_rounds + res.row_rounds, extra or res.extrapolated
-                    for b, c in getattr(model, "budgets", {}).items():
+                    for b, c in model.budgets.items():
                         sizes[b] = sizes.get(b, 0) + c
                 out.append(CellPrediction(
                     config=setting.label, method=setting.method,
@@ -255,7 +264,7 @@ def predict_cells(predictions: Sequence[Prediction], curve: CostCurve, *, depth:
                     tok_s=sum(speeds) / len(speeds),  # the bench's cell: the mean of its runs' tok/s
                     accept_length=len(runs) * n * max_tokens / row_rounds if row_rounds else 0.0,
                     rounds=rounds, round_seconds=round_s, prefill_seconds=prefill_s, extrapolated=extra,
-                    auto_budgets={b: sizes[b] for b in sorted(sizes)} if setting.budget == AUTO else None))
+                    auto_budgets={b: sizes[b] for b in sorted(sizes)} if sizes else None))
     return out
 
 
