@@ -34,8 +34,8 @@ from ddtree.engine import Engine, EngineConfig, auto_budget
 from ddtree.engine.cost_curve import save_curve
 from ddtree.engine.cost_measure import CostGrid, measure_cost_curve
 from ddtree.engine.options import int_list
-from ddtree.lab.bench.matrix import CompileLog, MatrixPlan, run_matrix
-from ddtree.lab.bench.workload import held_out_token_stream, prompts_for
+from ddtree.lab.bench.matrix import CompileLog, MatrixPlan, cell_prompts, run_matrix
+from ddtree.lab.bench.workload import held_out_token_stream
 from ddtree.lab.replay.auto import auto_anchors
 from ddtree.lab.replay.predict import predict
 from ddtree.lab.replay.throughput import cell_sequences, predict_cells
@@ -66,6 +66,8 @@ def main() -> None:
     ap.add_argument("--trace-prompts", type=int, default=64, help="prompts of each cell the trace records")
     ap.add_argument("--time-budget", type=float, default=400.0, help="seconds after which no measured cell starts")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script (--shape none)")
+    ap.add_argument("--no-eager", dest="eager", action="store_false",
+                    help="leave out the second prediction with the prefill points measured eagerly (saves its time)")
     args = ap.parse_args()
     t_start = time.perf_counter()
     out = Path(args.out)
@@ -100,16 +102,17 @@ def main() -> None:
     print(f"matrix done at {time.perf_counter() - t_start:.1f} s", flush=True)
 
     # the same curve with its prefill points eager: how the engine measured them before
-    eager = measure_cost_curve(engine.runner, CostGrid(rows=(1,), budgets=(0,), kv_lens=(64,),
-                                                       block_size=engine.trained_block_size,
-                                                       prefill_tokens=curve.prefill_tokens, repeats=3),
-                               device_name=curve.device, model=curve.model)
-    curve_eager = dataclasses.replace(curve, prefill_seconds=eager.prefill_seconds)
-    print("prefill points, eager:",
-          dict(zip(curve.prefill_tokens, [round(s * 1e3, 2) for s in eager.prefill_seconds], strict=True)), flush=True)
+    curve_eager = None
+    if args.eager:
+        eager = measure_cost_curve(engine.runner, CostGrid(rows=(1,), budgets=(0,), kv_lens=(64,),
+                                                           block_size=engine.trained_block_size,
+                                                           prefill_tokens=curve.prefill_tokens, repeats=3),
+                                   device_name=curve.device, model=curve.model)
+        curve_eager = dataclasses.replace(curve, prefill_seconds=eager.prefill_seconds)
+        print("prefill points, eager:",
+              dict(zip(curve.prefill_tokens, [round(s * 1e3, 2) for s in eager.prefill_seconds], strict=True)), flush=True)
 
-    cells = {(ctx, conc): prompts_for(stream, ctx, args.waves * conc, salt=ctx + conc)
-             for ctx in contexts for conc in concurrency}
+    cells = {(ctx, conc): cell_prompts(stream, plan, ctx, conc) for ctx in contexts for conc in concurrency}
     traced = [p for ps in cells.values() for p in ps[: args.trace_prompts]]
     traced = list({tuple(p): list(p) for p in traced}.values())
     t_trace = time.perf_counter()
@@ -121,10 +124,12 @@ def main() -> None:
     preds = predict(trace, budgets)
     seqs = cell_sequences([trace.sequence(s)[0] for s in range(trace.num_sequences)], cells)
     depth = trace.block_size - 1
-    common = dict(depth=depth, contexts=contexts, concurrency=concurrency, num_requests=args.waves * max(concurrency),
+    common = dict(depth=depth, contexts=contexts, concurrency=concurrency, num_requests={c: len(cells[contexts[0], c]) for c in concurrency},
                   max_tokens=args.new_tokens, sequences=seqs, prefill_chunk=args.prefill_chunk,
                   auto=auto_anchors(trace, config.max_budget) if args.auto else None)
-    predicted = {"graphed": predict_cells(preds, curve, **common), "eager": predict_cells(preds, curve_eager, **common)}
+    predicted = {"graphed": predict_cells(preds, curve, **common)}
+    if curve_eager is not None:
+        predicted["eager"] = predict_cells(preds, curve_eager, **common)
     by_cell = {(c["context"], c["concurrency"], c["method"]): c for c in report["cells"]}
     rows = []
     for which, cells_out in predicted.items():
@@ -143,7 +148,7 @@ def main() -> None:
                          "measured_auto_budgets": m.get("auto_budgets") or None,
                          "replayed_auto_budgets": p.auto_budgets})
     doc = {**report, "trace": {**trace.metadata(), "record_s": round(trace_s, 1)}, "comparison": rows,
-           "curve": curve.to_json(), "curve_eager_prefill": curve_eager.to_json(),
+           "curve": curve.to_json(), "curve_eager_prefill": curve_eager.to_json() if curve_eager else None,
            "total_s": round(time.perf_counter() - t_start, 1)}
     for cell in doc["cells"]:
         cell.pop("timeline", None)

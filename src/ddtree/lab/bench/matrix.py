@@ -154,6 +154,13 @@ def _peak_gib(device: torch.device) -> float:
     return round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else 0.0
 
 
+def cell_prompts(stream: list[int], plan: MatrixPlan, context: int, concurrency: int) -> list[list[int]]:
+    """The prompts a cell runs: ``c1_prompts`` at C = 1, ``waves * C`` otherwise, salted by the cell (the replay of a
+    matrix traces these same windows)."""
+    count = plan.c1_prompts if concurrency == 1 else plan.waves * concurrency
+    return prompts_for(stream, context, count, salt=context + concurrency)
+
+
 def run_matrix(engine: Any, stream: list[int], plan: MatrixPlan, report: dict, *, compiles: CompileLog,
                deadline: float, on_row: Callable[[dict], None] = lambda row: None) -> None:
     """Every cell of ``plan`` (priority order) on the started ``engine``: rows appended to ``report["cells"]``,
@@ -162,7 +169,7 @@ def run_matrix(engine: Any, stream: list[int], plan: MatrixPlan, report: dict, *
     device = engine.device
     for conc, ctx, methods in plan_cells(plan.contexts, plan.concurrency, plan.budgets, plan.max_verify_tokens,
                                          auto=plan.auto, chain=plan.chain):
-        prompts = prompts_for(stream, ctx, plan.c1_prompts if conc == 1 else plan.waves * conc, salt=ctx + conc)
+        prompts = cell_prompts(stream, plan, ctx, conc)
         ar_tokens = None
         ar_tok_s = None
         for method, budget in methods:

@@ -1,0 +1,23 @@
+#!/bin/bash
+# The matrix of issue 23 (C in 1, 8, 32, 64 x contexts 60, 1k, 4k, 8k) on one code version: AR, the DFlash chain,
+# fixed budgets and budget auto measured in every cell, and replay's prediction of each (benchmarks/replay_h200.py
+# --auto; the Qwen3-8B stand-in, bf16, CUDA graphs, greedy, 256 new tokens, the cost curve measured at start).
+# One engine per part (its slots sized by the part's largest C and context). Run from the repository root with OUT
+# set; PARTS picks the parts: bash benchmarks/results/matrix_2026-12-07/call.sh   (PARTS="short long1" ...)
+set -u
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
+SECONDS=0
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+declare -A CONTEXTS=([short]=60,1024 [long1]=4096,8192 [long32]=4096,8192 [long64]=4096)
+declare -A CONC=([short]=1,8,32 [long1]=1,8 [long32]=32 [long64]=64)
+declare -A BUDGETS=([short]=7,15,31 [long1]=3,15,31 [long32]=3,7,15 [long64]=3,7)
+declare -A WAVES=([short]=4 [long1]=4 [long32]=1 [long64]=1)
+declare -A MATRIX_S=([short]=380 [long1]=330 [long32]=300 [long64]=200)
+for part in ${PARTS:-short}; do
+  echo "== $part at ${SECONDS}s"
+  timeout "${LIMIT:-580}" python3 benchmarks/replay_h200.py --out "$OUT/$part" --contexts "${CONTEXTS[$part]}" \
+    --concurrency "${CONC[$part]}" --budgets "${BUDGETS[$part]}" --auto --waves "${WAVES[$part]}" \
+    --time-budget "${MATRIX_S[$part]}" --no-eager >"$OUT/$part.log" 2>&1 || echo "$part failed or timed out"
+  grep -v "^{" "$OUT/$part.log" | grep -E '^(measured|\| graphed|auto |total|engine ready|trace)' | cut -c1-220
+done
+echo "all done at ${SECONDS}s"
