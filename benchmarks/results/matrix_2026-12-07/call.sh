@@ -8,16 +8,17 @@ set -u
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 SECONDS=0
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-declare -A CONTEXTS=([short]=60,1024 [long1]=4096,8192 [long32]=4096,8192 [long64]=4096)
-declare -A CONC=([short]=1,8,32 [long1]=1,8 [long32]=32 [long64]=64)
-declare -A BUDGETS=([short]=7,15,31 [long1]=3,15,31 [long32]=3,7,15 [long64]=3,7)
-declare -A WAVES=([short]=4 [long1]=4 [long32]=1 [long64]=1)
-declare -A MATRIX_S=([short]=380 [long1]=330 [long32]=300 [long64]=200)
+declare -A CONTEXTS=([short]=60,1024 [long1]=4096,8192 [long32]=4096,8192 [long64]=4096 [c32k1]=1024)
+declare -A CONC=([short]=1,8,32 [long1]=1,8 [long32]=32 [long64]=64 [c32k1]=32)
+declare -A BUDGETS=([short]=7,15,31 [long1]=3,15,31 [long32]=3,7,15 [long64]=7 [c32k1]=7)
+declare -A WAVES=([short]=4 [long1]=4 [long32]=1 [long64]=1 [c32k1]=4)
+declare -A MATRIX_S=([short]=380 [long1]=330 [long32]=300 [long64]=150 [c32k1]=120)
+declare -A LIMITS=([short]=585 [long1]=500 [long32]=585 [long64]=280 [c32k1]=210)
 for part in ${PARTS:-short}; do
   echo "== $part at ${SECONDS}s"
-  timeout "${LIMIT:-580}" python3 benchmarks/replay_h200.py --out "$OUT/$part" --contexts "${CONTEXTS[$part]}" \
+  timeout "${LIMIT:-${LIMITS[$part]}}" python3 benchmarks/replay_h200.py --out "$OUT/$part" --contexts "${CONTEXTS[$part]}" \
     --concurrency "${CONC[$part]}" --budgets "${BUDGETS[$part]}" --auto --waves "${WAVES[$part]}" \
-    --time-budget "${MATRIX_S[$part]}" --no-eager >"$OUT/$part.log" 2>&1 || echo "$part failed or timed out"
+    --time-budget "${MATRIX_S[$part]}" --no-eager ${EXTRA:-} >"$OUT/$part.log" 2>&1 || echo "$part failed or timed out"
   grep -v "^{" "$OUT/$part.log" | grep -E '^(measured|\| graphed|auto |total|engine ready|trace)' | cut -c1-220
 done
 echo "all done at ${SECONDS}s"
