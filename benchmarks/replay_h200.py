@@ -10,8 +10,9 @@ curve measured at start, its prefill points through the prefill graphs where the
    each cell (the cell's own prompts, ``prompts_for`` with the matrix's salt);
 3. **predicted**: ``ddtree.lab.replay.predict`` (acceptance per round of every sequence) and
    ``ddtree.lab.replay.throughput.predict_cells`` (the closed-loop model of the engine's loop) with the engine's
-   curve, and again with the same curve's prefill points measured eagerly (how the curve was measured before), so
-   the effect of the prefill points is shown on its own.
+   curve, and again with the same curve's prefill points measured eagerly (how the curve was measured before;
+   ``--no-eager`` leaves it out) and without its prefill points after a context ("no context": every chunk priced
+   as a prompt's first, as before them), so the effect of each is shown on its own.
 
 Writes ``OUT/replay_h200.json`` (cells measured, predicted, the errors, both curves) and prints a table.
 
@@ -130,6 +131,12 @@ def main() -> None:
     predicted = {"graphed": predict_cells(preds, curve, **common)}
     if curve_eager is not None:
         predicted["eager"] = predict_cells(preds, curve_eager, **common)
+    if curve.prefill_context:  # every chunk priced as a prompt's first, as before the points after a context
+        flat = dataclasses.replace(curve, prefill_context=0, prefill_context_seconds=())
+        predicted["no context"] = predict_cells(preds, flat, **common)
+        print(f"prefill points after {curve.prefill_context} keys:",
+              dict(zip(curve.prefill_tokens, [round(s * 1e3, 2) for s in curve.prefill_context_seconds],
+                       strict=True)), flush=True)
     by_cell = {(c["context"], c["concurrency"], c["method"]): c for c in report["cells"]}
     rows = []
     for which, cells_out in predicted.items():

@@ -91,6 +91,30 @@ def test_covers_and_prefill_interpolation():
     assert curve().prefill_step_seconds(100) is None
 
 
+def test_prefill_after_a_context_is_linear_in_its_keys():
+    """prefill_context_seconds: a step after ``c`` keys costs the point at 0 plus ``c / prefill_context`` of the
+    difference (hand values), followed one span past the points and held there, never below the points at 0; a
+    curve without them prices every offset as position 0; bad arguments and counts are named."""
+    c = curve(prefill_tokens=(64, 256), prefill_seconds=(0.01, 0.03), prefill_context=1000,
+              prefill_context_seconds=(0.02, 0.05))
+    assert c.prefill_step_seconds(64) == pytest.approx(0.01)
+    assert c.prefill_step_seconds(64, 1000) == pytest.approx(0.02)
+    assert c.prefill_step_seconds(64, 250) == pytest.approx(0.0125)
+    assert c.prefill_step_seconds(160, 500) == pytest.approx(0.02 + 0.5 * (0.035 - 0.02))
+    assert c.prefill_step_seconds(256, 2000) == pytest.approx(0.07)  # one more span
+    assert c.prefill_step_seconds(256, 9000) == pytest.approx(0.07)  # and held
+    plain = curve(prefill_tokens=(64, 256), prefill_seconds=(0.01, 0.03))
+    assert plain.prefill_step_seconds(160, 5000) == plain.prefill_step_seconds(160) == pytest.approx(0.02)
+    cheaper = curve(prefill_tokens=(64,), prefill_seconds=(0.02,), prefill_context=100, prefill_context_seconds=(0.01,))
+    assert cheaper.prefill_step_seconds(64, 100) == pytest.approx(0.02)  # noise never makes context cheaper
+    with pytest.raises(CostCurveError, match="context must be a number >= 0"):
+        c.prefill_step_seconds(64, -1)
+    with pytest.raises(CostCurveError, match="prefill_context must be an integer >= 1"):
+        curve(prefill_tokens=(64,), prefill_seconds=(0.01,), prefill_context_seconds=(0.02,))
+    with pytest.raises(CostCurveError, match=r"prefill_context_seconds must hold one value per prefill_tokens entry \(2\)"):
+        curve(prefill_tokens=(64, 256), prefill_seconds=(0.01, 0.03), prefill_context=8, prefill_context_seconds=(0.02,))
+
+
 def test_bad_arguments_are_named():
     with pytest.raises(CostCurveError, match="rows must be a number >= 1"):
         curve().round_seconds(0, 0, 64)
@@ -119,7 +143,7 @@ def test_context_points_price_no_tree_and_nothing_else():
 
 def test_json_round_trip(tmp_path):
     c = curve(repeats=3, measure_seconds=1.5, prefill_tokens=(16, 64), prefill_seconds=(0.001, 0.002),
-              context_seconds=(0.012, 0.034, 0.019, 0.046))
+              context_seconds=(0.012, 0.034, 0.019, 0.046), prefill_context=512, prefill_context_seconds=(0.002, 0.003))
     assert CostCurve.from_json(json.loads(json.dumps(c.to_json()))) == c
     path = save_curve(c, tmp_path / "sub" / "c.json")
     assert load_curve(path) == c
@@ -138,6 +162,8 @@ def test_json_round_trip(tmp_path):
     (lambda d: d.update(device=""), r"device must be a non-empty string"),
     (lambda d: d.update(prefill_tokens=[16], prefill_seconds=[]), r"one value per prefill_tokens entry"),
     (lambda d: d.update(context_seconds=[0.01, -1.0, 0.01, 0.01]), r"context_seconds .*finite and > 0"),
+    (lambda d: d.update(prefill_tokens=[16], prefill_seconds=[0.01], prefill_context=64,
+                        prefill_context_seconds=[0.0]), r"prefill_context_seconds must be finite and > 0, got 0.0"),
 ])
 def test_malformed_curves_get_clear_errors(tmp_path, mutate, message):
     data = curve().to_json()
@@ -214,13 +240,21 @@ def demo_engine():
 @pytest.mark.slow
 def test_measurement_on_the_demo_pair_covers_the_declared_grid(demo_engine):
     grid = CostGrid(rows=(1, 2), budgets=(0, 4), kv_lens=(16, 64), block_size=demo_engine.trained_block_size,
-                    prefill_tokens=(16, 32), repeats=1, context=True)
+                    prefill_tokens=(16, 32), repeats=1, context=True, prefill_context=200)
     c = measure_cost_curve(demo_engine.runner, grid, graphs=demo_engine.parts.graphs, device_name="cpu",
                            model="demo")
     assert (c.rows, c.budgets, c.kv_lens, c.prefill_tokens) == ((1, 2), (0, 4), (16, 64), (16, 32))
     assert len(c.seconds) == 8 and len(c.prefill_seconds) == 2 and len(c.context_seconds) == 4
-    assert all(math.isfinite(s) and s > 0 for s in c.seconds + c.prefill_seconds + c.context_seconds)
+    assert c.prefill_context == 200 and len(c.prefill_context_seconds) == 2
+    assert all(math.isfinite(s) and s > 0
+               for s in c.seconds + c.prefill_seconds + c.context_seconds + c.prefill_context_seconds)
     assert c.measure_seconds > 0
+    over = demo_engine.runner.target_cache.max_len - 31  # a 32-token step from there ends one past the cache
+    with pytest.raises(CostCurveError, match=f"prefill_context {over} leaves no room for a 32-token prefill point"):
+        measure_cost_curve(demo_engine.runner, CostGrid((1,), (0,), (16,), 16, prefill_tokens=(16, 32),
+                                                        prefill_context=over), device_name="cpu", model="m")
+    with pytest.raises(CostCurveError, match="prefill_context must be an integer >= 0, and 0 without"):
+        CostGrid((1,), (0,), (16,), 16, prefill_context=64)
     # a grid the cache cannot hold is refused before anything runs
     with pytest.raises(CostCurveError, match="leaves no room"):
         measure_cost_curve(demo_engine.runner, CostGrid((1,), (0,), (10_000,), 16), device_name="cpu", model="m")
@@ -403,6 +437,7 @@ def test_engine_start_measures_caches_and_reports_the_curve(tiny_pair, tiny_toke
         info = started.info()["cost_curve"]
         assert (info["source"], info["path"], info["grid"]["rows"]) == ("file", first.path, [1, 2])
         assert info["grid"]["context_points"] is True
+        assert info["grid"]["prefill_context"] == first.curve.prefill_context
         assert started.cost_curve_source.curve == first.curve
         assert started.cost_curve == first.curve  # what budget "auto" reads
     finally:
@@ -416,6 +451,10 @@ def test_default_grid_is_the_declared_one():
     g = default_grid(max_batch=16, max_budget=64, cache_len=4200, block_size=16, step_tokens=512)
     assert (g.rows, g.budgets, g.kv_lens, g.prefill_tokens) == ((1, 2, 4, 8, 16), (0, 1, 3, 7, 15, 31, 63, 64),
                                                                 (64, 512, 4096), (16, 64, 256, 512))
+    # the prefill points again after the longest keys, where the cache leaves room for the widest step
+    assert g.prefill_context == 4096 - 512 + 104 == 4200 - 512
+    assert default_grid(max_batch=4, max_budget=8, cache_len=9000, block_size=16, step_tokens=2048).prefill_context == 4096
+    assert default_grid(max_batch=4, max_budget=8, cache_len=700, block_size=16, step_tokens=512).prefill_context == 0
     assert default_grid(max_batch=48, max_budget=32, cache_len=4200, block_size=16, step_tokens=512).rows == (
         1, 2, 4, 8, 16, 32, 48)
     g = default_grid(max_batch=64, max_budget=64, cache_len=700, block_size=16, step_tokens=512, buckets=False)

@@ -27,6 +27,11 @@ over rows x kv_lens (the grids the engine measures with a drafter do, ``CostGrid
 ``round_seconds(..., keeps_context=True)``; a curve without them prices such a round at AR's point, a few per cent
 cheap (0.36 ms of a 7 ms round at 64 rows on the H200 stand-in; 0.4-0.5 ms of 4-6 ms on the 2-core CPU VM).
 
+Prefill steps (optional, read by ``ddtree replay``'s model of the engine loop): ``prefill_seconds`` for one step of
+``prefill_tokens[i]`` prompt tokens from position 0, and ``prefill_context_seconds`` for the same steps after
+``prefill_context`` keys of their prompt; a step whose chunks sit after ``c`` keys on average costs the first plus
+``c / prefill_context`` of the difference (:meth:`CostCurve.prefill_step_seconds`).
+
 Interpolation is piecewise-linear along each axis (trilinear on the grid cell): a round's cost is close to linear
 in the rows it verifies once the forward is past its bandwidth-bound knee (below it, extra rows ride almost free,
 and the measured points are that knee: a denser rows grid near it is the remedy, not a fancier curve), linear in
@@ -116,6 +121,10 @@ class CostCurve:
     # optional: one prefill step's wall seconds for prefill_tokens[i] prompt tokens (one row, from position 0)
     prefill_tokens: tuple[int, ...] = ()
     prefill_seconds: tuple[float, ...] = ()
+    # optional: the same steps with prefill_context keys before the chunk (a prompt's later chunks attend over its
+    # earlier ones), one value per prefill_tokens entry; 0 / empty: a step costs the same at any offset
+    prefill_context: int = 0
+    prefill_context_seconds: tuple[float, ...] = ()
     # optional: flattened [len(rows), len(kv_lens)] wall seconds of a round at budget 0 that keeps the drafter's
     # context (budget auto's no tree: the verify's features copied and appended, which an AR round skips); empty:
     # such a round is priced at AR's point (budget 0)
@@ -162,6 +171,7 @@ class CostCurve:
         else:
             object.__setattr__(self, "prefill_tokens", ())
             object.__setattr__(self, "prefill_seconds", ())
+        self._check_prefill_context()
         context = None
         if self.context_seconds:
             # the points as a curve of one budget, read by the same interpolation (round_seconds)
@@ -174,6 +184,24 @@ class CostCurve:
         else:
             object.__setattr__(self, "context_seconds", ())
         object.__setattr__(self, "_context", context)
+
+    def _check_prefill_context(self) -> None:
+        k, values = self.prefill_context, self.prefill_context_seconds
+        if not k and not values:
+            object.__setattr__(self, "prefill_context", 0)
+            object.__setattr__(self, "prefill_context_seconds", ())
+            return
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise CostCurveError(f"cost curve prefill_context must be an integer >= 1 (the keys before the timed "
+                                 f"chunks), got {k!r}")
+        if not isinstance(values, (list, tuple)) or len(values) != len(self.prefill_tokens) or not values:
+            raise CostCurveError(f"cost curve prefill_context_seconds must hold one value per prefill_tokens entry "
+                                 f"({len(self.prefill_tokens)}), got {values!r}")
+        for t, v in zip(self.prefill_tokens, values, strict=True):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise CostCurveError(f"cost curve prefill_context_seconds must be finite and > 0, got {v!r} at {t} "
+                                     f"tokens")
+        object.__setattr__(self, "prefill_context_seconds", tuple(float(v) for v in values))
 
     def point(self, r: int, b: int, k: int) -> float:
         """The measured seconds at grid indices (r, b, k)."""
@@ -211,17 +239,36 @@ class CostCurve:
                         total += wr * wb * wk * self.point(r, b, k)
         return total
 
-    def prefill_step_seconds(self, tokens: int) -> float | None:
+    def prefill_step_seconds(self, tokens: int, context: float = 0) -> float | None:
         """One prefill step's wall seconds for ``tokens`` prompt tokens in all (piecewise-linear in tokens, capped
-        extrapolation as for rounds; a step of several rows is taken to cost what one row of their total does);
-        None when the curve has no prefill points."""
+        extrapolation as for rounds; a step of several rows is taken to cost what one row of their total does)
+        whose chunks sit after ``context`` keys of their prompts on average; None when the curve has no prefill
+        points.
+
+        Context: where the curve has :attr:`prefill_context_seconds`, linear from the points at 0 keys to those at
+        :attr:`prefill_context` keys (a chunk's attention over its prompt's earlier keys is linear in them), followed
+        past them for at most one more span, never below the points at 0; without them a step costs the same at
+        any offset. Why: a prompt of 8k tokens prefilled in chunks of 2048 attends over 0, 2k, 4k and 6k earlier
+        keys, and pricing every chunk as the first left replay's tok/s 10-14 % high at 32 prompts of 8k on the H100
+        stand-in (docs/benchmarks.md, "Budget auto across the matrix on one H100")."""
         if not self.prefill_tokens:
             return None
         if isinstance(tokens, bool) or not isinstance(tokens, (int, float)) or not math.isfinite(tokens) or tokens < 0:
             raise CostCurveError(f"prefill_step_seconds: tokens must be a number >= 0, got {tokens!r}")
+        if (isinstance(context, bool) or not isinstance(context, (int, float)) or not math.isfinite(context)
+                or context < 0):
+            raise CostCurveError(f"prefill_step_seconds: context must be a number >= 0, got {context!r}")
+        at_zero = self._prefill_read(self.prefill_seconds, tokens)
+        if not context or not self.prefill_context_seconds:
+            return at_zero
+        at_k = self._prefill_read(self.prefill_context_seconds, tokens)
+        share = min(float(context), 2.0 * self.prefill_context) / self.prefill_context
+        return at_zero + max(at_k - at_zero, 0.0) * share
+
+    def _prefill_read(self, seconds: tuple[float, ...], tokens: float) -> float:
         i, j, w = _segment(self.prefill_tokens, tokens)
-        edge = (1 - min(w, 1.0)) * self.prefill_seconds[i] + min(w, 1.0) * self.prefill_seconds[j]
-        return max(edge, (1 - w) * self.prefill_seconds[i] + w * self.prefill_seconds[j])
+        edge = (1 - min(w, 1.0)) * seconds[i] + min(w, 1.0) * seconds[j]
+        return max(edge, (1 - w) * seconds[i] + w * seconds[j])
 
     def covers(self, rows: int, budget: int, kv_len: int) -> bool:
         """Whether the point lies inside the measured grid (no extrapolation)."""
@@ -268,6 +315,8 @@ class CostCurve:
             "prefill_tokens": list(self.prefill_tokens),
             "prefill_seconds": list(self.prefill_seconds),
             **({"context_seconds": list(self.context_seconds)} if self.context_seconds else {}),
+            **({"prefill_context": self.prefill_context,
+                "prefill_context_seconds": list(self.prefill_context_seconds)} if self.prefill_context else {}),
         }
 
     @classmethod
@@ -281,19 +330,22 @@ class CostCurve:
         if missing:
             raise CostCurveError(f"cost curve lacks {', '.join(missing)}")
         unknown = sorted(set(d) - {"schema", "device", "model", "rows", "budgets", "kv_lens", "seconds", "repeats",
-                                   "measure_seconds", "prefill_tokens", "prefill_seconds", "context_seconds"})
+                                   "measure_seconds", "prefill_tokens", "prefill_seconds", "context_seconds",
+                                   "prefill_context", "prefill_context_seconds"})
         if unknown:
             raise CostCurveError(f"cost curve has unknown fields {unknown}")
         return cls(device=d["device"], model=d["model"], rows=d["rows"], budgets=d["budgets"], kv_lens=d["kv_lens"],
                    seconds=d["seconds"], repeats=d.get("repeats", 1), measure_seconds=d.get("measure_seconds", 0.0),
                    prefill_tokens=d.get("prefill_tokens", ()), prefill_seconds=d.get("prefill_seconds", ()),
-                   context_seconds=d.get("context_seconds", ()))
+                   context_seconds=d.get("context_seconds", ()), prefill_context=d.get("prefill_context", 0),
+                   prefill_context_seconds=d.get("prefill_context_seconds", ()))
 
 
 # Bumped when the engine's rounds change what they cost (so curves cached by an older engine are measured again):
 # 2 = the drafter's head in the tree stage over the depths a round's trees reach (git 8f9665a)
 # 3 = prefill points through the prefill graphs where the scheduler replays one (cost_measure.measure_cost_curve)
-ROUND_COST_VERSION = 3
+# 4 = prefill points after a context too (CostCurve.prefill_context_seconds)
+ROUND_COST_VERSION = 4
 
 
 def cache_key(device: str, model: str, **extra: Any) -> str:

@@ -30,6 +30,9 @@ log = logging.getLogger("ddtree.engine.cost_curve")
 # a point's budget in measure_cost_curve standing for a round at budget 0 that keeps the drafter's context
 # (CostGrid.context): budget auto's no tree
 CONTEXT = -1
+# the fewest keys before a chunk worth a prefill point of their own (default_grid): below, what the chunk's attention
+# over them adds is within the noise of a step's time
+PREFILL_CONTEXT_MIN = 256
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,9 @@ class CostGrid:
     # also time, at every rows x kv_lens point, a round at budget 0 that keeps the drafter's context (budget auto's
     # no tree: CostCurve.context_seconds); needs a drafter and block_size >= 2
     context: bool = False
+    # also time every prefill point after this many keys of its prompt (CostCurve.prefill_context_seconds: a later
+    # chunk of a long prompt attends over the earlier ones); 0: not
+    prefill_context: int = 0
 
     def __post_init__(self) -> None:
         check_axis("rows", self.rows, 1)
@@ -77,6 +83,10 @@ class CostGrid:
             raise CostCurveError(f"cost grid statistic must be 'median' or 'min', got {self.statistic!r}")
         if self.slots not in ("free", "scratch"):
             raise CostCurveError(f"cost grid slots must be 'free' or 'scratch', got {self.slots!r}")
+        k = self.prefill_context
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0 or (k and not self.prefill_tokens):
+            raise CostCurveError(f"cost grid prefill_context must be an integer >= 0, and 0 without prefill_tokens, "
+                                 f"got {k!r}")
 
     @property
     def points(self) -> int:
@@ -112,7 +122,9 @@ def default_grid(*, max_batch: int, max_budget: int, cache_len: int, block_size:
     keeps the drafter's context, which AR's point leaves out). ``budgets`` given: 0 plus those. kv_lens: 64, 512
     and 4096, capped at what the cache leaves room for (:func:`reach_limit`); prefill steps of 16, 64, 256 .. tokens up to ``step_tokens``
     (``EngineConfig.prefill_step_tokens``: a step's size, padding included; timed as one row, which costs about what
-    a step of as many tokens in several rows does once the step is compute-bound). ``block_size`` None (no
+    a step of as many tokens in several rows does once the step is compute-bound), from position 0 and again after
+    the largest kv_len's keys (``prefill_context``, where the cache leaves room for the widest step and that is at
+    least :data:`PREFILL_CONTEXT_MIN`): a long prompt's later chunks attend over its earlier ones. ``block_size`` None (no
     drafter) measures AR only."""
     if buckets:
         rows = list(rows_buckets(max_batch))
@@ -136,7 +148,10 @@ def default_grid(*, max_batch: int, max_budget: int, cache_len: int, block_size:
         raise CostCurveError(f"cache length {cache_len} leaves no room to time a round of budget {max(chosen)}")
     kv = sorted({min(v, top) for v in (64, 512, 4096)})
     prefill = sorted({min(16 * 4 ** i, step_tokens, cache_len) for i in range(5)})
-    return CostGrid(tuple(rows), tuple(chosen), tuple(kv), block, tuple(prefill), repeats, context=block > 1)
+    # the prefill points after a context: the grid's longest keys, where the cache leaves room for the widest step
+    after = min(kv[-1], cache_len - prefill[-1])
+    return CostGrid(tuple(rows), tuple(chosen), tuple(kv), block, tuple(prefill), repeats, context=block > 1,
+                    prefill_context=after if after >= PREFILL_CONTEXT_MIN else 0)
 
 
 def sample_points(points: Sequence[tuple[int, int, int]], one_round: Callable[[int, int, int], float], *,
@@ -181,7 +196,9 @@ def measure_cost_curve(runner: Any, grid: CostGrid, *, graphs: Any = None, prefi
     chunk (:meth:`~ddtree.engine.cuda_graphs.PrefillGraphs.can_run`), else eager, as the scheduler runs it: on the
     H200 stand-in an eager chunk of 16-1024 tokens took 26-34 ms, launch-bound, against 5-7 ms for a graphed one
     up to 256 tokens, and a curve of eager points charged every short prompt's arrival that much
-    (docs/benchmarks.md, "Replay predicts tok/s on the H200")."""
+    (docs/benchmarks.md, "Replay predicts tok/s on the H200"). With ``grid.prefill_context`` the same points again
+    from that position (the keys before it garbage, as the rounds' are), eager, as the scheduler runs a prompt's
+    later chunks (the prefill graphs take chunks from position 0 only)."""
     import statistics
     import time
 
@@ -203,6 +220,9 @@ def measure_cost_curve(runner: Any, grid: CostGrid, *, graphs: Any = None, prefi
         if grid.kv_lens[-1] > top:
             raise CostCurveError(f"cost grid kv_len {grid.kv_lens[-1]} leaves no room for a budget-{b} round in "
                                  f"{cache_len} cache positions; keep kv_lens <= {top}")
+    if grid.prefill_context and grid.prefill_context + grid.prefill_tokens[-1] > cache_len:
+        raise CostCurveError(f"cost grid prefill_context {grid.prefill_context} leaves no room for a "
+                             f"{grid.prefill_tokens[-1]}-token prefill point in {cache_len} cache positions")
     began = time.perf_counter()
     pad = RowInputs.padding(scratch)
 
@@ -257,10 +277,10 @@ def measure_cost_curve(runner: Any, grid: CostGrid, *, graphs: Any = None, prefi
     dev = runner.device
     one = lambda v: torch.tensor([v], dtype=torch.long, device=dev)  # noqa: E731
 
-    def one_prefill(tokens: int) -> float:
+    def one_prefill(tokens: int, start: int = 0) -> float:
         nonlocal prefill_graphs  # dropped at a failed replay or capture, as the scheduler drops its prefill graphs
         t0 = time.perf_counter()
-        if prefill_graphs is not None and prefill_graphs.can_run(1, tokens, [0]):
+        if not start and prefill_graphs is not None and prefill_graphs.can_run(1, tokens, [0]):
             try:
                 logits = prefill_graphs.run(torch.zeros((1, tokens), dtype=torch.long), [scratch], [tokens])
                 to_host(logits.argmax(-1))
@@ -271,19 +291,23 @@ def measure_cost_curve(runner: Any, grid: CostGrid, *, graphs: Any = None, prefi
                 t0 = time.perf_counter()
         logits = runner.prefill(PrefillInputs(
             ids=torch.zeros((1, tokens), dtype=torch.long, device=dev), slots=one(scratch),
-            start=one(0), valid_len=one(tokens), last_index=one(tokens - 1), kv_len=tokens))
+            start=one(start), valid_len=one(tokens), last_index=one(tokens - 1), kv_len=start + tokens))
         to_host(logits.argmax(-1))
         return time.perf_counter() - t0
 
+    after = grid.prefill_context
+    steps = [(t, 0) for t in grid.prefill_tokens] + [(t, after) for t in grid.prefill_tokens if after]
     with torch.inference_mode():
-        for t in grid.prefill_tokens:
-            one_prefill(t)
-        timed_prefill = [[one_prefill(t) for t in grid.prefill_tokens] for _ in range(grid.repeats)]
-    prefill = [statistics.median(rep[i] for rep in timed_prefill) for i in range(len(grid.prefill_tokens))]
+        for t, start in steps:
+            one_prefill(t, start)
+        timed_prefill = [[one_prefill(t, start) for t, start in steps] for _ in range(grid.repeats)]
+    prefill = [statistics.median(rep[i] for rep in timed_prefill) for i in range(len(steps))]
+    n = len(grid.prefill_tokens)
     return CostCurve(device=device_name, model=model, rows=grid.rows, budgets=grid.budgets, kv_lens=grid.kv_lens,
                      seconds=tuple(seconds[:grid_points]), repeats=grid.repeats,
                      measure_seconds=time.perf_counter() - began, prefill_tokens=grid.prefill_tokens,
-                     prefill_seconds=tuple(prefill), context_seconds=tuple(seconds[grid_points:]))
+                     prefill_seconds=tuple(prefill[:n]), context_seconds=tuple(seconds[grid_points:]),
+                     prefill_context=after, prefill_context_seconds=tuple(prefill[n:]))
 
 
 # ------------------------------------------------------------------------------------------------ budget auto's fallback
@@ -340,7 +364,8 @@ class CurveSource:
                 "device": None if c is None else c.device, "model": None if c is None else c.model,
                 "grid": None if c is None else {"rows": list(c.rows), "budgets": list(c.budgets),
                                                 "kv_lens": list(c.kv_lens), "prefill_tokens": list(c.prefill_tokens),
-                                                "context_points": bool(c.context_seconds), "repeats": c.repeats}}
+                                                "context_points": bool(c.context_seconds),
+                                                "prefill_context": c.prefill_context, "repeats": c.repeats}}
 
 
 def engine_device_name(device: Any) -> str:

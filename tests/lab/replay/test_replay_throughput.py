@@ -106,6 +106,25 @@ def test_prefill_steps_are_added():
                          prefill_chunk=3)[1] == pytest.approx(0.004)
 
 
+def test_a_prompts_later_chunks_pay_for_its_earlier_keys():
+    """A 10-token prompt in chunks of 4 at C = 1: chunks start after 0, 4 and 8 keys; with points after 8 keys
+    (0.001 more a token-step at 4 tokens) they cost 0.004, 0.0045 and 0.005 (the last, 2 tokens: 0.002 + 0.001); two
+    prompts in one step of 8 (2 rows x 4) pay for the mean of their chunks' offsets."""
+    curve = flat_curve(prefill_tokens=(1, 4), prefill_seconds=(0.001, 0.004), prefill_context=8,
+                       prefill_context_seconds=(0.002, 0.005))
+    _, prefill_s, _, _ = simulate_cell(curve, [[1, 1]], context=10, concurrency=1, max_tokens=3, budget=2,
+                                       prefill_chunk=4, step_tokens=4)
+    assert prefill_s == pytest.approx(0.004 + (0.004 + 0.5 * 0.001) + (0.002 + 0.001))
+    flat = flat_curve(prefill_tokens=(1, 4), prefill_seconds=(0.001, 0.004))
+    assert simulate_cell(flat, [[1, 1]], context=10, concurrency=1, max_tokens=3, budget=2, prefill_chunk=4,
+                         step_tokens=4)[1] == pytest.approx(0.004 + 0.004 + 0.002)
+    # two 6-token prompts, chunk 3, steps of 32 (2 rows x 16 padded): steps take 3 + 3 (after 0) then 3 + 3 (after 3
+    # keys each); a step of 6 tokens extrapolates along the last segment (0.006, after 8 keys 0.007)
+    _, prefill_s, _, _ = simulate_cell(curve, [[1, 1], [1, 1]], context=6, concurrency=2, max_tokens=3, budget=2,
+                                       prefill_chunk=3, step_tokens=32)
+    assert prefill_s == pytest.approx(0.006 + (0.006 + 3 / 8 * 0.001))
+
+
 def test_rounds_read_the_furthest_root():
     # seconds = 0.01 + 0.0001 kv_len; one request with a 10-token prompt: roots at positions 10 and 11, so an AR
     # verify reads 11 and 12 keys, a budget-4 one 15 and 16

@@ -8,7 +8,8 @@ loop: a finished request's place goes to the next one at once), on one engine wh
   (:func:`ddtree.engine.prefill_budget.step_takes`: at most ``prefill_chunk`` tokens a prompt, in arrival order, as
   many prompts as ``step_tokens`` holds with the step's padding), costing
   :meth:`~ddtree.engine.cost_curve.CostCurve.prefill_step_seconds` of its rows x widest row (what it computes; zero
-  when the curve has no prefill points; said in the result); a request whose prompt completes gets its first
+  when the curve has no prefill points; said in the result) after the mean of its chunks' offsets in their prompts
+  (the keys they attend over, priced where the curve has points after a context); a request whose prompt completes gets its first
   token from it and decodes from then on;
 * a **decode round** for every decoding request: ``rows`` = those requests, ``kv_len`` = the keys the verify
   reads (the furthest root's position, prompt + tokens so far - 1, plus ``budget + 1``), each row committing the next count of its
@@ -166,10 +167,13 @@ def closed_loop(curve: CostCurve, requests: int, model: RoundModel, *, context: 
             prefilling.append([waiting.popleft(), context])
         if prefilling:
             takes = step_takes([entry[1] for entry in prefilling], chunk=prefill_chunk, step_tokens=step_tokens)
+            # the keys of their prompts the chunks attend over: a take-weighted mean of where each chunk starts
+            after = sum(take * (context - entry[1]) for entry, take in zip(prefilling, takes, strict=False))
+            after /= max(sum(takes), 1)
             for entry, take in zip(prefilling, takes, strict=False):
                 entry[1] -= take
             step = len(takes) * max(takes)
-            cost = curve.prefill_step_seconds(step)
+            cost = curve.prefill_step_seconds(step, after)
             if cost is not None:
                 prefill_s += cost
                 extrapolated |= not curve.prefill_tokens[0] <= step <= curve.prefill_tokens[-1]
