@@ -117,7 +117,7 @@ def main() -> None:
     traced = [p for ps in cells.values() for p in ps[: args.trace_prompts]]
     traced = list({tuple(p): list(p) for p in traced}.values())
     t_trace = time.perf_counter()
-    top_m = max(max(budgets) + 1, *(auto_budget.candidates(config.max_budget) if args.auto else ()))
+    top_m = max([max(budgets) + 1, *(auto_budget.candidates(config.max_budget) if args.auto else ())])
     trace = record_trace(engine, traced, args.new_tokens, top_m=top_m)
     trace_s = time.perf_counter() - t_trace
     print(f"trace: {trace.num_sequences} sequences in {trace_s:.1f} s", flush=True)
