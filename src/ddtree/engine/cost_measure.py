@@ -148,10 +148,18 @@ def default_grid(*, max_batch: int, max_budget: int, cache_len: int, block_size:
         raise CostCurveError(f"cache length {cache_len} leaves no room to time a round of budget {max(chosen)}")
     kv = sorted({min(v, top) for v in (64, 512, 4096)})
     prefill = sorted({min(16 * 4 ** i, step_tokens, cache_len) for i in range(5)})
-    # the prefill points after a context: the grid's longest keys, where the cache leaves room for the widest step
-    after = min(kv[-1], cache_len - prefill[-1])
     return CostGrid(tuple(rows), tuple(chosen), tuple(kv), block, tuple(prefill), repeats, context=block > 1,
-                    prefill_context=after if after >= PREFILL_CONTEXT_MIN else 0)
+                    prefill_context=prefill_context_for(kv, prefill, cache_len))
+
+
+def prefill_context_for(kv_lens: Sequence[int], prefill_tokens: Sequence[int], cache_len: int) -> int:
+    """Where a grid's prefill points are timed again (``CostGrid.prefill_context``): after its longest keys, or as
+    many as the cache leaves room for before the widest step; 0 (not at all) below :data:`PREFILL_CONTEXT_MIN` or
+    without prefill points."""
+    if not prefill_tokens or not kv_lens:
+        return 0
+    after = min(max(kv_lens), cache_len - max(prefill_tokens))
+    return after if after >= PREFILL_CONTEXT_MIN else 0
 
 
 def sample_points(points: Sequence[tuple[int, int, int]], one_round: Callable[[int, int, int], float], *,

@@ -243,7 +243,13 @@ def curve_cmd(
 
     from ddtree.engine import Engine
     from ddtree.engine.cost_curve import save_curve
-    from ddtree.engine.cost_measure import CostGrid, engine_device_name, engine_grid, measure_cost_curve
+    from ddtree.engine.cost_measure import (
+        CostGrid,
+        engine_device_name,
+        engine_grid,
+        measure_cost_curve,
+        prefill_context_for,
+    )
     from ddtree.lab.sweep.grid import parse_list
 
     def ints(text: str | None, what: str, default: tuple[int, ...]) -> tuple[int, ...]:
@@ -261,10 +267,12 @@ def curve_cmd(
     try:
         engine.parts.warmup.run()
         base = engine_grid(engine.parts)
-        grid = CostGrid(rows=wanted_rows or base.rows, budgets=ints(budgets, "budgets", base.budgets),
-                        kv_lens=ints(kv_lens, "kv_lens", base.kv_lens), block_size=base.block_size,
-                        prefill_tokens=ints(prefill_tokens, "prefill_tokens", base.prefill_tokens), repeats=repeats,
-                        context=base.context)  # no tree's own points (budget auto's budget 0), as the engine's
+        kv = ints(kv_lens, "kv_lens", base.kv_lens)
+        prefill = ints(prefill_tokens, "prefill_tokens", base.prefill_tokens)
+        # no tree's own points (budget auto's budget 0) and the prefill points after a context, as the engine's
+        grid = CostGrid(rows=wanted_rows or base.rows, budgets=ints(budgets, "budgets", base.budgets), kv_lens=kv,
+                        block_size=base.block_size, prefill_tokens=prefill, repeats=repeats, context=base.context,
+                        prefill_context=prefill_context_for(kv, prefill, engine.runner.target_cache.max_len))
         typer.echo(f"timing {grid.points} points x {repeats + 1} rounds "
                    f"+ {len(grid.prefill_tokens)} prefill sizes ...")
         curve = measure_cost_curve(engine.runner, grid, graphs=engine.parts.graphs,
