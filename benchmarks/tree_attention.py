@@ -9,6 +9,8 @@ Each timed call reads its own copy of the K/V cache (enough copies for ~3x the L
 keys the L2 no longer holds; ``--l2-resident`` repeats one copy (runs 7-26 did, and run 26 shows it misleads).
 
     python benchmarks/tree_attention.py --out $OUT/tree_attention.json
+    python benchmarks/tree_attention.py --out $OUT/ta.json --shapes 8:4096:1,16:4096:1,32:4096:2,16:4096:4,32:4096:4 \
+        --combine-block-m 16,32 --block-m 64 --block-n 64 --warps 4 --stages 3 --splits none   # the combine's tile
 """
 
 from __future__ import annotations
@@ -81,6 +83,9 @@ def main() -> None:
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--stages", default="2,3")
     ap.add_argument("--splits", default="none,4,8,16")
+    ap.add_argument("--combine-block-m", default="",
+                    help="also time the default launch with the combine over these rows per program (e.g. 16,32; "
+                         "ddtree.tuning.COMBINE_BLOCK_M): the combine-tile column")
     ap.add_argument("--l2-resident", action="store_true",
                     help="time one K/V copy over and over (runs 7-26 did; it favours tiles that only win from L2)")
     args = ap.parse_args()
@@ -95,8 +100,9 @@ def main() -> None:
     grid = list(itertools.product(ints(args.block_m), ints(args.block_n), ints(args.warps), ints(args.stages),
                                   ints(args.splits)))
     results = []
-    print("| T | ctx | R | baseline ms | default ms | best ms | best (block_m, block_n, warps, stages, splits) |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| T | ctx | R | baseline ms | default ms | default, combine tile: ms | best ms | best (block_m, block_n, warps, "
+          "stages, splits) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for shape in args.shapes.split(","):
         if time.perf_counter() > deadline:
             break
@@ -109,6 +115,13 @@ def main() -> None:
         base_cs = cs if baseline is not None and hasattr(baseline, "pack_visibility") else base_cases
         base = time_ms([lambda c=c: baseline.tree_attention(**c) for c in base_cs]) if baseline is not None else None
         default = time_ms([lambda c=c: ta.tree_attention(**c) for c in cs])
+        combine = {}
+        for cbm in filter(None, args.combine_block_m.split(",")):
+            try:
+                combine[int(cbm)] = time_ms([lambda c=c, m=int(cbm): ta.tree_attention(**c, combine_block_m=m)
+                                             for c in cs])
+            except Exception as exc:  # wider than the launch's block_m: named, not timed
+                print(f"  T={t} ctx={ctx} combine_block_m={cbm}: {type(exc).__name__}", flush=True)
         timings = {}
         for config in grid:
             bm, bn, warps, stages, splits = config
@@ -127,10 +140,12 @@ def main() -> None:
             continue  # no tile of the grid fits this shape
         best = min(timings, key=timings.get)
         results.append({"t": t, "context": ctx, "rows": rows, "kv_copies": len(cs), "baseline_ms": base,
-                        "default_ms": default, "best_ms": timings[best], "best": best,
+                        "default_ms": default, "combine_ms": combine, "best_ms": timings[best], "best": best,
                         "all": {str(k): v for k, v in timings.items()}})
         base_s = f"{base:.4f}" if base is not None else "-"
-        print(f"| {t} | {ctx} | {rows} | {base_s} | {default:.4f} | {timings[best]:.4f} | {best} |", flush=True)
+        comb = ", ".join(f"{m}: {v:.4f}" for m, v in combine.items()) or "-"
+        print(f"| {t} | {ctx} | {rows} | {base_s} | {default:.4f} | {comb} | {timings[best]:.4f} | {best} |",
+              flush=True)
         with open(args.out, "w") as fh:  # after every shape, so a time-boxed run keeps what it measured
             json.dump({"device": torch.cuda.get_device_name(), "results": results}, fh, indent=1)
 

@@ -44,6 +44,12 @@ LONG_CONTEXT_MIN_SPLITS = 8
 # A single request with a short context is latency-bound: a handful of programs with little work each. There,
 # smaller row tiles and splits of two key blocks won (H200 sweep, run 10: T = 17 at 1k, 13.4 -> 10.3 us a layer).
 LATENCY_BOUND_KV_LEN = 2048
+# Folded query rows per program of tree attention's combine kernel (None: the split kernel's block_m). A candidate,
+# not a tuned value: the combine keeps UNROLL partial tiles of [rows x 64] fp32 in flight, and every H100 and H200
+# cost curve has a round of 16-32 tree rows over 3-4k keys at 1-4 requests about 2 ms (20 %) dearer than its
+# neighbours exactly where the split kernel's 64-row tile meets a 17-slot combine (docs/benchmarks.md, "Budget auto
+# across the matrix on one H100"); benchmarks/tree_attention.py --combine-block-m times it.
+COMBINE_BLOCK_M: int | None = None
 
 
 class Tiles(NamedTuple):

@@ -250,6 +250,25 @@ def test_row_tile_sizes_agree(block_m):
     assert (got - dense_reference(**case)).abs().max().item() < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("combine_block_m", [16, 32])
+def test_combine_row_tiles_give_the_same_bits(combine_block_m):
+    """combine_block_m (the combine's rows per program, ``ddtree.tuning.COMBINE_BLOCK_M``): each row's merge of its
+    partials is the same arithmetic in the same order whatever the tile, so the output is identical bit for bit to
+    the combine over the split's 64-row tile; a tile that is not a power of two in [16, block_m] is named."""
+    case = make_case(rows=2, heads=8, kv_heads=2, t=9, kv_len=40, max_len=40, vis="tree", seed=21)
+    wide = ta.tree_attention(**case, block_n=16, splits=3, block_m=64)
+    narrow = ta.tree_attention(**case, block_n=16, splits=3, block_m=64, combine_block_m=combine_block_m)
+    assert torch.equal(wide, narrow)
+    assert (narrow - dense_reference(**case)).abs().max().item() < TOL[torch.float32]
+    launch = ta.plan_launch(2, 8, 2, 9, 32, 40, 4, 132, block_n=16, splits=3, block_m=64,
+                            combine_block_m=combine_block_m)
+    assert launch.combine_block_m == combine_block_m
+    assert ta.variants(launch, 9, 32, has_first=False)[1][2] == combine_block_m  # what the warm-up compiles
+    for bad in (8, 24, 128):
+        with pytest.raises(ConfigError, match="combine_block_m must be a power of two in \\[16, block_m = 64\\]"):
+            ta.tree_attention(**case, block_n=16, splits=3, block_m=64, combine_block_m=bad)
+
+
 def test_head_dim_256_and_many_folded_rows():
     """D = 256 and G * T = 72 folded rows: two row tiles of 64."""
     case = make_case(rows=1, heads=8, kv_heads=1, t=9, d=256, kv_len=20, max_len=20, vis="tree", seed=9)
