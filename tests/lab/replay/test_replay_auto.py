@@ -189,23 +189,20 @@ def test_replay_curve_cli_times_no_trees_own_points(tmp_path):
 
     app = typer.Typer()
     register(app)
-    out = tmp_path / "curve.json"
-    result = CliRunner().invoke(app, ["replay", "curve", "--device", "cpu", "--max-batch", "2", "--max-len", "256",
-                                      "--max-budget", "16", "--warmup", "none", "--rows", "1,2", "--budgets", "0,3",
-                                      "--kv-lens", "64", "--prefill-tokens", "none", "--repeats", "1",
-                                      "--out", str(out)])
-    assert result.exit_code == 0, result.output
-    curve = load_curve(out)
+
+    def measured(name: str, *grid: str):
+        out = tmp_path / name
+        result = CliRunner().invoke(app, ["replay", "curve", "--device", "cpu", "--max-batch", "2", "--max-len",
+                                          "256", "--max-budget", "16", "--warmup", "none", "--budgets", "0,3",
+                                          "--repeats", "1", *grid, "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        return load_curve(out)
+
+    curve = measured("curve.json", "--rows", "1,2", "--kv-lens", "64", "--prefill-tokens", "none")
     assert curve.rows == (1, 2) and curve.budgets == (0, 3) and curve.kv_lens == (64,)
     assert len(curve.context_seconds) == 2 and all(s > 0 for s in curve.context_seconds)
     assert curve.round_seconds(1, 0, 64, keeps_context=True) == curve.context_seconds[0]
     # with prefill points, they are timed again after the longest keys, as the engine-start grid does
-    out2 = tmp_path / "curve2.json"
-    result = CliRunner().invoke(app, ["replay", "curve", "--device", "cpu", "--max-batch", "2", "--max-len", "256",
-                                      "--max-budget", "16", "--warmup", "none", "--rows", "1", "--budgets", "0,3",
-                                      "--kv-lens", "64,300", "--prefill-tokens", "16,32", "--repeats", "1",
-                                      "--out", str(out2)])
-    assert result.exit_code == 0, result.output
-    curve = load_curve(out2)
+    curve = measured("curve2.json", "--rows", "1", "--kv-lens", "64,300", "--prefill-tokens", "16,32")
     assert curve.prefill_tokens == (16, 32) and curve.prefill_context == 300
     assert len(curve.prefill_context_seconds) == 2 and all(s > 0 for s in curve.prefill_context_seconds)
