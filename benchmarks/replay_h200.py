@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from ddtree import tuning
 from ddtree.engine import Engine, EngineConfig, auto_budget
 from ddtree.engine.cost_curve import save_curve
 from ddtree.engine.cost_measure import CostGrid, measure_cost_curve
@@ -67,6 +68,9 @@ def main() -> None:
     ap.add_argument("--trace-prompts", type=int, default=64, help="prompts of each cell the trace records")
     ap.add_argument("--time-budget", type=float, default=400.0, help="seconds after which no measured cell starts")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script (--shape none)")
+    ap.add_argument("--combine-block-m", type=int, default=None,
+                    help="ddtree.tuning.COMBINE_BLOCK_M for this engine (tree attention's combine rows per program; "
+                         "the cost curve is cached per value)")
     ap.add_argument("--no-eager", dest="eager", action="store_false",
                     help="leave out the second prediction with the prefill points measured eagerly (saves its time)")
     args = ap.parse_args()
@@ -78,6 +82,8 @@ def main() -> None:
     budgets = list(int_list(args.budgets, name="--budgets"))
     device = torch.device(args.device)
     cuda = device.type == "cuda"
+    if args.combine_block_m is not None:
+        tuning.COMBINE_BLOCK_M = args.combine_block_m  # read by every launch plan, the warm-up's and the graphs'
     target, drafter, pair_dir = load_demo_benchmark_pair(args.shape, device, torch.bfloat16 if cuda else torch.float32)
     tokenizer = load_tokenizer(pair_dir)
     config = EngineConfig(max_batch=max(concurrency), max_len=max(contexts) + args.new_tokens + 64,

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ddtree import tuning
 from ddtree.engine.config import EngineConfig
 from ddtree.engine.cost_curve import (
     CostCurve,
@@ -413,7 +414,7 @@ def test_scratch_measurement_leaves_live_slots_alone(demo_engine):
 
 
 @pytest.mark.slow
-def test_engine_start_measures_caches_and_reports_the_curve(tiny_pair, tiny_tokenizer, tmp_path):
+def test_engine_start_measures_caches_and_reports_the_curve(tiny_pair, tiny_tokenizer, tmp_path, monkeypatch):
     from dataclasses import replace
 
     from ddtree.engine import Engine
@@ -428,6 +429,11 @@ def test_engine_start_measures_caches_and_reports_the_curve(tiny_pair, tiny_toke
     assert all(s > 0 for s in first.curve.seconds)
     again = curve_at_start(engine.parts, cache_dir=tmp_path)
     assert again.source == "cache" and again.curve == first.curve
+    # launches planned otherwise (tree attention's combine tile) cost otherwise: their curve is a file of its own
+    monkeypatch.setattr(tuning, "COMBINE_BLOCK_M", 16)
+    other = curve_at_start(engine.parts, cache_dir=tmp_path)
+    assert other.source == "measured" and other.path != first.path
+    monkeypatch.undo()
     # a named file is what Engine.start() reads, and info() says where the curve came from
     started = Engine.from_models(target, drafter, tiny_tokenizer, replace(config, cost_curve=first.path),
                                  model_name="tiny")
