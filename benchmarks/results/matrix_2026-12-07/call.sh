@@ -21,6 +21,6 @@ for part in ${PARTS:-short}; do
   timeout "${LIMIT:-${LIMITS[$part]}}" python3 benchmarks/replay_h200.py --out "$OUT/$part" --contexts "${CONTEXTS[$part]}" \
     --concurrency "${CONC[$part]}" --budgets "${BUDGETS[$part]}" --auto --waves "${WAVES[$part]}" \
     --time-budget "${MATRIX_S[$part]}" --no-eager ${EXTRA:-} >"$OUT/$part.log" 2>&1 || echo "$part failed or timed out"
-  grep -v "^{" "$OUT/$part.log" | grep -E '^(measured|\| graphed|auto |total|engine ready|trace)' | cut -c1-220
+  grep -v "^{" "$OUT/$part.log" | grep -E '^(measured|\| graphed|\| no context|auto |total|engine ready|trace|prefill points after)' | cut -c1-220
 done
 echo "all done at ${SECONDS}s"
