@@ -160,14 +160,7 @@ class CostCurve:
             raise CostCurveError(f"cost curve measure_seconds must be finite and >= 0, got {self.measure_seconds!r}")
         if self.prefill_tokens or self.prefill_seconds:
             object.__setattr__(self, "prefill_tokens", check_axis("prefill_tokens", self.prefill_tokens, 1))
-            if (not isinstance(self.prefill_seconds, (list, tuple))
-                    or len(self.prefill_seconds) != len(self.prefill_tokens)):
-                raise CostCurveError(f"cost curve prefill_seconds must hold one value per prefill_tokens entry "
-                                     f"({len(self.prefill_tokens)}), got {self.prefill_seconds!r}")
-            for t, v in zip(self.prefill_tokens, self.prefill_seconds, strict=True):
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                    raise CostCurveError(f"cost curve prefill_seconds must be finite and > 0, got {v!r} at {t} tokens")
-            object.__setattr__(self, "prefill_seconds", tuple(float(v) for v in self.prefill_seconds))
+            object.__setattr__(self, "prefill_seconds", self._per_step("prefill_seconds", self.prefill_seconds))
         else:
             object.__setattr__(self, "prefill_tokens", ())
             object.__setattr__(self, "prefill_seconds", ())
@@ -194,14 +187,17 @@ class CostCurve:
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise CostCurveError(f"cost curve prefill_context must be an integer >= 1 (the keys before the timed "
                                  f"chunks), got {k!r}")
+        object.__setattr__(self, "prefill_context_seconds", self._per_step("prefill_context_seconds", values))
+
+    def _per_step(self, name: str, values: Any) -> tuple[float, ...]:
+        """``values`` checked as one finite, positive seconds value per ``prefill_tokens`` entry."""
         if not isinstance(values, (list, tuple)) or len(values) != len(self.prefill_tokens) or not values:
-            raise CostCurveError(f"cost curve prefill_context_seconds must hold one value per prefill_tokens entry "
+            raise CostCurveError(f"cost curve {name} must hold one value per prefill_tokens entry "
                                  f"({len(self.prefill_tokens)}), got {values!r}")
         for t, v in zip(self.prefill_tokens, values, strict=True):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise CostCurveError(f"cost curve prefill_context_seconds must be finite and > 0, got {v!r} at {t} "
-                                     f"tokens")
-        object.__setattr__(self, "prefill_context_seconds", tuple(float(v) for v in values))
+                raise CostCurveError(f"cost curve {name} must be finite and > 0, got {v!r} at {t} tokens")
+        return tuple(float(v) for v in values)
 
     def point(self, r: int, b: int, k: int) -> float:
         """The measured seconds at grid indices (r, b, k)."""
