@@ -5,17 +5,18 @@
 # One engine per part (its slots sized by the part's largest C and context). Run from the repository root with OUT
 # set; PARTS picks the parts: bash benchmarks/results/matrix_2026-12-07/call.sh   (PARTS="short long1" ...);
 # EXTRA adds flags to every part (EXTRA="--combine-block-m 16": PARTS=c1long again with tree attention's combine over
-# 16-row tiles, against the default's)
+# 16-row tiles, against the default's; c1k4: its 4k cell alone)
 set -u
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 SECONDS=0
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-declare -A CONTEXTS=([short]=60,1024 [long1]=4096,8192 [long32]=4096,8192 [long64]=4096 [c32k1]=1024 [c1long]=4096,8192)
-declare -A CONC=([short]=1,8,32 [long1]=1,8 [long32]=32 [long64]=64 [c32k1]=32 [c1long]=1)
-declare -A BUDGETS=([short]=7,15,31 [long1]=3,15,31 [long32]=3,7,15 [long64]=7 [c32k1]=7 [c1long]=7,15,31)
-declare -A WAVES=([short]=4 [long1]=4 [long32]=1 [long64]=1 [c32k1]=4 [c1long]=4)
-declare -A MATRIX_S=([short]=380 [long1]=330 [long32]=300 [long64]=150 [c32k1]=120 [c1long]=200)
-declare -A LIMITS=([short]=585 [long1]=500 [long32]=585 [long64]=280 [c32k1]=210 [c1long]=330)
+declare -A CONTEXTS=([short]=60,1024 [long1]=4096,8192 [long32]=4096,8192 [long64]=4096 [c32k1]=1024 [c1long]=4096,8192 [c1k4]=4096)
+declare -A CONC=([short]=1,8,32 [long1]=1,8 [long32]=32 [long64]=64 [c32k1]=32 [c1long]=1 [c1k4]=1)
+declare -A BUDGETS=([short]=7,15,31 [long1]=3,15,31 [long32]=3,7,15 [long64]=7 [c32k1]=7 [c1long]=7,15,31 [c1k4]=7,15,31)
+declare -A WAVES=([short]=4 [long1]=4 [long32]=1 [long64]=1 [c32k1]=4 [c1long]=4 [c1k4]=4)
+declare -A MATRIX_S=([short]=380 [long1]=330 [long32]=300 [long64]=150 [c32k1]=120 [c1long]=200 [c1k4]=110)
+declare -A LIMITS=([short]=585 [long1]=500 [long32]=585 [long64]=280 [c32k1]=210 [c1long]=330 [c1k4]=250)
+mkdir -p "$OUT"
 for part in ${PARTS:-short}; do
   echo "== $part at ${SECONDS}s"
   timeout "${LIMIT:-${LIMITS[$part]}}" python3 benchmarks/replay_h200.py --out "$OUT/$part" --contexts "${CONTEXTS[$part]}" \
