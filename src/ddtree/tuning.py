@@ -44,12 +44,36 @@ LONG_CONTEXT_MIN_SPLITS = 8
 # A single request with a short context is latency-bound: a handful of programs with little work each. There,
 # smaller row tiles and splits of two key blocks won (H200 sweep, run 10: T = 17 at 1k, 13.4 -> 10.3 us a layer).
 LATENCY_BOUND_KV_LEN = 2048
-# Folded query rows per program of tree attention's combine kernel (None: the split kernel's block_m). A candidate,
-# not a tuned value: the combine keeps UNROLL partial tiles of [rows x 64] fp32 in flight, and every H100 and H200
-# cost curve has a round of 16-32 tree rows over 3-4k keys at 1-4 requests about 2 ms (20 %) dearer than its
-# neighbours exactly where the split kernel's 64-row tile meets a 17-slot combine (docs/benchmarks.md, "Budget auto
-# across the matrix on one H100"); benchmarks/tree_attention.py --combine-block-m times it.
+# Tree attention's combine kernel (ddtree.models.tree_attention): its program's tile of [rows x head-dim columns]
+# per partial, chosen by choose_combine_tile. The kernel keeps all UNROLL partials' tiles in flight (their loads
+# issued at once), each element with its fp32 value and its 64-bit address, so registers bound the tile: with
+# COMBINE_WARPS warps a thread holds rows * cols / (32 * warps) elements of each partial, and keeping that times
+# UNROLL at most COMBINE_REGISTER_ELEMS compiles without spilling for every UNROLL the kernel uses (ptxas of
+# Triton 3.9 for sm_90, cuobjdump -res-usage: 16 x 16 at UNROLL 17 uses 128 registers; 16 x 64 at 17, the tile
+# before, spilled 728 bytes of stack a thread, 64 x 64 at 17 8904; the cost curves' dear rounds at 16-32 tree rows
+# over 3-4k keys sat exactly there: docs/benchmarks.md, "Budget auto across the matrix on one H100").
+COMBINE_WARPS = 4
+COMBINE_REGISTER_ELEMS = 40
+# Overrides of choose_combine_tile's rows and columns (None: the rule's). Rows are capped at the split kernel's
+# block_m; COMBINE_BLOCK_M = 128 with COMBINE_BLOCK_D = 64 is the combine before the rule (the split's tile, 64
+# columns). benchmarks/tree_attention.py --combine-tiles and benchmarks/replay_h200.py --combine-block-m/-d set them.
 COMBINE_BLOCK_M: int | None = None
+COMBINE_BLOCK_D: int | None = None
+
+
+def choose_combine_tile(block_m: int, unroll: int, head_dim: int) -> tuple[int, int]:
+    """(rows, columns) of one combine program for a split launch of ``block_m`` rows whose combine unrolls over
+    ``unroll`` partials of ``head_dim`` columns: the largest tile (powers of two, rows in [16, block_m], columns in
+    [16, min(64, head_dim)]) whose elements per thread times ``unroll`` stay within ``COMBINE_REGISTER_ELEMS``,
+    shrinking rows before columns (a row's columns are contiguous in the partials); 16 x 16 at least. Host ints."""
+    rows, cols = min(block_m, 64), min(head_dim, 64)
+    budget = COMBINE_REGISTER_ELEMS * 32 * COMBINE_WARPS
+    while rows * cols * unroll > budget and (rows > 16 or cols > 16):
+        if rows > 16:
+            rows //= 2
+        else:
+            cols //= 2
+    return rows, cols
 
 
 class Tiles(NamedTuple):

@@ -430,7 +430,7 @@ def test_engine_start_measures_caches_and_reports_the_curve(tiny_pair, tiny_toke
     again = curve_at_start(engine.parts, cache_dir=tmp_path)
     assert again.source == "cache" and again.curve == first.curve
     # launches planned otherwise (tree attention's combine tile) cost otherwise: their curve is a file of its own
-    monkeypatch.setattr(tuning, "COMBINE_BLOCK_M", 16)
+    monkeypatch.setattr(tuning, "COMBINE_BLOCK_D", 16)
     other = curve_at_start(engine.parts, cache_dir=tmp_path)
     assert other.source == "measured" and other.path != first.path
     monkeypatch.undo()

@@ -8,6 +8,7 @@ key blocks and context splits.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -250,23 +251,50 @@ def test_row_tile_sizes_agree(block_m):
     assert (got - dense_reference(**case)).abs().max().item() < TOL[torch.float32]
 
 
-@pytest.mark.parametrize("combine_block_m", [16, 32])
-def test_combine_row_tiles_give_the_same_bits(combine_block_m):
-    """combine_block_m (the combine's rows per program, ``ddtree.tuning.COMBINE_BLOCK_M``): each row's merge of its
-    partials is the same arithmetic in the same order whatever the tile, so the output is identical bit for bit to
-    the combine over the split's 64-row tile; a tile that is not a power of two in [16, block_m] is named."""
+@pytest.mark.parametrize("combine_block_m, combine_block_d", [(16, 32), (32, 32), (16, 16), (64, 16)])
+def test_combine_tiles_give_the_same_bits(combine_block_m, combine_block_d):
+    """The combine's tile (rows x head-dim columns per program, ``ddtree.tuning.choose_combine_tile``): each
+    element's merge of its partials is the same arithmetic in the same order whatever the tile, so the output is
+    identical bit for bit to the combine over the split's whole 64-row tile and all 32 columns; a tile that is not
+    a power of two in [16, block_m] x [16, head_dim] is named."""
     case = make_case(rows=2, heads=8, kv_heads=2, t=9, kv_len=40, max_len=40, vis="tree", seed=21)
-    wide = ta.tree_attention(**case, block_n=16, splits=3, block_m=64)
-    narrow = ta.tree_attention(**case, block_n=16, splits=3, block_m=64, combine_block_m=combine_block_m)
+    wide = ta.tree_attention(**case, block_n=16, splits=3, block_m=64, combine_block_m=64, combine_block_d=64)
+    narrow = ta.tree_attention(**case, block_n=16, splits=3, block_m=64, combine_block_m=combine_block_m,
+                               combine_block_d=combine_block_d)
     assert torch.equal(wide, narrow)
     assert (narrow - dense_reference(**case)).abs().max().item() < TOL[torch.float32]
     launch = ta.plan_launch(2, 8, 2, 9, 32, 40, 4, 132, block_n=16, splits=3, block_m=64,
-                            combine_block_m=combine_block_m)
-    assert launch.combine_block_m == combine_block_m
-    assert ta.variants(launch, 9, 32, has_first=False)[1][2] == combine_block_m  # what the warm-up compiles
+                            combine_block_m=combine_block_m, combine_block_d=combine_block_d)
+    assert (launch.combine_block_m, launch.combine_block_d) == (combine_block_m, combine_block_d)
+    # what the warm-up compiles
+    assert ta.variants(launch, 9, 32, has_first=False)[1][2:4] == (combine_block_m, combine_block_d)
     for bad in (8, 24, 128):
         with pytest.raises(ConfigError, match="combine_block_m must be a power of two in \\[16, block_m = 64\\]"):
             ta.tree_attention(**case, block_n=16, splits=3, block_m=64, combine_block_m=bad)
+    for bad in (8, 24, 128):
+        with pytest.raises(ConfigError, match="combine_block_d must be a power of two in \\[16, head_dim = 64\\]"):
+            ta.tree_attention(**case, block_n=16, splits=3, block_m=64, combine_block_d=bad)
+
+
+def test_combine_tile_rule_against_brute_force(monkeypatch):
+    """choose_combine_tile against every power-of-two tile: the widest (then tallest) one whose elements per thread
+    times the unrolled partials fit the register budget, 16 x 16 where none does; the launch plan uses it unless
+    ``tuning.COMBINE_BLOCK_M``/``_D`` override it (rows capped at the split's tile)."""
+    from ddtree import tuning
+
+    per_thread = 32 * tuning.COMBINE_WARPS
+    for block_m, unroll, head_dim in itertools.product((16, 32, 64, 128), (3, 5, 9, 17, 33), (32, 64, 128, 256)):
+        tiles = [(m, d) for m in (16, 32, 64, 128) for d in (16, 32, 64) if m <= min(block_m, 64) and d <= head_dim]
+        fits = [(d, m) for m, d in tiles if m * d * unroll <= tuning.COMBINE_REGISTER_ELEMS * per_thread]
+        want = (16, 16) if not fits else tuple(reversed(max(fits)))
+        assert tuning.choose_combine_tile(block_m, unroll, head_dim) == want, (block_m, unroll, head_dim)
+    # the engine's shapes (1 row, 32 heads over 8, T = 16 at 4k: 16 splits, 17 partials) get a tile without spills
+    launch = ta.plan_launch(1, 32, 8, 16, 128, 4096, 2, 132)
+    assert launch.combine_splits == 17 and (launch.combine_block_m, launch.combine_block_d) == (16, 16)
+    monkeypatch.setattr(tuning, "COMBINE_BLOCK_M", 128)
+    monkeypatch.setattr(tuning, "COMBINE_BLOCK_D", 64)
+    old = ta.plan_launch(1, 32, 8, 16, 128, 4096, 2, 132)
+    assert (old.combine_block_m, old.combine_block_d) == (old.block_m, 64)  # the combine before the rule
 
 
 def test_head_dim_256_and_many_folded_rows():

@@ -420,7 +420,8 @@ def curve_at_start(parts: Any, *, cache_dir: Path | None = None,
     key = cache_key(device, model, target=cfg.target, draft=cfg.draft, kernels=cfg.gpu_kernels,
                     graphs=parts.graphs is not None, exact=cfg.exact, draft_fp8=cfg.draft_fp8,
                     blas_rule=cfg.blas_rule, cpu_threads=cfg.cpu_threads, torch=torch.__version__,
-                    grid=dataclasses.asdict(grid), combine_block_m=tuning.COMBINE_BLOCK_M)
+                    grid=dataclasses.asdict(grid), combine_block_m=tuning.COMBINE_BLOCK_M,
+                    combine_block_d=tuning.COMBINE_BLOCK_D)
 
     def measure() -> CostCurve:
         log.info("measuring the cost curve: %d points x %d rounds", grid.points, grid.repeats + 1)

@@ -354,12 +354,14 @@ class Launch(NamedTuple):
     row_tiles: int
     combine_splits: int  # the combine's unrolled partial count (2^k + 1 >= splits + 1; 0 when direct)
     combine_block_m: int  # folded query rows per combine program (divides the split's block_m)
+    combine_block_d: int  # head-dim columns per combine program (divides head_dim)
 
 
 def plan_launch(requests: int, heads: int, kv_heads: int, tokens: int, head_dim: int, kv_len: int,
                 elem_bytes: int, sms: int, *, block_n: int | None = None, splits: int | None = None,
                 block_m: int | None = None, num_warps: int | None = None,
-                num_stages: int | None = None, combine_block_m: int | None = None) -> Launch:
+                num_stages: int | None = None, combine_block_m: int | None = None,
+                combine_block_d: int | None = None) -> Launch:
     """The tiles and splits :func:`tree_attention` launches for R = ``requests`` rows of T = ``tokens`` new
     tokens over ``kv_len`` keys (``ddtree.tuning``'s tables unless overridden), validated. Pure (host ints)."""
     rows = heads // kv_heads * tokens
@@ -380,12 +382,19 @@ def plan_launch(requests: int, heads: int, kv_heads: int, tokens: int, head_dim:
         raise ConfigError(f"tree_attention: splits must be in [1, {MAX_SPLITS}], got {splits}")
     # splits rounded up to a power of two, plus the new tokens' partial: power-of-two split counts are exact
     combine = 0 if splits == 1 else (1 << (splits - 1).bit_length()) + 1
+    rule_m, rule_d = tuning.choose_combine_tile(block_m, max(combine, 1), head_dim)
     if combine_block_m is None:
-        combine_block_m = min(block_m, tuning.COMBINE_BLOCK_M or block_m)
+        combine_block_m = rule_m if tuning.COMBINE_BLOCK_M is None else min(block_m, tuning.COMBINE_BLOCK_M)
+    if combine_block_d is None:
+        combine_block_d = rule_d if tuning.COMBINE_BLOCK_D is None else min(head_dim, tuning.COMBINE_BLOCK_D)
     if combine_block_m < 16 or combine_block_m & (combine_block_m - 1) or combine_block_m > block_m:
         raise ConfigError(f"tree_attention: combine_block_m must be a power of two in [16, block_m = {block_m}], "
                           f"got {combine_block_m}")
-    return Launch(block_m, block_n, num_warps, num_stages, splits, row_tiles, combine, combine_block_m)
+    if combine_block_d < 16 or combine_block_d & (combine_block_d - 1) or combine_block_d > head_dim:
+        raise ConfigError(f"tree_attention: combine_block_d must be a power of two in [16, head_dim = {head_dim}], "
+                          f"got {combine_block_d}")
+    return Launch(block_m, block_n, num_warps, num_stages, splits, row_tiles, combine, combine_block_m,
+                  combine_block_d)
 
 
 def _int_class(value: int) -> str:
@@ -404,7 +413,8 @@ def variants(launch: Launch, tokens: int, head_dim: int, *, has_first: bool) -> 
              _int_class(words))
     if launch.splits == 1:
         return (split,)
-    return split, ("combine", launch.combine_splits, launch.combine_block_m, head_dim, _int_class(tokens))
+    return split, ("combine", launch.combine_splits, launch.combine_block_m, launch.combine_block_d, head_dim,
+                   _int_class(tokens))
 
 
 def _launcher(kernel, grid: tuple[int, int, int], compile_only: bool):
@@ -416,7 +426,8 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, s
                    kv_len: int, *, first: Tensor | None = None, packed: PackedVisibility | None = None,
                    block_n: int | None = None, splits: int | None = None, block_m: int | None = None,
                    num_warps: int | None = None, num_stages: int | None = None, combine_unroll: int | None = None,
-                   combine_block_m: int | None = None, compile_only: bool = False) -> Tensor:
+                   combine_block_m: int | None = None, combine_block_d: int | None = None,
+                   compile_only: bool = False) -> Tensor:
     """Attention of the new tokens over their rows' cache slots under the tree visibility rule (module docstring).
 
     q [R, H, T, D] (fp32/fp16/bf16, D in 64/128/256); k_cache, v_cache [slots, KV, max_len, D] (one layer of the
@@ -432,7 +443,8 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, s
     ``num_warps`` and ``num_stages`` override :func:`choose_tiles`; tests use them to exercise the combine with
     tiny contexts, ``benchmarks/tree_attention.py`` to tune them on a GPU; ``combine_unroll`` (>= splits + 1)
     overrides the combine's unrolled slots (``benchmarks/first_request.py --combine-check`` times the exact count
-    against the bucketed one); ``combine_block_m`` the combine's rows per program (``ddtree.tuning.COMBINE_BLOCK_M``).
+    against the bucketed one); ``combine_block_m`` and ``combine_block_d`` the combine's rows and head-dim columns per
+    program (``ddtree.tuning.choose_combine_tile`` unless set there or here).
     ``compile_only``: bind (and compile, unless
     a Triton hook intercepts it: :mod:`ddtree.engine.precompile`) both kernels' variants for these inputs without
     launching them; the result is then uninitialised."""
@@ -444,7 +456,7 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, s
     g = h // kv
     launch = plan_launch(r, h, kv, t, d, kv_len, max(q.element_size(), k_cache.element_size()), sm_count(q.device),
                          block_n=block_n, splits=splits, block_m=block_m, num_warps=num_warps,
-                         num_stages=num_stages, combine_block_m=combine_block_m)
+                         num_stages=num_stages, combine_block_m=combine_block_m, combine_block_d=combine_block_d)
     block_m, block_n, num_warps, num_stages, splits, row_tiles = launch[:6]
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -493,11 +505,10 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, s
         if combine_unroll is not None and combine_unroll < splits + 1:
             raise ConfigError(f"tree_attention: combine_unroll must be >= splits + 1 = {splits + 1}, got "
                               f"{combine_unroll}")
-        block_d = min(d, 64)
-        combine_m = launch.combine_block_m
+        block_d, combine_m = launch.combine_block_d, launch.combine_block_m
         _launcher(_tree_attention_combine_kernel, (rows_padded // combine_m, r * kv, d // block_d), compile_only)(
             out, part_m, part_l, part_acc, out.stride(0), out.stride(1), out.stride(2),
             t, g, kv, rows_padded, splits + 1, UNROLL=combine_unroll or launch.combine_splits, HEAD_DIM=d, BLOCK_D=block_d,
-            BLOCK_M=combine_m, num_warps=4,
+            BLOCK_M=combine_m, num_warps=tuning.COMBINE_WARPS,
         )
     return out
