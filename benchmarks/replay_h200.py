@@ -70,10 +70,11 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script (--shape none)")
     ap.add_argument("--combine-block-m", type=int, default=None,
                     help="ddtree.tuning.COMBINE_BLOCK_M for this engine (tree attention's combine rows per program; "
-                         "the cost curve is cached per value; 128 with --combine-block-d 64: the combine before "
-                         "tuning.choose_combine_tile)")
+                         "the cost curve is cached per value)")
     ap.add_argument("--combine-block-d", type=int, default=None,
                     help="ddtree.tuning.COMBINE_BLOCK_D for this engine (the combine's head-dim columns per program)")
+    ap.add_argument("--combine-rule", action="store_true",
+                    help="the combine's tile from tuning.choose_combine_tile (both overrides None)")
     ap.add_argument("--no-eager", dest="eager", action="store_false",
                     help="leave out the second prediction with the prefill points measured eagerly (saves its time)")
     args = ap.parse_args()
@@ -85,6 +86,8 @@ def main() -> None:
     budgets = list(int_list(args.budgets, name="--budgets"))
     device = torch.device(args.device)
     cuda = device.type == "cuda"
+    if args.combine_rule:
+        tuning.COMBINE_BLOCK_M = tuning.COMBINE_BLOCK_D = None
     if args.combine_block_m is not None:
         tuning.COMBINE_BLOCK_M = args.combine_block_m  # read by every launch plan, the warm-up's and the graphs'
     if args.combine_block_d is not None:

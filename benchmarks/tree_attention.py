@@ -10,7 +10,7 @@ keys the L2 no longer holds; ``--l2-resident`` repeats one copy (runs 7-26 did, 
 
     python benchmarks/tree_attention.py --out $OUT/tree_attention.json
     python benchmarks/tree_attention.py --out $OUT/ta.json --shapes 8:4096:1,16:4096:1,32:4096:2,16:4096:4,32:4096:4 \
-        --combine-tiles 128x64,16x16,16x32 --block-m 64 --block-n 64 --warps 4 --stages 3 --splits none   # combine
+        --combine-tiles rule,16x32 --block-m 64 --block-n 64 --warps 4 --stages 3 --splits none   # combine
 """
 
 from __future__ import annotations
@@ -86,8 +86,8 @@ def main() -> None:
     ap.add_argument("--splits", default="none,4,8,16")
     ap.add_argument("--combine-tiles", default="",
                     help="also time the default launch with the combine over these tiles, ROWSxCOLUMNS per program "
-                         "(rows capped at the split's block_m; 128x64: the combine before "
-                         "tuning.choose_combine_tile): the combine-tile column")
+                         "(rows capped at the split's block_m) or rule (tuning.choose_combine_tile's): the "
+                         "combine-tile column")
     ap.add_argument("--l2-resident", action="store_true",
                     help="time one K/V copy over and over (runs 7-26 did; it favours tiles that only win from L2)")
     args = ap.parse_args()
@@ -118,9 +118,13 @@ def main() -> None:
         base = time_ms([lambda c=c: baseline.tree_attention(**c) for c in base_cs]) if baseline is not None else None
         default = time_ms([lambda c=c: ta.tree_attention(**c) for c in cs])
         combine = {}
-        split_m = ta.plan_launch(rows, 32, 8, t, 128, ctx, 2, tuning.sm_count(torch.device("cuda"))).block_m
+        plan = ta.plan_launch(rows, 32, 8, t, 128, ctx, 2, tuning.sm_count(torch.device("cuda")))
+        split_m = plan.block_m
         for tile in filter(None, args.combine_tiles.split(",")):
-            cm, cd = (int(v) for v in tile.split("x"))
+            if tile == "rule":
+                cm, cd = tuning.choose_combine_tile(split_m, max(plan.combine_splits, 1), 128)
+            else:
+                cm, cd = (int(v) for v in tile.split("x"))
             try:
                 combine[tile] = time_ms([lambda c=c, m=min(cm, split_m), d=cd: ta.tree_attention(
                     **c, combine_block_m=m, combine_block_d=d) for c in cs])

@@ -48,17 +48,20 @@ LATENCY_BOUND_KV_LEN = 2048
 # per partial, chosen by choose_combine_tile. The kernel keeps all UNROLL partials' tiles in flight (their loads
 # issued at once), each element with its fp32 value and its 64-bit address, so registers bound the tile: with
 # COMBINE_WARPS warps a thread holds rows * cols / (32 * warps) elements of each partial, and keeping that times
-# UNROLL at most COMBINE_REGISTER_ELEMS compiles without spilling for every UNROLL the kernel uses (ptxas of
-# Triton 3.9 for sm_90, cuobjdump -res-usage: 16 x 16 at UNROLL 17 uses 128 registers; 16 x 64 at 17, the tile
-# before, spilled 728 bytes of stack a thread, 64 x 64 at 17 8904; the cost curves' dear rounds at 16-32 tree rows
-# over 3-4k keys sat exactly there: docs/benchmarks.md, "Budget auto across the matrix on one H100").
+# UNROLL at most COMBINE_REGISTER_ELEMS compiles without spilling for every UNROLL the kernel uses
+# (benchmarks/combine_registers.py, ptxas of Triton 3.9 for sm_90 on a CPU: 16 x 16 at UNROLL 17 uses 128
+# registers; the default tile, 16 x 64 at decode's 16-row split tiles, spills 728 bytes of stack a thread at 17, and
+# 64 x 64 8904; the cost curves' dear rounds at 16-32 tree rows over 3-4k keys sit at 64 x 64 with 17 partials:
+# docs/benchmarks.md, "Budget auto across the matrix on one H100").
 COMBINE_WARPS = 4
 COMBINE_REGISTER_ELEMS = 40
-# Overrides of choose_combine_tile's rows and columns (None: the rule's). Rows are capped at the split kernel's
-# block_m; COMBINE_BLOCK_M = 128 with COMBINE_BLOCK_D = 64 is the combine before the rule (the split's tile, 64
-# columns). benchmarks/tree_attention.py --combine-tiles and benchmarks/replay_h200.py --combine-block-m/-d set them.
-COMBINE_BLOCK_M: int | None = None
-COMBINE_BLOCK_D: int | None = None
+# The combine's rows and columns, overriding choose_combine_tile's (None: the rule's); rows are capped at the split
+# kernel's block_m. The defaults, 128 and 64, keep the tile every GPU run so far measured (the split's rows, 64
+# columns): the rule is not timed on a GPU yet (no device was lent when it was written, 2026-12-07), and a default
+# launch changes only with a measured gain. The A/B: benchmarks/results/combine_tile_2026-12-07/call.sh
+# (benchmarks/tree_attention.py --combine-tiles rule; benchmarks/replay_h200.py --combine-rule sets both None).
+COMBINE_BLOCK_M: int | None = 128
+COMBINE_BLOCK_D: int | None = 64
 
 
 def choose_combine_tile(block_m: int, unroll: int, head_dim: int) -> tuple[int, int]:

@@ -341,8 +341,7 @@ class CostCurve:
 # 2 = the drafter's head in the tree stage over the depths a round's trees reach (git 8f9665a)
 # 3 = prefill points through the prefill graphs where the scheduler replays one (cost_measure.measure_cost_curve)
 # 4 = prefill points after a context too (CostCurve.prefill_context_seconds)
-# 5 = tree attention's combine tile from tuning.choose_combine_tile (rounds over long contexts got cheaper)
-ROUND_COST_VERSION = 5
+ROUND_COST_VERSION = 4
 
 
 def cache_key(device: str, model: str, **extra: Any) -> str:
