@@ -11,7 +11,8 @@ own. Nothing here reads a setting: every rule is a pure function of host ints (g
 Contents:
 
 - tree attention (:mod:`ddtree.models.tree_attention`): :func:`choose_tiles` (tiles per regime),
-  :func:`choose_splits` (context splits from the row programs' count) and their thresholds; :func:`sm_count`.
+  :func:`choose_splits` (context splits from the row programs' count) and their thresholds; :func:`sm_count`;
+  the combine kernel's tile (``COMBINE_BLOCK_M``/``_D``, :func:`choose_combine_tile`).
 - vocabulary top-k (:mod:`ddtree.speculative.vocab_topk`): :func:`kernel_takes` (which ``build_trees`` calls use
   the kernel: ``FAST_MAX_K``, ``FAST_MAX_WORK``), the default strategy threshold ``RUNNING_MAX_K`` and the
   "running" strategy's piece size, warps and occupancy target.
@@ -45,7 +46,7 @@ LONG_CONTEXT_MIN_SPLITS = 8
 # smaller row tiles and splits of two key blocks won (H200 sweep, run 10: T = 17 at 1k, 13.4 -> 10.3 us a layer).
 LATENCY_BOUND_KV_LEN = 2048
 # Tree attention's combine kernel (ddtree.models.tree_attention): its program's tile of [rows x head-dim columns]
-# per partial, chosen by choose_combine_tile. The kernel keeps all UNROLL partials' tiles in flight (their loads
+# per partial, COMBINE_BLOCK_M x COMBINE_BLOCK_D below, or choose_combine_tile's where they are None. The kernel keeps all UNROLL partials' tiles in flight (their loads
 # issued at once), each element with its fp32 value and its 64-bit address, so registers bound the tile: with
 # COMBINE_WARPS warps a thread holds rows * cols / (32 * warps) elements of each partial, and keeping that times
 # UNROLL at most COMBINE_REGISTER_ELEMS compiles without spilling for every UNROLL the kernel uses
