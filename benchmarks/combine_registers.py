@@ -1,5 +1,6 @@
 """Registers and stack a thread of tree attention's combine kernel needs per tile, compiled for a GPU on any
-machine (no device: Triton's compiler and its bundled ptxas, read back with its cuobjdump).
+machine (no device: Triton's compiler and its bundled ptxas, read back with its cuobjdump). Not under
+``TRITON_INTERPRET`` (the kernels are then interpreted functions, which do not compile).
 
 Why: the combine keeps all its unrolled partials' tiles in flight, so a tile too large for the register file
 spills to local memory, and the kernel's time follows the spill, not its bytes; ``tuning.choose_combine_tile`` is
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import re
 import subprocess
@@ -46,26 +48,32 @@ def resource_usage(unroll: int, rows: int, cols: int, head_dim: int, arch: int) 
     return {key: int(value) for key, value in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", text)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100, H200)")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--unroll", default="3,5,9,17", help="the combine's unrolled partials (2^k + 1)")
     ap.add_argument("--rows", default="16,32,64")
     ap.add_argument("--cols", default="16,32,64")
-    args = ap.parse_args()
+    ap.add_argument("--json", default="", help="also write every row here")
+    args = ap.parse_args(argv)
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, said aloud to silence its notice
     def ints(text: str) -> list[int]:
         return [int(v) for v in text.split(",")]
 
     print("| unroll | rows x cols | elements a thread x unroll | registers | stack bytes | the rule's tile |")
     print("| --- | --- | --- | --- | --- | --- |")
+    rows_out = []
     for unroll, rows, cols in itertools.product(ints(args.unroll), ints(args.rows), ints(args.cols)):
         usage = resource_usage(unroll, rows, cols, args.head_dim, args.arch)
         per_thread = rows * cols // (32 * tuning.COMBINE_WARPS) * unroll
         rule = tuning.choose_combine_tile(rows, unroll, args.head_dim) == (rows, cols)
         print(f"| {unroll} | {rows} x {cols} | {per_thread} | {usage.get('REG')} | {usage.get('STACK')} | "
               f"{'yes' if rule else ''} |", flush=True)
+        rows_out.append({"unroll": unroll, "rows": rows, "cols": cols, **usage})
+    if args.json:
+        Path(args.json).write_text(json.dumps({"arch": args.arch, "head_dim": args.head_dim,
+                                               "triton": triton.__version__, "tiles": rows_out}, indent=1))
 
 
 if __name__ == "__main__":
