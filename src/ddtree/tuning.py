@@ -50,10 +50,10 @@ LATENCY_BOUND_KV_LEN = 2048
 # issued at once), each element with its fp32 value and its 64-bit address, so registers bound the tile: with
 # COMBINE_WARPS warps a thread holds rows * cols / (32 * warps) elements of each partial, and keeping that times
 # UNROLL at most COMBINE_REGISTER_ELEMS compiles without spilling for every UNROLL the kernel uses
-# (benchmarks/combine_registers.py, ptxas of Triton 3.9 for sm_90 on a CPU: 16 x 16 at UNROLL 17 uses 128
-# registers; the default tile, 16 x 64 at decode's 16-row split tiles, spills 728 bytes of stack a thread at 17, and
-# 64 x 64 8904; the cost curves' dear rounds at 16-32 tree rows over 3-4k keys sit at 64 x 64 with 17 partials:
-# docs/benchmarks.md, "Budget auto across the matrix on one H100").
+# (benchmarks/combine_registers.py, the ptxas of Triton 3.6 and of 3.9 for sm_90, on a CPU: 16 x 16 at UNROLL 17
+# uses 128 registers; the default tile, 16 x 64 at decode's 16-row split tiles, spills 728 bytes of stack a thread
+# at 17, and 64 x 64 10744 (3.6) or 8904 (3.9); the cost curves' dear rounds at 16-32 tree rows over 3-4k keys sit at
+# 64 x 64 with 17 partials: docs/benchmarks.md, "Tree attention's combine tile").
 COMBINE_WARPS = 4
 COMBINE_REGISTER_ELEMS = 40
 # The combine's rows and columns, overriding choose_combine_tile's (None: the rule's); rows are capped at the split
