@@ -118,11 +118,13 @@ def main() -> None:
         base = time_ms([lambda c=c: baseline.tree_attention(**c) for c in base_cs]) if baseline is not None else None
         default = time_ms([lambda c=c: ta.tree_attention(**c) for c in cs])
         combine = {}
-        plan = ta.plan_launch(rows, 32, 8, t, 128, ctx, 2, tuning.sm_count(torch.device("cuda")))
+        q, k_cache = cs[0]["q"], cs[0]["k_cache"]  # the launch these calls plan, from the case's own shapes
+        plan = ta.plan_launch(rows, q.shape[1], k_cache.shape[1], t, q.shape[3], ctx, q.element_size(),
+                              tuning.sm_count(q.device))
         split_m = plan.block_m
         for tile in filter(None, args.combine_tiles.split(",")):
             if tile == "rule":
-                cm, cd = tuning.choose_combine_tile(split_m, max(plan.combine_splits, 1), 128)
+                cm, cd = tuning.choose_combine_tile(split_m, max(plan.combine_splits, 1), q.shape[3])
             else:
                 cm, cd = (int(v) for v in tile.split("x"))
             try:

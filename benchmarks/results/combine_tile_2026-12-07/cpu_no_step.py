@@ -19,20 +19,16 @@ trace = Trace.load(Path(sys.argv[1]) / "trace_c1_4096.safetensors")
 measured = load_curve(Path("docs/benchmarks/matrix_2026-12-07/long1_cost_curve.json"))
 
 
-def flat(curve, r, b, k):
-    return (r * len(curve.budgets) + b) * len(curve.kv_lens) + k
-
-
 def without_step(curve):
+    """The curve with each point of budget >= 15 at 4096 keys and 1-4 rows priced at b7's plus the b7-to-b step at
+    512 keys (reads through CostCurve.point; the write uses its flattened index)."""
     seconds = list(curve.seconds)
     k4, k512, b7 = curve.kv_lens.index(4096), curve.kv_lens.index(512), curve.budgets.index(7)
     for r, rows in enumerate(curve.rows):
-        if rows > 4:
-            continue
         for b, budget in enumerate(curve.budgets):
-            if budget >= 15:
-                step = seconds[flat(curve, r, b, k512)] - seconds[flat(curve, r, b7, k512)]
-                seconds[flat(curve, r, b, k4)] = seconds[flat(curve, r, b7, k4)] + step
+            if rows <= 4 and budget >= 15:
+                step = curve.point(r, b, k512) - curve.point(r, b7, k512)
+                seconds[(r * len(curve.budgets) + b) * len(curve.kv_lens) + k4] = curve.point(r, b7, k4) + step
     return dataclasses.replace(curve, seconds=tuple(seconds))
 
 
