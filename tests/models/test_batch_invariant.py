@@ -64,7 +64,7 @@ def test_linear_launches_give_the_same_bits(dtype, k):
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(n, k, generator=gen).to(dtype).to(DEVICE)
     b = torch.randn(n, generator=gen).to(dtype).to(DEVICE)
-    x = torch.randn(64, k, generator=gen).to(dtype).to(DEVICE)
+    x = torch.randn(40, k, generator=gen).to(dtype).to(DEVICE)  # 3 tiles of 16 rows, 2 of 32, part of one of 64
     launches = [bi.MatmulLaunch(16, 32, 4, 2, fused=False), bi.MatmulLaunch(16, 32, 4, 2, fused=True),
                 bi.MatmulLaunch(32, 64, 4, 2, fused=True), bi.MatmulLaunch(64, 16, 4, 2, fused=False),
                 bi.MatmulLaunch(32, 32, 4, 2, fused=True, flat=True),
@@ -75,7 +75,7 @@ def test_linear_launches_give_the_same_bits(dtype, k):
     for bias in (None, b):
         alone = torch.cat([bi.linear(x[i:i + 1], w, bias, tiles=tiles, launch=launches[0]) for i in range(x.shape[0])])
         for launch in launches:
-            for m in (1, 2, 17, 64):
+            for m in (1, 2, 17, 40):
                 y = bi.linear(x[:m], w, bias, tiles=tiles, launch=launch)
                 assert torch.equal(y, alone[:m]), f"{launch} at {m} rows differs from the rows alone"
     # and the split count does change the bits (so the test can tell the launches apart from the tiles; in fp32,
