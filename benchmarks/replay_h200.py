@@ -70,11 +70,12 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script (--shape none)")
     ap.add_argument("--combine-block-m", type=int, default=None,
                     help="ddtree.tuning.COMBINE_BLOCK_M for this engine (tree attention's combine rows per program; "
-                         "the cost curve is cached per value)")
+                         "the cost curve is cached per value; 128 with --combine-block-d 64: the tile before the rule)")
     ap.add_argument("--combine-block-d", type=int, default=None,
                     help="ddtree.tuning.COMBINE_BLOCK_D for this engine (the combine's head-dim columns per program)")
     ap.add_argument("--combine-rule", action="store_true",
-                    help="the combine's tile from tuning.choose_combine_tile (both overrides None)")
+                    help="the combine's tile from tuning.choose_combine_tile (both overrides None: the default since "
+                         "2026-12-07, kept so the earlier runs' commands still run)")
     ap.add_argument("--no-eager", dest="eager", action="store_false",
                     help="leave out the second prediction with the prefill points measured eagerly (saves its time)")
     args = ap.parse_args()

@@ -51,18 +51,19 @@ LATENCY_BOUND_KV_LEN = 2048
 # COMBINE_WARPS warps a thread holds rows * cols / (32 * warps) elements of each partial, and keeping that times
 # UNROLL at most COMBINE_REGISTER_ELEMS compiles without spilling for every UNROLL the kernel uses
 # (benchmarks/combine_registers.py, the ptxas of Triton 3.6 and of 3.9 for sm_90, on a CPU: 16 x 16 at UNROLL 17
-# uses 128 registers; the default tile, 16 x 64 at decode's 16-row split tiles, spills 728 bytes of stack a thread
-# at 17, and 64 x 64 10744 (3.6) or 8904 (3.9); the cost curves' dear rounds at 16-32 tree rows over 3-4k keys sit at
-# 64 x 64 with 17 partials: docs/benchmarks.md, "Tree attention's combine tile").
+# uses 128 registers; the tile used before the rule, 16 x 64 at decode's 16-row split tiles, spills 728 bytes of
+# stack a thread at 17, and 64 x 64 10744 (3.6) or 8904 (3.9); the cost curves' dear rounds at 16-32 tree rows over
+# 3-4k keys sat at 64 x 64 with 17 partials: docs/benchmarks.md, "Tree attention's combine tile").
 COMBINE_WARPS = 4
 COMBINE_REGISTER_ELEMS = 40
-# The combine's rows and columns, overriding choose_combine_tile's (None: the rule's); rows are capped at the split
-# kernel's block_m. The defaults, 128 and 64, keep the tile every GPU run so far measured (the split's rows, 64
-# columns): the rule is not timed on a GPU yet (no device was lent when it was written, 2026-12-07), and a default
-# launch changes only with a measured gain. The A/B: benchmarks/results/combine_tile_2026-12-07/call.sh
-# (benchmarks/tree_attention.py --combine-tiles rule; benchmarks/replay_h200.py --combine-rule sets both None).
-COMBINE_BLOCK_M: int | None = 128
-COMBINE_BLOCK_D: int | None = 64
+# The combine's rows and columns, overriding choose_combine_tile's (None: the rule's, the default); rows are capped at
+# the split kernel's block_m. The rule replaced the split's rows x 64 columns (128, 64 here) on 2026-12-07 after the
+# A/B on one H100 (benchmarks/results/combine_tile_2026-12-07/call.sh; docs/benchmarks.md, "Tree attention's
+# combine tile on the H100"): 16 tree rows at one request over 4k keys 70.7 -> 14.9 us a call, 32 rows at 8k 84.6 ->
+# 25.6, no shape slower; the C = 1 / 4k cell's b31 round 10.3 -> 7.7 ms, 493 -> 611 tok/s. 128 and 64 give the old
+# tile back (benchmarks/replay_h200.py --combine-block-m 128 --combine-block-d 64).
+COMBINE_BLOCK_M: int | None = None
+COMBINE_BLOCK_D: int | None = None
 
 
 def choose_combine_tile(block_m: int, unroll: int, head_dim: int) -> tuple[int, int]:

@@ -288,16 +288,16 @@ def test_combine_tile_rule_against_brute_force(monkeypatch):
         fits = [(d, m) for m, d in tiles if m * d * unroll <= tuning.COMBINE_REGISTER_ELEMS * per_thread]
         want = (16, 16) if not fits else tuple(reversed(max(fits)))
         assert tuning.choose_combine_tile(block_m, unroll, head_dim) == want, (block_m, unroll, head_dim)
-    # by default the combine keeps the split's rows and 64 columns (the tile every GPU run measured); with both
-    # overrides None the engine's shapes (1 row, 32 heads over 8, T = 16 at 4k: 16 splits, 17 partials) get the
-    # rule's tile, without spills
-    default = ta.plan_launch(1, 32, 8, 16, 128, 4096, 2, 132)
-    assert default.combine_splits == 17 and (default.combine_block_m, default.combine_block_d) == (default.block_m, 64)
-    monkeypatch.setattr(tuning, "COMBINE_BLOCK_M", None)
-    monkeypatch.setattr(tuning, "COMBINE_BLOCK_D", None)
+    # by default (both overrides None) the engine's shapes (1 row, 32 heads over 8, T = 16 at 4k: 16 splits, 17
+    # partials) get the rule's tile, without spills; set, the overrides give the tile used before the rule (the
+    # split's rows, 64 columns)
     rule = ta.plan_launch(1, 32, 8, 16, 128, 4096, 2, 132)
-    assert (rule.combine_block_m, rule.combine_block_d) == (16, 16)
+    assert rule.combine_splits == 17 and (rule.combine_block_m, rule.combine_block_d) == (16, 16)
     assert ta.variants(rule, 16, 128, has_first=False)[1][2:4] == (16, 16)
+    monkeypatch.setattr(tuning, "COMBINE_BLOCK_M", 128)
+    monkeypatch.setattr(tuning, "COMBINE_BLOCK_D", 64)
+    old = ta.plan_launch(1, 32, 8, 16, 128, 4096, 2, 132)
+    assert (old.combine_block_m, old.combine_block_d) == (old.block_m, 64)
 
 
 def test_head_dim_256_and_many_folded_rows():
