@@ -6,6 +6,8 @@
 # with the rule and with the default; if not, runs the C = 32 long-context part again (long32: the prefill-context
 # pricing on its 8k cell). TOTAL_S (590) bounds the call, KERNEL_S (70) the kernel timing.
 # Run from the repository root with OUT set: bash benchmarks/results/combine_tile_2026-12-07/call.sh
+# Ran on one H100 at git 5dce4e7 (docs/benchmarks.md, "Tree attention's combine tile on the H100"); since git 9964f1e
+# the rule is the default, so at later commits this script compares the rule with itself.
 set -u
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 SECONDS=0
