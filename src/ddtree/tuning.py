@@ -60,8 +60,8 @@ COMBINE_REGISTER_ELEMS = 40
 # the split kernel's block_m. The rule replaced the split's rows x 64 columns (128, 64 here) on 2026-12-07 after the
 # A/B on one H100 (benchmarks/results/combine_tile_2026-12-07/call.sh; docs/benchmarks.md, "Tree attention's
 # combine tile on the H100"): 16 tree rows at one request over 4k keys 70.7 -> 14.9 us a call, 32 rows at 8k 84.6 ->
-# 25.6, none of the ten shapes timed slower; the C = 1 / 4k cell's b31 round 10.3 -> 7.7 ms, 493 -> 611 tok/s. 128 and 64 give the old
-# tile back (benchmarks/replay_h200.py --combine-block-m 128 --combine-block-d 64).
+# 25.6, none of the ten shapes timed slower; the C = 1 / 4k cell's b31 round 10.3 -> 7.7 ms, 493 -> 611 tok/s.
+# 128 and 64 give the old tile back (benchmarks/replay_h200.py --combine-block-m 128 --combine-block-d 64).
 COMBINE_BLOCK_M: int | None = None
 COMBINE_BLOCK_D: int | None = None
 
