@@ -48,6 +48,11 @@ def resource_usage(unroll: int, rows: int, cols: int, head_dim: int, arch: int) 
     return {key: int(value) for key, value in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", text)}
 
 
+def ints(text: str) -> list[int]:
+    """A comma-separated list of ints."""
+    return [int(v) for v in text.split(",")]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100, H200)")
@@ -58,8 +63,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", default="", help="also write every row here")
     args = ap.parse_args(argv)
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, said aloud to silence its notice
-    def ints(text: str) -> list[int]:
-        return [int(v) for v in text.split(",")]
 
     print("| unroll | rows x cols | elements a thread x unroll | registers | stack bytes | the rule's tile |")
     print("| --- | --- | --- | --- | --- | --- |")

@@ -46,10 +46,11 @@ LONG_CONTEXT_MIN_SPLITS = 8
 # smaller row tiles and splits of two key blocks won (H200 sweep, run 10: T = 17 at 1k, 13.4 -> 10.3 us a layer).
 LATENCY_BOUND_KV_LEN = 2048
 # Tree attention's combine kernel (ddtree.models.tree_attention): its program's tile of [rows x head-dim columns]
-# per partial, COMBINE_BLOCK_M x COMBINE_BLOCK_D below, or choose_combine_tile's where they are None. The kernel keeps all UNROLL partials' tiles in flight (their loads
-# issued at once), each element with its fp32 value and its 64-bit address, so registers bound the tile: with
-# COMBINE_WARPS warps a thread holds rows * cols / (32 * warps) elements of each partial, and keeping that times
-# UNROLL at most COMBINE_REGISTER_ELEMS compiles without spilling for every UNROLL the kernel uses
+# per partial, COMBINE_BLOCK_M x COMBINE_BLOCK_D below, or choose_combine_tile's where they are None. The kernel
+# keeps all UNROLL partials' tiles in flight (their loads issued at once), each element with its fp32 value and its
+# 64-bit address, so registers bound the tile: with COMBINE_WARPS warps a thread holds rows * cols / (32 * warps)
+# elements of each partial, and keeping that times UNROLL at most COMBINE_REGISTER_ELEMS compiles without spilling
+# for every UNROLL the kernel uses
 # (benchmarks/combine_registers.py, the ptxas of Triton 3.6 and of 3.9 for sm_90, on a CPU: 16 x 16 at UNROLL 17
 # uses 128 registers; the tile used before the rule, 16 x 64 at decode's 16-row split tiles, spills 728 bytes of
 # stack a thread at 17, and 64 x 64 10744 (3.6) or 8904 (3.9); the cost curves' dear rounds at 16-32 tree rows over
@@ -68,8 +69,8 @@ COMBINE_BLOCK_D: int | None = None
 
 def choose_combine_tile(block_m: int, unroll: int, head_dim: int) -> tuple[int, int]:
     """(rows, columns) of one combine program for a split launch of ``block_m`` rows whose combine unrolls over
-    ``unroll`` partials of ``head_dim`` columns: the largest tile (powers of two, rows in [16, block_m], columns in
-    [16, min(64, head_dim)]) whose elements per thread times ``unroll`` stay within ``COMBINE_REGISTER_ELEMS``,
+    ``unroll`` partials of ``head_dim`` columns: the largest tile (powers of two, rows in [16, min(64, block_m)],
+    columns in [16, min(64, head_dim)]) whose elements per thread times ``unroll`` stay within ``COMBINE_REGISTER_ELEMS``,
     shrinking rows before columns (a row's columns are contiguous in the partials); 16 x 16 at least. Host ints."""
     rows, cols = min(block_m, 64), min(head_dim, 64)
     budget = COMBINE_REGISTER_ELEMS * 32 * COMBINE_WARPS
