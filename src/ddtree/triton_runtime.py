@@ -44,7 +44,17 @@ try:  # host-side TMA descriptors (Triton 3.4 and later); a kernel that loads th
 except ImportError:
     TensorDescriptor = None
 
-__all__ = ["INTERPRETED", "TensorDescriptor", "can_run", "cpu_interpreter", "masked_if", "tl", "triton"]
+__all__ = ["FP_FUSION", "INTERPRETED", "TensorDescriptor", "can_run", "cpu_interpreter", "masked_if", "tl",
+           "triton"]
+
+FP_FUSION: bool = True
+"""``enable_fp_fusion=`` of every launch of ddtree's kernels: they compile as they were timed and checked.
+
+Why explicit: with fusion on, LLVM may contract ``a * b + c`` into one FMA, which rounds once instead of twice.
+The tile tables of :mod:`ddtree.tuning` were timed, and the exact-mode bit tests run on the GPU, with fusion on:
+Triton's default through 3.9, which warns that the default turns off in 3.10. A launch that names the option
+keeps the kernels' speed and rounding whatever Triton's default; ``TRITON_FORCE_DISABLE_FP_FUSION=1`` (Triton's
+own setting) still turns fusion off for a debugging run."""
 
 
 def _interpreter_on() -> bool:

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ddtree.errors import ConfigError, ShapeError
-from ddtree.triton_runtime import INTERPRETED, TensorDescriptor, tl, triton
+from ddtree.triton_runtime import FP_FUSION, INTERPRETED, TensorDescriptor, tl, triton
 
 # ---- constants (changing one changes exact mode's bits, never its invariance) --------------------------------------
 MATMUL_MAX_BLOCK_N = 128
@@ -440,19 +440,21 @@ def _linear_into(x2: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor, t
                                  weight if bias is None else bias, part, m, n, k_per_split,
                                  BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=tiles.block_k,
                                  SPLITS=tiles.split_k, FUSED=fused, HAS_BIAS=bias is not None, EMULATE=INTERPRETED,
-                                 PRECISION=precision, num_warps=launch.num_warps, num_stages=launch.num_stages)
+                                 PRECISION=precision, enable_fp_fusion=FP_FUSION, num_warps=launch.num_warps,
+                                 num_stages=launch.num_stages)
     else:
         _matmul_kernel[grid](x2, weight, weight if bias is None else bias, out, part, m, n, k, x2.stride(0),
                              weight.stride(0), out.stride(0), k_per_split,
                              BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=tiles.block_k,
                              SPLITS=tiles.split_k, FUSED=fused, FLAT=launch.flat, HAS_BIAS=bias is not None,
                              EMULATE=INTERPRETED,
-                             PRECISION=precision, num_warps=launch.num_warps, num_stages=launch.num_stages)
+                             PRECISION=precision, enable_fp_fusion=FP_FUSION, num_warps=launch.num_warps,
+                             num_stages=launch.num_stages)
     if not fused:
         block = 1024
         _split_sum_kernel[(-(-(m * n) // block),)](part, weight if bias is None else bias, out, m, n, out.stride(0),
                                                     SPLITS=tiles.split_k, HAS_BIAS=bias is not None, BLOCK=block,
-                                                    num_warps=4)
+                                                    enable_fp_fusion=FP_FUSION, num_warps=4)
 
 
 def _descriptors_fit(*tensors: Tensor) -> bool:
@@ -1196,12 +1198,13 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start:
         HEAD_DIM=d, BLOCK_M=block_m, QT=qt, BLOCK_N=ATTN_BLOCK_N, TILES_PER_SPLIT=split_keys // ATTN_BLOCK_N,
         SUM_COLS=ATTN_SUM_COLS, TAIL_ROWS=tail_rows(g), CHUNK=chunk, SMALL_M=ATTN_SMALL_TAIL_ROWS or ATTN_SUM_COLS,
         SMALL=attention_small_tail(t, g, r * kv), FUSED=fused, EMULATE=INTERPRETED,
-        PRECISION=precision, num_warps=attention_warps(block_m), num_stages=num_stages or attention_stages(fused, t),
+        PRECISION=precision, enable_fp_fusion=FP_FUSION, num_warps=attention_warps(block_m),
+        num_stages=num_stages or attention_stages(fused, t),
     )
     if not fused:
         _attention_combine_kernel[(r * t, h)](
             out, positions, part_m, part_l, part_acc, out.stride(0), out.stride(1), out.stride(2), t, h, splits,
-            HEAD_DIM=d, SPLIT_KEYS=split_keys, num_warps=1,
+            HEAD_DIM=d, SPLIT_KEYS=split_keys, enable_fp_fusion=FP_FUSION, num_warps=1,
         )
     return out
 

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from ddtree.errors import ConfigError
 from ddtree.models.layers import DecoderLayer, grad_needed
-from ddtree.triton_runtime import can_run, tl, triton
+from ddtree.triton_runtime import FP_FUSION, can_run, tl, triton
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -60,7 +60,8 @@ def quantize(x: Tensor, inv_scale: Tensor, *, kernel: bool) -> Tensor:
     out = torch.empty(x.shape, dtype=E4M3, device=x.device)
     n = x.numel()
     block = 1024
-    _quantize_kernel[(triton.cdiv(n, block),)](x, inv_scale, out, n, BLOCK=block, num_warps=4)
+    _quantize_kernel[(triton.cdiv(n, block),)](x, inv_scale, out, n, BLOCK=block, enable_fp_fusion=FP_FUSION,
+                                               num_warps=4)
     return out
 
 

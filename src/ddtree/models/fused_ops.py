@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from ddtree.errors import ConfigError, ShapeError
-from ddtree.triton_runtime import masked_if, tl, triton
+from ddtree.triton_runtime import FP_FUSION, masked_if, tl, triton
 
 _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -185,7 +185,8 @@ def _launch_norm(residual: Tensor | None, x: Tensor, weight: Tensor, eps: float)
     block = triton.next_power_of_2(width)
     _rms_norm_kernel[(xr.shape[0],)](
         xr, res_rows, weight.contiguous(), h_rows, out_rows, xr.stride(0), res_rows.stride(0), h_rows.stride(0),
-        out_rows.stride(0), width, eps, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=_norm_warps(block),
+        out_rows.stride(0), width, eps, BLOCK=block, HAS_RESIDUAL=residual is not None,
+        enable_fp_fusion=FP_FUSION, num_warps=_norm_warps(block),
     )
     return h, out
 
@@ -237,7 +238,8 @@ def qk_norm_rope(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor | None, 
     _qk_norm_rope_kernel[(r * t, num_heads + num_kv_heads)](
         qkv, qw, kw, cos, sin, q, k, t, num_heads, num_kv_heads, qkv.stride(0), qkv.stride(1), cos.stride(0),
         cos.stride(1), sin.stride(0), sin.stride(1), eps, HALF=half, BLOCK=triton.next_power_of_2(half),
-        HAS_NORM=has_norm, NORM_DTYPE=_TL_DTYPES[norm_dtype], num_warps=1 if half <= 128 else 2,
+        HAS_NORM=has_norm, NORM_DTYPE=_TL_DTYPES[norm_dtype], enable_fp_fusion=FP_FUSION,
+        num_warps=1 if half <= 128 else 2,
     )
     return q, k, v
 
@@ -257,6 +259,7 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     out_rows = out.view(-1, inter)
     block = min(1024, triton.next_power_of_2(inter))
     _silu_mul_kernel[(rows.shape[0], triton.cdiv(inter, block))](
-        rows, out_rows, inter, rows.stride(0), out_rows.stride(0), BLOCK=block, num_warps=4 if block >= 512 else 2,
+        rows, out_rows, inter, rows.stride(0), out_rows.stride(0), BLOCK=block, enable_fp_fusion=FP_FUSION,
+        num_warps=4 if block >= 512 else 2,
     )
     return out

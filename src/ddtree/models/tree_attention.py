@@ -55,7 +55,7 @@ from torch import Tensor
 from ddtree import tuning
 from ddtree.errors import ConfigError, ShapeError
 from ddtree.speculative.attention import PackedVisibility, pack_visibility
-from ddtree.triton_runtime import INTERPRETED, tl, triton
+from ddtree.triton_runtime import FP_FUSION, INTERPRETED, tl, triton
 from ddtree.tuning import choose_splits, choose_tiles, sm_count
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -310,7 +310,7 @@ def write_kv(k_cache: Tensor, v_cache: Tensor, slots: Tensor, write_pos: Tensor,
         k, v, k_cache, v_cache, slots, write_pos,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), write_pos.stride(0), t,
-        HEAD_DIM=d, num_warps=1,
+        HEAD_DIM=d, enable_fp_fusion=FP_FUSION, num_warps=1,
     )
 
 
@@ -499,7 +499,7 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, s
         t, g, kv, splits, rows_padded, scale_log2,
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, TREE_BN=min(block_n, 64), DIRECT=direct, DOT_PRECISION=precision,
         DOT_UPCAST=INTERPRETED and q.dtype == torch.bfloat16, HAS_FIRST=first is not None,
-        num_warps=num_warps, num_stages=num_stages,
+        enable_fp_fusion=FP_FUSION, num_warps=num_warps, num_stages=num_stages,
     )
     if not direct:
         if combine_unroll is not None and combine_unroll < splits + 1:
@@ -509,6 +509,6 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, s
         _launcher(_tree_attention_combine_kernel, (rows_padded // combine_m, r * kv, d // block_d), compile_only)(
             out, part_m, part_l, part_acc, out.stride(0), out.stride(1), out.stride(2),
             t, g, kv, rows_padded, splits + 1, UNROLL=combine_unroll or launch.combine_splits, HEAD_DIM=d, BLOCK_D=block_d,
-            BLOCK_M=combine_m, num_warps=tuning.COMBINE_WARPS,
+            BLOCK_M=combine_m, enable_fp_fusion=FP_FUSION, num_warps=tuning.COMBINE_WARPS,
         )
     return out

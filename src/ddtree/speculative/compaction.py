@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ddtree.errors import ShapeError
-from ddtree.triton_runtime import can_run, tl, triton
+from ddtree.triton_runtime import FP_FUSION, can_run, tl, triton
 
 
 def compact_cache(cache: Tensor, slots: Tensor, start: Tensor, path: Tensor, *, contiguous: bool = False,
@@ -65,7 +65,8 @@ def _compact_kernel_launch(cache: Tensor, slots: Tensor, start: Tensor, path: Te
     _compact_kernel[(rows, layers, heads)](
         cache, slots.long().contiguous(), start.long().contiguous(), path, width,
         cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
-        WIDTH=triton.next_power_of_2(width), DIM=dim, num_warps=4 if width * dim >= 2048 else 1,
+        WIDTH=triton.next_power_of_2(width), DIM=dim, enable_fp_fusion=FP_FUSION,
+        num_warps=4 if width * dim >= 2048 else 1,
     )
 
 

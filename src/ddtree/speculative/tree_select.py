@@ -59,7 +59,7 @@ import torch
 from torch import Tensor
 
 from ddtree.errors import ConfigError, ShapeError
-from ddtree.triton_runtime import can_run, masked_if, tl, triton
+from ddtree.triton_runtime import FP_FUSION, can_run, masked_if, tl, triton
 
 MAX_BUDGET = 2048  # largest max_budget the kernel takes; build_trees keeps the torch loop above it
 
@@ -153,7 +153,7 @@ def select_nodes(
         budget, budget.stride(0), limit, limit.stride(0),
         score_table, pair_table, node_table, survivors, *out,
         BLOCK=block, IB=index_bits, IMAX=block - 1, DMAX=max_depths(b), HAS_LIMIT=depth_limit is not None,
-        num_warps=_num_warps(block),
+        enable_fp_fusion=FP_FUSION, num_warps=_num_warps(block),
     )
     return out
 

@@ -71,7 +71,7 @@ from torch import Tensor
 
 from ddtree import tuning
 from ddtree.errors import ConfigError, ShapeError
-from ddtree.triton_runtime import can_run, masked_if, tl, triton
+from ddtree.triton_runtime import FP_FUSION, can_run, masked_if, tl, triton
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 STRATEGIES = ("running", "extract", "sort")
@@ -217,12 +217,13 @@ def topk_logsumexp(
     if running:
         _running_topk_kernel[(rows, lists)](
             logits, logits.stride(0), vocab, chunks, triton.cdiv(chunks, lists), keys, part_max, part_sum, lists,
-            CHUNK=chunk, K_PAD=k_pad, num_warps=warps,
+            CHUNK=chunk, K_PAD=k_pad, enable_fp_fusion=FP_FUSION, num_warps=warps,
         )
     else:
         _chunk_topk_kernel[(rows, lists)](
             logits, logits.stride(0), vocab, keys, part_max, part_sum, lists,
-            CHUNK=chunk, K_PAD=k_pad, EXTRACT=strategy == "extract", num_warps=warps,
+            CHUNK=chunk, K_PAD=k_pad, EXTRACT=strategy == "extract", enable_fp_fusion=FP_FUSION,
+            num_warps=warps,
         )
     partials = lists
     group = merge_block // k_pad
@@ -230,12 +231,12 @@ def topk_logsumexp(
         merged_lists = triton.cdiv(lists, group)
         merged = torch.empty(rows, merged_lists, k_pad, dtype=torch.long, device=device)
         _merge_topk_kernel[(rows, merged_lists)](keys, lists, merged, merged_lists, GROUP=group, K_PAD=k_pad,
-                                                 num_warps=8)
+                                                 enable_fp_fusion=FP_FUSION, num_warps=8)
         keys, lists = merged, merged_lists
     _final_kernel[(rows,)](
         keys, lists, part_max, part_sum, partials, values, values.stride(0), ids, ids.stride(0), lse, lse.stride(0),
         k, GROUP=_next_pow2(lists), K_PAD=k_pad, CHUNKS_PAD=_next_pow2(partials),
-        num_warps=8 if lists * k_pad >= 4096 else 4,
+        enable_fp_fusion=FP_FUSION, num_warps=8 if lists * k_pad >= 4096 else 4,
     )
     return values, ids, lse
 

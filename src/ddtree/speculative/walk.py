@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ddtree.errors import ConfigError, ShapeError
 from ddtree.speculative.tree import Trees
-from ddtree.triton_runtime import can_run, tl, triton
+from ddtree.triton_runtime import FP_FUSION, can_run, tl, triton
 
 
 class WalkResult(NamedTuple):
@@ -96,7 +96,8 @@ def _walk_kernel_launch(trees: Trees, choices: Tensor, max_depth: int) -> WalkRe
     bonus = torch.empty(rows, dtype=torch.long, device=device)
     block = triton.next_power_of_2(n)
     _walk_kernel[(rows,)](tokens, parents, valid, choices, path, new_tokens, num_accepted, bonus, n, max_depth,
-                          BLOCK=block, WIDTH=triton.next_power_of_2(width), num_warps=1 if block <= 64 else 4)
+                          BLOCK=block, WIDTH=triton.next_power_of_2(width), enable_fp_fusion=FP_FUSION,
+                          num_warps=1 if block <= 64 else 4)
     return WalkResult(path, num_accepted, new_tokens, bonus)
 
 
