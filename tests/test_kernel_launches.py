@@ -1,4 +1,4 @@
-"""Every launch of a ddtree Triton kernel names ``enable_fp_fusion=FP_FUSION`` (:data:`ddtree.triton_runtime.FP_FUSION`).
+"""Every launch of a ddtree Triton kernel names ``enable_fp_fusion=FP_FUSION`` (``ddtree.triton_runtime``).
 
 Why a source check: the option changes what the compiler emits on a GPU (FMA contraction), which Triton's CPU
 interpreter does not model, so no CPU run can tell a launch that forgets it. The kernels' tile tables were timed and
