@@ -368,7 +368,7 @@ def test_fused_launch_gives_the_split_launch_bits(dtype, group, split_keys):
     """Three rows at different starts (one split, a tree across a split edge, three splits; rows of a program with
     different split counts) and a chain: the fused launch (each program merges its splits in one loop over the
     tiles, a tree's tail tiles one query at a time) against the split launch (stored partials and the combine
-    kernel), in two and in three pipeline stages. At 4 query heads per KV head the 20-node tree folds into three query tiles, the last one partial. At a
+    kernel), in two and in three pipeline stages (three on a GPU: the interpreter ignores stages). At 4 query heads per KV head the 20-node tree folds into three query tiles, the last one partial. At a
     split per tile the tree at start 60 has its tail across a split edge; at two tiles per split the tree at 150
     starts its tail with a split (tiles 0-1 shared, split 1 from the tail's tile 2)."""
     gen = torch.Generator().manual_seed(11)
@@ -384,7 +384,8 @@ def test_fused_launch_gives_the_split_launch_bits(dtype, group, split_keys):
     split = bi.attention(*args, split_keys=split_keys, fused=False)
     fused = bi.attention(*args, split_keys=split_keys, fused=True)
     assert torch.equal(fused, split)
-    assert torch.equal(bi.attention(*args, split_keys=split_keys, fused=True, num_stages=3), split)
+    if not triton_runtime.INTERPRETED:  # the interpreter ignores pipeline stages: the same run as the line above
+        assert torch.equal(bi.attention(*args, split_keys=split_keys, fused=True, num_stages=3), split)
     causal = torch.tril(torch.ones(1, 9, 9, dtype=torch.bool))
     cstart = torch.tensor([60])
     cpos = cstart[:, None] + torch.arange(9)[None]
