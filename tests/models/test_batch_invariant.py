@@ -368,9 +368,10 @@ def test_fused_launch_gives_the_split_launch_bits(dtype, group, split_keys):
     """Three rows at different starts (one split, a tree across a split edge, three splits; rows of a program with
     different split counts) and a chain: the fused launch (each program merges its splits in one loop over the
     tiles, a tree's tail tiles one query at a time) against the split launch (stored partials and the combine
-    kernel), in two and in three pipeline stages (three on a GPU: the interpreter ignores stages). At 4 query heads per KV head the 20-node tree folds into three query tiles, the last one partial. At a
-    split per tile the tree at start 60 has its tail across a split edge; at two tiles per split the tree at 150
-    starts its tail with a split (tiles 0-1 shared, split 1 from the tail's tile 2)."""
+    kernel), in two and in three pipeline stages (three on a GPU: the interpreter ignores stages). At 4 query heads
+    per KV head the 20-node tree folds into three query tiles, the last one partial. At a split per tile the tree at
+    start 60 has its tail across a split edge; at two tiles per split the tree at 150 starts its tail with a split
+    (tiles 0-1 shared, split 1 from the tail's tile 2)."""
     gen = torch.Generator().manual_seed(11)
     t = len(WIDE)
     kc = torch.randn(4, KV, 256, D, generator=gen).to(dtype)
