@@ -50,11 +50,11 @@ LATENCY_BOUND_KV_LEN = 2048
 # keeps all UNROLL partials' tiles in flight (their loads issued at once), each element with its fp32 value and its
 # 64-bit address, so registers bound the tile: with COMBINE_WARPS warps a thread holds rows * cols / (32 * warps)
 # elements of each partial, and keeping that times UNROLL at most COMBINE_REGISTER_ELEMS compiles without spilling
-# for every UNROLL the kernel uses
-# (benchmarks/combine_registers.py, the ptxas of Triton 3.6 and of 3.9 for sm_90, on a CPU: 16 x 16 at UNROLL 17
-# uses 128 registers; the tile used before the rule, 16 x 64 at decode's 16-row split tiles, spills 728 bytes of
-# stack a thread at 17, and 64 x 64 10744 (3.6) or 8904 (3.9); the cost curves' dear rounds at 16-32 tree rows over
-# 3-4k keys sat at 64 x 64 with 17 partials: docs/benchmarks.md, "Tree attention's combine tile").
+# for every UNROLL the kernel uses (benchmarks/combine_registers.py, the ptxas of Triton 3.6 and of 3.9 for sm_90,
+# on a CPU: 16 x 16 at UNROLL 17 uses 128 registers; the tile used before the rule, 16 x 64 at decode's 16-row
+# split tiles, spills 728 bytes of stack a thread at 17, and 64 x 64 10744 (3.6) or 8904 (3.9); the cost curves'
+# dear rounds at 16-32 tree rows over 3-4k keys sat at 64 x 64 with 17 partials: docs/benchmarks.md, "Tree
+# attention's combine tile").
 COMBINE_WARPS = 4
 COMBINE_REGISTER_ELEMS = 40
 # The combine's rows and columns, overriding choose_combine_tile's (None: the rule's, the default); rows are capped at
@@ -70,8 +70,8 @@ COMBINE_BLOCK_D: int | None = None
 def choose_combine_tile(block_m: int, unroll: int, head_dim: int) -> tuple[int, int]:
     """(rows, columns) of one combine program for a split launch of ``block_m`` rows whose combine unrolls over
     ``unroll`` partials of ``head_dim`` columns: the largest tile (powers of two, rows in [16, min(64, block_m)],
-    columns in [16, min(64, head_dim)]) whose elements per thread times ``unroll`` stay within ``COMBINE_REGISTER_ELEMS``,
-    shrinking rows before columns (a row's columns are contiguous in the partials); 16 x 16 at least. Host ints."""
+    columns in [16, min(64, head_dim)]) whose elements per thread times ``unroll`` stay within
+    ``COMBINE_REGISTER_ELEMS``, shrinking rows before columns (a row's columns are contiguous in the partials); 16 x 16 at least. Host ints."""
     rows, cols = min(block_m, 64), min(head_dim, 64)
     budget = COMBINE_REGISTER_ELEMS * 32 * COMBINE_WARPS
     while rows * cols * unroll > budget and (rows > 16 or cols > 16):
