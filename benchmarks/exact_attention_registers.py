@@ -2,13 +2,13 @@
 
 Why: a kernel change that adds live tensors (a second dot's accumulators, a running state) can push the kernel past
 255 registers a thread into local-memory spills, which a device call then pays for in time without saying why. This
-compiles ``batch_invariant._attention_kernel`` with Triton's own compiler for an H100/H200 target (no driver needed)
+compiles ``batch_invariant.attention_kernels._attention_kernel`` with Triton's own compiler for an H100/H200 target (no driver needed)
 and runs the ``ptxas`` Triton ships on the PTX, so a change can be checked before it meets a GPU. The integer
 arguments are given as the engine's launches specialise them (pointers and strides divisible by 16): without that
 hint Triton cannot prove the loads' alignment and the same kernels spill kilobytes.
 
     python benchmarks/exact_attention_registers.py                 # the launches the engine's rules pick
-    python benchmarks/exact_attention_registers.py --file OTHER.py # another copy of batch_invariant.py
+    python benchmarks/exact_attention_registers.py --file OTHER.py # a single-file batch_invariant.py (before the package)
 
 Each line: launch (fused / split), rows a program (``BLOCK_M``), small last tiles compiled in or not, warps and
 pipeline stages, then registers a thread, spill stores and loads (bytes), the shared memory Triton asked for, and
@@ -41,16 +41,18 @@ LAUNCHES = ((True, 32, 8, False), (False, 32, 8, False), (True, 32, 8, True), (F
             (True, 64, 16, False), (False, 64, 16, False), (True, 64, 16, True), (False, 64, 16, True))
 
 
-def load(path: str | None) -> ModuleType:
-    """This tree's ``batch_invariant`` or another copy of it."""
+def load(path: str | None) -> tuple[ModuleType, ModuleType]:
+    """(the module holding ``_attention_kernel``, the one holding the ``ATTN_*`` constants): this tree's
+    ``attention_kernels`` and ``attention_rules``, or a single-file ``batch_invariant.py`` from before the package
+    (``git show C:src/ddtree/models/batch_invariant.py``), which holds both."""
     if path is None:
-        from ddtree.models import batch_invariant
+        from ddtree.models.batch_invariant import attention_kernels, attention_rules
 
-        return batch_invariant
+        return attention_kernels, attention_rules
     spec = importlib.util.spec_from_file_location("batch_invariant_other", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod
+    return mod, mod
 
 
 def _ptxas(ptx: str) -> str:
@@ -67,13 +69,14 @@ def _ptxas(ptx: str) -> str:
     raise SystemExit("no ptxas took the PTX: " + "; ".join(errors))
 
 
-def usage(bi: ModuleType, fused: bool, block_m: int, qt: int, small: bool, warps: int = 4,
+def usage(kernels: ModuleType, rules: ModuleType, fused: bool, block_m: int, qt: int, small: bool, warps: int = 4,
           stages: int = 2) -> dict:
-    """Compile one launch of ``bi._attention_kernel`` for sm_90a and read ptxas' report."""
-    fn = bi._attention_kernel
+    """Compile one launch of ``kernels._attention_kernel`` (constants from ``rules``) for sm_90a and read ptxas'
+    report."""
+    fn = kernels._attention_kernel
     names = fn.arg_names
-    const = dict(HEAD_DIM=128, BLOCK_M=block_m, QT=qt, BLOCK_N=bi.ATTN_BLOCK_N,
-                 TILES_PER_SPLIT=bi.ATTN_SPLIT_KEYS // bi.ATTN_BLOCK_N, SUM_COLS=bi.ATTN_SUM_COLS, TAIL_ROWS=16,
+    const = dict(HEAD_DIM=128, BLOCK_M=block_m, QT=qt, BLOCK_N=rules.ATTN_BLOCK_N,
+                 TILES_PER_SPLIT=rules.ATTN_SPLIT_KEYS // rules.ATTN_BLOCK_N, SUM_COLS=rules.ATTN_SUM_COLS, TAIL_ROWS=16,
                  CHUNK=4, SMALL_M=16, SMALL=small, FUSED=fused, EMULATE=False, PRECISION="tf32")
     const = {k: v for k, v in const.items() if k in names}
     missing = [n for n in names if n not in const and n not in POINTERS and fn.params[names.index(n)].is_constexpr]
@@ -106,9 +109,9 @@ def main() -> None:
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=2)
     args = ap.parse_args()
-    bi = load(args.file)
+    kernels, rules = load(args.file)
     for fused, block_m, qt, small in LAUNCHES:
-        u = usage(bi, fused, block_m, qt, small, args.warps, args.stages)
+        u = usage(kernels, rules, fused, block_m, qt, small, args.warps, args.stages)
         print(f"{'fused' if fused else 'split':5} {block_m:3} rows, small {'on ' if small else 'off'}, "
               f"{u['warps']} warps, {u['stages']} stages: {u['registers']} registers, spills {u['spill_stores']} / "
               f"{u['spill_loads']} B, shared {u['shared']} B, {u['dot']}", flush=True)

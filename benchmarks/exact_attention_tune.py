@@ -7,12 +7,15 @@ own best-first trees of 9 and 16 nodes at 64 rows and of 64 at 8 (``served_trees
 microseconds per call of CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median) of
 
 - ``default``: ``ddtree.models.tree_attention.tree_attention`` (the default engine's kernel);
-- ``exact``: ``batch_invariant.attention`` as it is in this tree (its launch by ``attention_fused``);
+- ``exact``: ``batch_invariant.attention_launch.attention`` as it is in this tree (its launch by ``attention_fused``);
 - ``exact_split`` / ``exact_fused``: the same with each launch forced (``fused=False`` / ``True``), and
   ``exact_fused_s3`` the fused launch in three pipeline stages; ``fused_same_bits``: whether all three give the same
   output;
-- ``exact_ref`` (with ``--ref FILE``): the same function from another copy of ``batch_invariant.py``, for a
-  before/after of a kernel change; then also whether its output has the same bits as ``exact``.
+- ``exact_ref`` (with ``--ref FILE``): the same function from another copy, for a before/after of a kernel change;
+  then also whether its output has the same bits as ``exact``. FILE is one module holding ``attention`` and
+  ``ATTN_SPLIT_KEYS``: the single-file ``batch_invariant.py`` of a commit before the package
+  (``git show C:src/ddtree/models/batch_invariant.py > build/batch_invariant_before.py``). Two versions of the
+  package itself compare by running this script in each checkout.
 
 And the property exact mode rests on, on the GPU: every tree node's output equal to the AR step at its position (one
 query over the same keys in position order), checked for each tree shape's first row.
@@ -40,7 +43,9 @@ from pathlib import Path
 import torch
 
 from ddtree.engine.cuda_graphs import bucket_length
-from ddtree.models import batch_invariant as bi
+from ddtree.models.batch_invariant import attention_launch as bia
+from ddtree.models.batch_invariant import attention_rules as rules
+from ddtree.models.batch_invariant import attention_tables as tables
 from ddtree.models.tree_attention import tree_attention
 from ddtree.speculative.attention import pack_visibility
 
@@ -151,8 +156,8 @@ def inputs(rows: int, t: int, tree: bool, ctx: int, gen: torch.Generator, bucket
     depth, vis = random_trees(rows, t, tree, gen)
     depth, vis = depth.to(dev), vis.to(dev)
     positions = start[:, None] + depth
-    anc, chain = bi.ancestor_map(start, positions, vis)
-    tail = bi.tail_chunks(anc, positions, start, HEADS // KV, KV)
+    anc, chain = tables.ancestor_map(start, positions, vis)
+    tail = tables.tail_chunks(anc, positions, start, HEADS // KV, KV)
     return dict(q=q, k=k, v=v, slots=slots, start=start, depth=depth, vis=vis, positions=positions, anc=anc,
                 chain=chain, tail=tail, kv_len=kv_len, ctx=ctx, t=t)
 
@@ -174,9 +179,9 @@ def nodes_equal_to_ar(x: dict, out: torch.Tensor) -> str:
         p1 = torch.full((1, 1), ctx + d, dtype=torch.long, device=dev)
         s1 = torch.full((1,), ctx + d, dtype=torch.long, device=dev)
         one = torch.ones((1, 1, 1), dtype=torch.bool, device=dev)
-        a1, c1 = bi.ancestor_map(s1, p1, one)
-        ar = bi.attention(q[:1, :, node:node + 1].contiguous(), k1, v1, x["slots"][:1], s1, p1, a1, c1, ctx + d + 1,
-                          split_keys=bi.ATTN_SPLIT_KEYS)
+        a1, c1 = tables.ancestor_map(s1, p1, one)
+        ar = bia.attention(q[:1, :, node:node + 1].contiguous(), k1, v1, x["slots"][:1], s1, p1, a1, c1, ctx + d + 1,
+                          split_keys=rules.ATTN_SPLIT_KEYS)
         same += bool(torch.equal(ar[0, :, 0], out[0, :, node]))
     return f"{same}/{t}"
 
@@ -191,22 +196,24 @@ def default_call(x: dict):
                                   packed=packed)
 
 
-def exact_call(x: dict, module=bi, **launch):
+def exact_call(x: dict, module=None, **launch):
     """``module.attention`` (this tree's exact attention, or a ``--ref`` copy) on one shape's inputs, at the split
     size the module's constant says (the sweep changes it); ``launch``: ``fused=`` for this tree's. This tree's
     gets the forward's tail table made once (``tail_chunks``), as the engine passes it, and so does a ``--ref`` copy
     that takes one (a copy from before the table has no such argument)."""
-    if "tail" in inspect.signature(module.attention).parameters:
+    attention, split_keys = ((bia.attention, rules.ATTN_SPLIT_KEYS) if module is None
+                             else (module.attention, module.ATTN_SPLIT_KEYS))
+    if "tail" in inspect.signature(attention).parameters:
         launch = {"tail": x["tail"], **launch}
-    return lambda: module.attention(x["q"], x["k"], x["v"], x["slots"], x["start"], x["positions"], x["anc"],
-                                    x["chain"], x["kv_len"], split_keys=module.ATTN_SPLIT_KEYS, **launch)
+    return lambda: attention(x["q"], x["k"], x["v"], x["slots"], x["start"], x["positions"], x["anc"],
+                             x["chain"], x["kv_len"], split_keys=split_keys, **launch)
 
 
 def one_shape(name: str, rows: int, t: int, tree: bool, ctx: int, ref, gen: torch.Generator,
               bucket: bool = False) -> dict:
     """Time every kernel on one shape (and, for the 64-node tree, check each node against its AR step)."""
     x = inputs(rows, t, tree, ctx, gen, bucket)
-    single = bi.single_chunks(rows, t, HEADS // KV, x["q"].device, KV)
+    single = tables.single_chunks(rows, t, HEADS // KV, x["q"].device, KV)
     calls = {"default": default_call(x), "exact": exact_call(x), "exact_single": exact_call(dict(x, tail=single)),
              "exact_split": exact_call(x, fused=False),
              "exact_fused": exact_call(x, fused=True), "exact_fused_s3": exact_call(x, fused=True, num_stages=3)}
@@ -218,10 +225,10 @@ def one_shape(name: str, rows: int, t: int, tree: bool, ctx: int, ref, gen: torc
         outs[label] = fn().clone()
         row[f"{label}_us"] = bench_us(fn)
     # the forward's table itself (once per forward, not per layer): grouped, or a chunk per query
-    for label, fn in (("tail_chunks", lambda: bi.tail_chunks(x["anc"], x["positions"], x["start"], HEADS // KV, KV)),
-                      ("single_chunks", lambda: bi.single_chunks(rows, t, HEADS // KV, x["q"].device, KV))):
+    for label, fn in (("tail_chunks", lambda: tables.tail_chunks(x["anc"], x["positions"], x["start"], HEADS // KV, KV)),
+                      ("single_chunks", lambda: tables.single_chunks(rows, t, HEADS // KV, x["q"].device, KV))):
         row[f"{label}_us"] = bench_us(fn)
-    row["groups_tails"] = bi.groups_tails(rows, t, HEADS // KV, KV)
+    row["groups_tails"] = rules.groups_tails(rows, t, HEADS // KV, KV)
     row["single_same_bits"] = bool(torch.equal(outs["exact"], outs["exact_single"]))
     row["fused_same_bits"] = bool(torch.equal(outs["exact_split"], outs["exact_fused"])
                                   and torch.equal(outs["exact_fused"], outs["exact_fused_s3"]))
@@ -239,10 +246,10 @@ def sweep(gen: torch.Generator, settings: tuple[tuple[int, int, int, int], ...] 
     shapes = [(name, inputs(rows, t, tree, ctx, gen)) for name, rows, t, tree, ctx in SWEEP_SHAPES]
     default = {name: bench_us(default_call(x)) for name, x in shapes}
     print("default:", " | ".join(f"{n}={us}" for n, us in default.items()), flush=True)
-    kept = (bi.ATTN_BLOCK_N, bi.ATTN_SPLIT_KEYS, bi.ATTN_NUM_WARPS, bi.ATTN_NUM_STAGES)
+    kept = (rules.ATTN_BLOCK_N, rules.ATTN_SPLIT_KEYS, rules.ATTN_NUM_WARPS, rules.ATTN_NUM_STAGES)
     results = []
     for setting in settings:
-        bi.ATTN_BLOCK_N, bi.ATTN_SPLIT_KEYS, bi.ATTN_NUM_WARPS, bi.ATTN_NUM_STAGES = setting
+        rules.ATTN_BLOCK_N, rules.ATTN_SPLIT_KEYS, rules.ATTN_NUM_WARPS, rules.ATTN_NUM_STAGES = setting
         row: dict = {"block_n": setting[0], "split_keys": setting[1], "num_warps": setting[2],
                      "num_stages": setting[3]}
         try:
@@ -256,7 +263,7 @@ def sweep(gen: torch.Generator, settings: tuple[tuple[int, int, int, int], ...] 
             row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         results.append(row)
         print(" | ".join(f"{key}={val}" for key, val in row.items()), flush=True)
-    bi.ATTN_BLOCK_N, bi.ATTN_SPLIT_KEYS, bi.ATTN_NUM_WARPS, bi.ATTN_NUM_STAGES = kept
+    rules.ATTN_BLOCK_N, rules.ATTN_SPLIT_KEYS, rules.ATTN_NUM_WARPS, rules.ATTN_NUM_STAGES = kept
     return {"default_us": default, "settings": results}
 
 
@@ -278,8 +285,8 @@ LARGE_SHAPES = (  # trees of more than 64 folded rows at G = 4, as served (the e
 
 def engine_tail(x: dict) -> torch.Tensor:
     """The tail table the engine's forward passes for these inputs under the module's rule as it is now
-    (``batch_invariant.forward_tail``, as ``exact_forward`` calls it)."""
-    return bi.forward_tail(x["anc"], x["positions"], x["start"], HEADS // KV, KV)
+    (``attention_tables.forward_tail``, as ``exact_forward`` calls it)."""
+    return tables.forward_tail(x["anc"], x["positions"], x["start"], HEADS // KV, KV)
 
 
 def large_block_m(values: tuple[int, ...], gen: torch.Generator, warps: tuple[int, ...] = (),
@@ -296,30 +303,30 @@ def large_block_m(values: tuple[int, ...], gen: torch.Generator, warps: tuple[in
     the engine's rule without them. (Calls I-K of 2026-12-06 also timed extra rows, one program of 64 + 16 rows
     for a 17-node tree, columns ``x16w{warps}_*``, at git 81d089b; removed after.)"""
 
-    rule = bi.attention_block_m  # the engine's rule, replaced here by "value rows past min(value, 64) folded rows"
+    rule = rules.attention_block_m  # the engine's rule, replaced here by "value rows past min(value, 64) folded rows"
     rows_out = []
     for name, rows, t, tree, ctx in LARGE_SHAPES:
         if only and name not in only:
             continue
-        bi.attention_block_m = rule  # the engine's own for "rule" (and the inputs' tail table)
+        rules.attention_block_m = rule  # the engine's own for "rule" (and the inputs' tail table)
         x = inputs(rows, t, tree, ctx, gen, bucket=True)
         x["tail"] = engine_tail(x)
         row = {"shape": name, "default_us": bench_us(default_call(x)),
                "rule_block_m": rule(t, HEADS // KV, rows * KV), "rule_us": bench_us(exact_call(x))}
-        kept_small = bi.ATTN_SMALL_TAIL_ROWS
-        bi.ATTN_SMALL_TAIL_ROWS = 0
+        kept_small = rules.ATTN_SMALL_TAIL_ROWS
+        rules.ATTN_SMALL_TAIL_ROWS = 0
         x["tail"] = engine_tail(x)
         row["old_us"] = bench_us(exact_call(x))  # the rule before small last tiles
         ref = None
-        kept_warps, kept_wide = bi.ATTN_NUM_WARPS, bi.ATTN_WIDE_WARPS
+        kept_warps, kept_wide = rules.ATTN_NUM_WARPS, rules.ATTN_WIDE_WARPS
         runs = [(v, kept_warps, f"m{v}", 0) for v in (32, *[v for v in values if v != 32])]
         runs += [(v, kept_warps, f"m{v}s", 16) for v in (32, *[v for v in values if v != 32])]
         runs += [(v, w, f"m{v}w{w}", 0) for v in values if v >= 64 for w in warps if w != kept_warps]
         for value, num_warps, name, small in runs:
-            bi.ATTN_SMALL_TAIL_ROWS = small
-            bi.attention_block_m = (lambda tokens, group, per_tile=1, value=value:
+            rules.ATTN_SMALL_TAIL_ROWS = small
+            rules.attention_block_m = (lambda tokens, group, per_tile=1, value=value:
                                     value if tokens * group > min(value, 64) else rule(tokens, group, per_tile))
-            bi.ATTN_NUM_WARPS = bi.ATTN_WIDE_WARPS = num_warps  # every program of the call (attention_warps)
+            rules.ATTN_NUM_WARPS = rules.ATTN_WIDE_WARPS = num_warps  # every program of the call (attention_warps)
             x["tail"] = engine_tail(x)
             for label, launch in (("auto", {}), ("split", {"fused": False}), ("fused", {"fused": True})):
                 fn = exact_call(x, **launch)
@@ -331,22 +338,22 @@ def large_block_m(values: tuple[int, ...], gen: torch.Generator, warps: tuple[in
                         row[f"{name}_{label}_bits"] = "DIFFER"
                 except Exception as exc:  # a launch the device refuses (shared memory): recorded
                     row[f"{name}_{label}_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
-            bi.ATTN_NUM_WARPS, bi.ATTN_WIDE_WARPS = kept_warps, kept_wide
-        bi.ATTN_SMALL_TAIL_ROWS = kept_small
+            rules.ATTN_NUM_WARPS, rules.ATTN_WIDE_WARPS = kept_warps, kept_wide
+        rules.ATTN_SMALL_TAIL_ROWS = kept_small
         rows_out.append(row)
         print(" | ".join(f"{key}={val}" for key, val in row.items()), flush=True)
-    bi.attention_block_m = rule
+    rules.attention_block_m = rule
     return {"rows": rows_out, "values": list(values)}
 
 
 def tail_rows_table(values: tuple[int, ...], gen: torch.Generator, only: tuple[str, ...] = ()) -> dict:
     """Exact attention on :data:`LARGE_SHAPES` (rows staggered by ``--stagger``) with the tail chunks' dots of each
-    of ``values`` rows (``batch_invariant.tail_rows`` replaced, so a chunk holds rows // G queries of one path and
+    of ``values`` rows (``attention_rules.tail_rows`` replaced, so a chunk holds rows // G queries of one path and
     the forward's table is laid out for it), each output against the engine's (a launch choice must keep every
     bit), with the chunks a program runs on average. Why: in the fused launch a program's chunks run one after
     another, each a gathered K and V tile or two and three dots; a served tree's long path in chunks of 4 queries
     takes several, where wider chunks take one (at the cost of dots of more padding rows for the short paths)."""
-    rule = bi.tail_rows
+    rule = rules.tail_rows
     rows_out = []
     for name, rows, t, tree, ctx in LARGE_SHAPES:
         if only and name not in only:
@@ -355,9 +362,9 @@ def tail_rows_table(values: tuple[int, ...], gen: torch.Generator, only: tuple[s
         x["tail"] = engine_tail(x)
         ref = exact_call(x)().clone()
         row = {"shape": name, "default_us": bench_us(default_call(x)), "engine_us": bench_us(exact_call(x)),
-               "fused": bi.launches_fused(t, HEADS // KV, rows * KV)}
+               "fused": rules.launches_fused(t, HEADS // KV, rows * KV)}
         for value in values:
-            bi.tail_rows = lambda group, value=value: max(value, rule(group))
+            rules.tail_rows = lambda group, value=value: max(value, rule(group))
             try:
                 x["tail"] = engine_tail(x)
                 fn = exact_call(x)
@@ -369,7 +376,7 @@ def tail_rows_table(values: tuple[int, ...], gen: torch.Generator, only: tuple[s
             except Exception as exc:  # a launch the device refuses (shared memory): recorded
                 row[f"t{value}_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
             finally:
-                bi.tail_rows = rule
+                rules.tail_rows = rule
         rows_out.append(row)
         print(" | ".join(f"{key}={val}" for key, val in row.items()), flush=True)
     return {"rows": rows_out, "values": list(values), "stagger": STAGGER}
@@ -393,7 +400,7 @@ def parse_settings(text: str) -> tuple[tuple[int, int, int, int], ...]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--ref", default=None, help="another batch_invariant.py to time beside this tree's")
+    ap.add_argument("--ref", default=None, help="a single-file batch_invariant.py (before the package) to time beside this tree's")
     ap.add_argument("--sweep", action="store_true", help="time every setting of the attention's constants instead")
     ap.add_argument("--bucket", action="store_true", help="launch at the engine's key-length buckets (2048 for "
                     "1k), not at the exact key count (the table only, not --sweep)")

@@ -127,7 +127,7 @@ elif [ "$part" = warmup ]; then
     --recapture 20 --cell-repeats 2 >"$OUT/warm_full.log" 2>&1 || echo "warm_full failed"
   grep -E "ready in|s then|recapture|misses|median" "$OUT/warm_full.log"; echo "warm done at ${SECONDS}s"
 elif [ "$part" = exact ]; then
-  ref=()  # REF=path/to/another/batch_invariant.py (carried) times that copy beside this tree's
+  ref=()  # REF=a single-file batch_invariant.py from before the package (carried) times that copy beside this tree's
   [ -n "${REF:-}" ] && ref=(--ref "$REF")
   timeout 90 python3 benchmarks/exact_attention_tune.py --out "$OUT" "${ref[@]}" | tail -10
   echo "exact attention at ${SECONDS}s"

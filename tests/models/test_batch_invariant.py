@@ -16,7 +16,12 @@ pytest.importorskip("triton")
 
 from ddtree import triton_runtime  # noqa: E402
 from ddtree.errors import ShapeError  # noqa: E402
-from ddtree.models import batch_invariant as bi  # noqa: E402
+
+# the modules that read each name, so a monkeypatch reaches every reader (ddtree.models.batch_invariant's docstring)
+from ddtree.models.batch_invariant import attention_launch as bia  # noqa: E402
+from ddtree.models.batch_invariant import attention_rules as rules  # noqa: E402
+from ddtree.models.batch_invariant import attention_tables as tables  # noqa: E402
+from ddtree.models.batch_invariant import matmul as bim  # noqa: E402
 
 if not torch.cuda.is_available() and not triton_runtime.INTERPRETED:
     pytest.skip("no CUDA device and Triton's interpreter is off", allow_module_level=True)
@@ -40,18 +45,18 @@ def test_linear_rows_bit_identical_to_one_row(dtype, shape):
     w = torch.randn(n, k, generator=gen).to(dtype).to(DEVICE)
     b = torch.randn(n, generator=gen).to(dtype).to(DEVICE)
     x = torch.randn(max(ROWS), k, generator=gen).to(dtype).to(DEVICE)
-    alone = bi.linear(x[:1], w, b)  # row 0 computed alone
-    last_alone = {m: bi.linear(x[m - 1:m], w, b) for m in ROWS}
+    alone = bim.linear(x[:1], w, b)  # row 0 computed alone
+    last_alone = {m: bim.linear(x[m - 1:m], w, b) for m in ROWS}
     for m in ROWS:
-        y = bi.linear(x[:m], w, b)
+        y = bim.linear(x[:m], w, b)
         assert torch.equal(y[:1], alone), f"row 0 changes at {m} rows"
         assert torch.equal(y[m - 1:m], last_alone[m]), f"row {m - 1} changes at {m} rows"
-    full = bi.linear(x, w, b)
+    full = bim.linear(x, w, b)
     ref = F.linear(x.float(), w.float(), b.float())
     tol = 1e-4 if dtype == torch.float32 else 2 ** -7
     assert ((full.float() - ref).abs() <= tol * (1 + ref.abs())).all()
     if shape == (48, 512):
-        assert bi.matmul_tiles(n, k).split_k == 2  # the split-K path ran
+        assert bim.matmul_tiles(n, k).split_k == 2  # the split-K path ran
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -60,81 +65,81 @@ def test_linear_launches_give_the_same_bits(dtype, k):
     # split programs + the ordered sum kernel against fused programs that walk the segments themselves, and
     # different row tiles: every row equal to its row alone under the default launch, with and without a bias
     n = 40
-    tiles = bi.MatmulTiles(block_k=64, split_k=4)
+    tiles = bim.MatmulTiles(block_k=64, split_k=4)
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(n, k, generator=gen).to(dtype).to(DEVICE)
     b = torch.randn(n, generator=gen).to(dtype).to(DEVICE)
     x = torch.randn(40, k, generator=gen).to(dtype).to(DEVICE)  # 3 tiles of 16 rows, 2 of 32, part of one of 64
-    launches = [bi.MatmulLaunch(16, 32, 4, 2, fused=False), bi.MatmulLaunch(16, 32, 4, 2, fused=True),
-                bi.MatmulLaunch(32, 64, 4, 2, fused=True), bi.MatmulLaunch(64, 16, 4, 2, fused=False),
-                bi.MatmulLaunch(32, 32, 4, 2, fused=True, flat=True),
-                bi.MatmulLaunch(32, 32, 4, 2, fused=True, flat=True, tma=True),
-                bi.MatmulLaunch(16, 32, 4, 2, fused=False, tma=True)]
+    launches = [bim.MatmulLaunch(16, 32, 4, 2, fused=False), bim.MatmulLaunch(16, 32, 4, 2, fused=True),
+                bim.MatmulLaunch(32, 64, 4, 2, fused=True), bim.MatmulLaunch(64, 16, 4, 2, fused=False),
+                bim.MatmulLaunch(32, 32, 4, 2, fused=True, flat=True),
+                bim.MatmulLaunch(32, 32, 4, 2, fused=True, flat=True, tma=True),
+                bim.MatmulLaunch(16, 32, 4, 2, fused=False, tma=True)]
     # rows of 16-byte multiples load through descriptors (K past the end padded with zeros); 500 bf16 do not
-    assert bi._descriptors_fit(x, w) == (k * x.element_size() % 16 == 0)
+    assert bim._descriptors_fit(x, w) == (k * x.element_size() % 16 == 0)
     for bias in (None, b):
-        alone = torch.cat([bi.linear(x[i:i + 1], w, bias, tiles=tiles, launch=launches[0]) for i in range(x.shape[0])])
+        alone = torch.cat([bim.linear(x[i:i + 1], w, bias, tiles=tiles, launch=launches[0]) for i in range(x.shape[0])])
         for launch in launches:
             for m in (1, 2, 17, 40):
-                y = bi.linear(x[:m], w, bias, tiles=tiles, launch=launch)
+                y = bim.linear(x[:m], w, bias, tiles=tiles, launch=launch)
                 assert torch.equal(y, alone[:m]), f"{launch} at {m} rows differs from the rows alone"
     # and the split count does change the bits (so the test can tell the launches apart from the tiles; in fp32,
     # where the output keeps the accumulator's rounding)
     if dtype == torch.float32:
-        other = bi.linear(x, w, None, tiles=bi.MatmulTiles(block_k=64, split_k=1))
-        assert not torch.equal(other, bi.linear(x, w, None, tiles=tiles))
+        other = bim.linear(x, w, None, tiles=bim.MatmulTiles(block_k=64, split_k=1))
+        assert not torch.equal(other, bim.linear(x, w, None, tiles=tiles))
 
 
 def test_whole_waves_split_only_past_a_wave_with_a_rest_of_its_own_launch():
     # Qwen3-8B's down on 132 SMs: 16 column tiles of 256 a row tile of 128 -> 8 row tiles (1024 rows) a wave
     n, k, wave = 4096, 12288, 128 * (132 // 16)
-    assert bi.matmul_launch(n, k, 1088) == bi.MATMUL_WIDE_LAUNCH
-    assert bi._whole_waves(n, k, 1088, True, wave) == 1024  # DDTree 16 at 64 in flight: 1024 wide + 64 apart
-    assert bi._whole_waves(n, k, 1024 + 512, True, wave) == 1024  # a rest the flat 128 x 128 launch takes
-    assert bi._whole_waves(n, k, 1024 + 513, True, wave) == 0  # a rest that is wide itself: one launch
-    assert bi._whole_waves(n, k, 2048, True, wave) == 0  # whole waves only
-    assert bi._whole_waves(n, k, 1000, True, wave) == 0  # one wave or less
-    assert bi._whole_waves(n, k, 1088, True, 0) == 0  # off CUDA
-    assert bi.matmul_wave_rows(n, k, torch.device("cpu")) == 0
+    assert bim.matmul_launch(n, k, 1088) == bim.MATMUL_WIDE_LAUNCH
+    assert bim._whole_waves(n, k, 1088, True, wave) == 1024  # DDTree 16 at 64 in flight: 1024 wide + 64 apart
+    assert bim._whole_waves(n, k, 1024 + 512, True, wave) == 1024  # a rest the flat 128 x 128 launch takes
+    assert bim._whole_waves(n, k, 1024 + 513, True, wave) == 0  # a rest that is wide itself: one launch
+    assert bim._whole_waves(n, k, 2048, True, wave) == 0  # whole waves only
+    assert bim._whole_waves(n, k, 1000, True, wave) == 0  # one wave or less
+    assert bim._whole_waves(n, k, 1088, True, 0) == 0  # off CUDA
+    assert bim.matmul_wave_rows(n, k, torch.device("cpu")) == 0
 
 
 def test_linear_split_into_whole_waves_gives_the_same_bits(monkeypatch):
     # the whole waves' rows and the rest in two launches writing two slices of one output: every row as in one
     # launch (a small table here, so the interpreter's dots fit: wide = fused 32 x 32 from 41 rows, split below)
     n, k = 40, 256
-    tiles = bi.MatmulTiles(block_k=64, split_k=4)
-    split, wide = bi.MatmulLaunch(16, 32, 4, 2, fused=False, tma=True), bi.MatmulLaunch(32, 32, 4, 2, fused=True,
+    tiles = bim.MatmulTiles(block_k=64, split_k=4)
+    split, wide = bim.MatmulLaunch(16, 32, 4, 2, fused=False, tma=True), bim.MatmulLaunch(32, 32, 4, 2, fused=True,
                                                                                        flat=True, tma=True)
     seen = []
-    monkeypatch.setattr(bi, "matmul_launch", lambda n_, k_, m, tma=True: split if m <= 40 else wide)
-    into = bi._linear_into
-    monkeypatch.setattr(bi, "_linear_into", lambda x2, *a: seen.append(x2.shape[0]) or into(x2, *a))
+    monkeypatch.setattr(bim, "matmul_launch", lambda n_, k_, m, tma=True: split if m <= 40 else wide)
+    into = bim._linear_into
+    monkeypatch.setattr(bim, "_linear_into", lambda x2, *a: seen.append(x2.shape[0]) or into(x2, *a))
     gen = torch.Generator().manual_seed(7)
     w = torch.randn(n, k, generator=gen).to(DEVICE)
     b = torch.randn(n, generator=gen).to(DEVICE)
     x = torch.randn(100, k, generator=gen).to(DEVICE)
-    ref = bi.linear(x, w, b, tiles=tiles, launch=split)
+    ref = bim.linear(x, w, b, tiles=tiles, launch=split)
     for m, parts in ((100, [96, 4]), (70, [64, 6]), (64, [64]), (90, [64, 26])):
         seen.clear()
-        y = bi.linear(x[:m].reshape(2, m // 2, k) if m % 2 == 0 else x[:m], w, b, tiles=tiles, wave_rows=32)
+        y = bim.linear(x[:m].reshape(2, m // 2, k) if m % 2 == 0 else x[:m], w, b, tiles=tiles, wave_rows=32)
         assert seen == parts, m
         assert torch.equal(y.reshape(m, n), ref[:m]), f"{m} rows split as {parts}"
 
 
 def test_matmul_launch_by_rows():
     # decode: split programs in small row tiles; wide: fused programs in large tiles (matmul_tiles stays)
-    assert not bi.matmul_launch(4096, 12288, 1).fused and bi.matmul_launch(4096, 12288, 1).block_m == 16
-    assert bi.matmul_launch(4096, 12288, 768).fused and bi.matmul_launch(4096, 12288, 768).block_m == 128
+    assert not bim.matmul_launch(4096, 12288, 1).fused and bim.matmul_launch(4096, 12288, 1).block_m == 16
+    assert bim.matmul_launch(4096, 12288, 768).fused and bim.matmul_launch(4096, 12288, 768).block_m == 128
     # the flat launch's tiles by the waves they fill on 132 SMs at N = 4096: 64 x 128 to 256 rows, 128 x 128 to 512
-    assert [bi.matmul_launch(4096, 12288, m)[:2] for m in (256, 257, 512, 513)] == [(64, 128), (128, 128),
+    assert [bim.matmul_launch(4096, 12288, m)[:2] for m in (256, 257, 512, 513)] == [(64, 128), (128, 128),
                                                                                     (128, 128), (128, 256)]
-    assert bi.matmul_launch(24576, 4096, 1).block_m == 64  # one segment: nothing for small tiles to spread
+    assert bim.matmul_launch(24576, 4096, 1).block_m == 64  # one segment: nothing for small tiles to spread
     # tensor-descriptor loads from 17 rows where the device has them, the pointer table elsewhere and for weights
     # of one K segment (timed on 4-segment weights only)
-    assert bi.matmul_launch(4096, 12288, 320).tma and not bi.matmul_launch(4096, 12288, 320, tma=False).tma
-    assert bi.matmul_launch(4096, 12288, 17).tma and not bi.matmul_launch(4096, 12288, 16).tma
-    assert not any(bi.matmul_launch(151936, 4096, m).tma for m in (1, 64, 320, 768, 4096))
-    assert not any(bi.matmul_launch(4096, 12288, m, tma=False).tma for m in (1, 64, 320, 768, 4096))
+    assert bim.matmul_launch(4096, 12288, 320).tma and not bim.matmul_launch(4096, 12288, 320, tma=False).tma
+    assert bim.matmul_launch(4096, 12288, 17).tma and not bim.matmul_launch(4096, 12288, 16).tma
+    assert not any(bim.matmul_launch(151936, 4096, m).tma for m in (1, 64, 320, 768, 4096))
+    assert not any(bim.matmul_launch(4096, 12288, m, tma=False).tma for m in (1, 64, 320, 768, 4096))
 
 
 class _Spy:
@@ -152,64 +157,64 @@ def test_tma_launch_loads_through_descriptors_or_runs_the_pointer_table(monkeypa
     """A descriptor launch runs the descriptor kernel; with x's base off 16 bytes it runs the pointer table's
     launch for its rows (not the descriptor launch's tiles through pointers), with the same bits; a split launch
     keeps its descriptors when only the output's rows are off 16 bytes (it stores partials through pointers)."""
-    spies = {name: _Spy(getattr(bi, name)) for name in ("_matmul_kernel", "_matmul_tma_kernel")}
+    spies = {name: _Spy(getattr(bim, name)) for name in ("_matmul_kernel", "_matmul_tma_kernel")}
     for name, spy in spies.items():
-        monkeypatch.setattr(bi, name, spy)
+        monkeypatch.setattr(bim, name, spy)
     gen = torch.Generator().manual_seed(4)
     k, n, m = 512, 40, 200
-    tiles = bi.MatmulTiles(block_k=64, split_k=4)
+    tiles = bim.MatmulTiles(block_k=64, split_k=4)
     w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
-    ref = bi.linear(x, w, tiles=tiles, launch=bi.MatmulLaunch(64, 64, 4, 2, fused=False))
-    flat = bi.MatmulLaunch(32, 32, 4, 2, fused=True, flat=True, tma=True)
+    ref = bim.linear(x, w, tiles=tiles, launch=bim.MatmulLaunch(64, 64, 4, 2, fused=False))
+    flat = bim.MatmulLaunch(32, 32, 4, 2, fused=True, flat=True, tma=True)
     spies["_matmul_tma_kernel"].grids.clear()
     spies["_matmul_kernel"].grids.clear()
-    assert torch.equal(bi.linear(x, w, tiles=tiles, launch=flat), ref)
+    assert torch.equal(bim.linear(x, w, tiles=tiles, launch=flat), ref)
     assert spies["_matmul_tma_kernel"].grids == [(7, 2, 1)] and spies["_matmul_kernel"].grids == []
     storage = torch.empty(m * k + 1, dtype=torch.bfloat16)
     storage[1:] = x.flatten()
     shifted = storage[1:].view(m, k)  # the same values, the base 2 bytes off
-    assert not bi._descriptors_fit(shifted)
-    assert torch.equal(bi.linear(shifted, w, tiles=tiles, launch=flat), ref)
-    pointer = bi.matmul_launch(n, k, m, tma=False)
+    assert not bim._descriptors_fit(shifted)
+    assert torch.equal(bim.linear(shifted, w, tiles=tiles, launch=flat), ref)
+    pointer = bim.matmul_launch(n, k, m, tma=False)
     assert spies["_matmul_tma_kernel"].grids == [(7, 2, 1)]
     assert spies["_matmul_kernel"].grids == [(-(-m // pointer.block_m), -(-n // pointer.block_n),
                                               1 if pointer.fused else tiles.split_k)]
     odd = torch.randn(41, k, generator=gen).to(torch.bfloat16)  # output rows of 82 bytes
-    split = bi.MatmulLaunch(32, 32, 4, 2, fused=False, tma=True)
-    odd_ref = bi.linear(x, odd, tiles=tiles, launch=bi.MatmulLaunch(64, 64, 4, 2, fused=False))
+    split = bim.MatmulLaunch(32, 32, 4, 2, fused=False, tma=True)
+    odd_ref = bim.linear(x, odd, tiles=tiles, launch=bim.MatmulLaunch(64, 64, 4, 2, fused=False))
     spies["_matmul_tma_kernel"].grids.clear()
-    assert torch.equal(bi.linear(x, odd, tiles=tiles, launch=split), odd_ref)
+    assert torch.equal(bim.linear(x, odd, tiles=tiles, launch=split), odd_ref)
     assert spies["_matmul_tma_kernel"].grids == [(7, 2, 4)]
 
 
 def test_linear_no_bias_and_leading_dims():
     w = torch.randn(24, 32, device=DEVICE)
     x = torch.randn(3, 5, 32, device=DEVICE)
-    y = bi.linear(x, w)
+    y = bim.linear(x, w)
     assert y.shape == (3, 5, 24)
-    assert torch.equal(y[1, 2], bi.linear(x[1, 2:3], w)[0])
+    assert torch.equal(y[1, 2], bim.linear(x[1, 2:3], w)[0])
     torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
 def test_matmul_tiles_depend_on_the_weight_only():
     # the Qwen3-8B projections: qkv, o_proj, gate/up, down, LM head
-    assert bi.matmul_tiles(4096, 4096).split_k == 4
-    assert bi.matmul_tiles(4096, 12288).split_k == 4
-    assert bi.matmul_tiles(24576, 4096).split_k == 1
-    assert bi.matmul_tiles(151936, 4096).split_k == 1
+    assert bim.matmul_tiles(4096, 4096).split_k == 4
+    assert bim.matmul_tiles(4096, 12288).split_k == 4
+    assert bim.matmul_tiles(24576, 4096).split_k == 1
+    assert bim.matmul_tiles(151936, 4096).split_k == 1
 
 
 def test_linear_rejects_bad_shapes():
     with pytest.raises(ShapeError, match="does not fit"):
-        bi.linear(torch.randn(2, 8, device=DEVICE), torch.randn(4, 9, device=DEVICE))
+        bim.linear(torch.randn(2, 8, device=DEVICE), torch.randn(4, 9, device=DEVICE))
 
 
 def test_linear_rows_torch_path():
     w, b = torch.randn(24, 32), torch.randn(24)
     x = torch.randn(17, 32)
-    y = bi.linear_rows(x, w, b)
-    assert torch.equal(y[3], bi.linear_rows(x[3:4], w, b)[0])
+    y = bim.linear_rows(x, w, b)
+    assert torch.equal(y[3], bim.linear_rows(x[3:4], w, b)[0])
     torch.testing.assert_close(y, F.linear(x, w, b))
 
 
@@ -253,14 +258,14 @@ def _path(parents, node):
 
 
 def _run(fn, q, kc, vc, slots, start, pos, vis, kv_len):
-    anc, chain = bi.ancestor_map(start, pos, vis)
-    if fn is bi.attention:
-        return bi.attention(q, kc, vc, slots, start, pos, anc, chain, kv_len, split_keys=64)
-    return bi.attention_rows(q, kc, vc, slots, start, pos, anc)
+    anc, chain = tables.ancestor_map(start, pos, vis)
+    if fn is bia.attention:
+        return bia.attention(q, kc, vc, slots, start, pos, anc, chain, kv_len, split_keys=64)
+    return bia.attention_rows(q, kc, vc, slots, start, pos, anc)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("fn", [bi.attention, bi.attention_rows], ids=["triton", "torch"])
+@pytest.mark.parametrize("fn", [bia.attention, bia.attention_rows], ids=["triton", "torch"])
 @pytest.mark.parametrize("start", [0, 60, 130])  # keys in one tile; a tree across a tile edge; three splits
 def test_tree_node_equals_its_ar_decode(dtype, fn, start):
     gen = torch.Generator().manual_seed(start)
@@ -287,14 +292,14 @@ def test_tree_node_equals_its_ar_decode(dtype, fn, start):
         ch = _run(fn, q[:, :, node:node + 1].expand(1, KV * G, n, D).contiguous(), kc, vc, torch.tensor([1]), chunk,
                   chunk[:, None] + torch.arange(n)[None], torch.tril(torch.ones(1, n, n, dtype=torch.bool)), 256)
         assert torch.equal(ch[0, :, -1], out[0, :, node]), f"node {node} as a prompt chunk's last token"
-    if fn is bi.attention:
-        ref = _run(bi.attention_rows, q, kc, vc, torch.tensor([0]), s0, pos, vis, start + t)
+    if fn is bia.attention:
+        ref = _run(bia.attention_rows, q, kc, vc, torch.tensor([0]), s0, pos, vis, start + t)
         torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
                                    atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
 class _NaNPartials:
-    """``bi.torch`` for a test: fp32 buffers of four dims and more (the split launch's partials) come filled with NaN,
+    """``bia.torch`` for a test: fp32 buffers of four dims and more (the split launch's partials) come filled with NaN,
     so a partial the combine kernel reads and no program wrote shows in the output (fresh ``torch.empty`` memory is
     often zeros on the CPU, which merge as an empty split)."""
 
@@ -318,7 +323,7 @@ def test_chunk_programs_read_their_splits_shared_tiles(monkeypatch, dtype, start
     """Four tiles a split (the engine's 256 keys): the split launch's chunk programs run the split holding ``start``
     from its first tile, whole prefix tiles included, as each node's AR step and the fused launch do; every partial
     the combine kernel reads was written (NaN-filled partials)."""
-    monkeypatch.setattr(bi, "torch", _NaNPartials())
+    monkeypatch.setattr(bia, "torch", _NaNPartials())
     gen = torch.Generator().manual_seed(start)
     t = len(PARENTS)
     kc = torch.randn(3, KV, 512, D, generator=gen).to(dtype)
@@ -327,17 +332,17 @@ def test_chunk_programs_read_their_splits_shared_tiles(monkeypatch, dtype, start
     vis, depth = _tree(PARENTS)
     s0 = torch.tensor([start])
     pos = s0[:, None] + depth[None]
-    anc, chain = bi.ancestor_map(s0, pos, vis)
+    anc, chain = tables.ancestor_map(s0, pos, vis)
     args = (q, kc, vc, torch.tensor([0]), s0, pos, anc, chain, 512)
-    out = bi.attention(*args, fused=False)
-    assert torch.equal(bi.attention(*args, fused=True), out)
-    assert torch.equal(bi.attention(*args, fused=False, tail=bi.single_chunks(1, t, G, q.device, KV)), out)
+    out = bia.attention(*args, fused=False)
+    assert torch.equal(bia.attention(*args, fused=True), out)
+    assert torch.equal(bia.attention(*args, fused=False, tail=tables.single_chunks(1, t, G, q.device, KV)), out)
     for node in range(t):
         path = _path(PARENTS, node)
         _ar_layout(kc, vc, 0, 1, start, path)
         p = start + len(path) - 1
-        a1, c1 = bi.ancestor_map(torch.tensor([p]), torch.tensor([[p]]), torch.ones(1, 1, 1, dtype=torch.bool))
-        ar = bi.attention(q[:, :, node:node + 1], kc, vc, torch.tensor([1]), torch.tensor([p]), torch.tensor([[p]]),
+        a1, c1 = tables.ancestor_map(torch.tensor([p]), torch.tensor([[p]]), torch.ones(1, 1, 1, dtype=torch.bool))
+        ar = bia.attention(q[:, :, node:node + 1], kc, vc, torch.tensor([1]), torch.tensor([p]), torch.tensor([[p]]),
                           a1, c1, 512, fused=False)
         assert torch.equal(ar[0, :, 0], out[0, :, node]), f"node {node}"
     assert not out.isnan().any()
@@ -354,10 +359,10 @@ def test_attention_row_independent_of_other_rows():
     start = torch.tensor([70, 5, 200])
     pos = start[:, None] + depth[None]
     vis3 = vis.expand(3, t, t).contiguous()
-    anc, chain = bi.ancestor_map(start, pos, vis3)
-    together = bi.attention(q, kc, vc, torch.tensor([2, 0, 3]), start, pos, anc, chain, 256, split_keys=64)
-    a1, c1 = bi.ancestor_map(start[:1], pos[:1], vis)
-    alone = bi.attention(q[:1], kc, vc, torch.tensor([2]), start[:1], pos[:1], a1, c1, 128, split_keys=64)
+    anc, chain = tables.ancestor_map(start, pos, vis3)
+    together = bia.attention(q, kc, vc, torch.tensor([2, 0, 3]), start, pos, anc, chain, 256, split_keys=64)
+    a1, c1 = tables.ancestor_map(start[:1], pos[:1], vis)
+    alone = bia.attention(q[:1], kc, vc, torch.tensor([2]), start[:1], pos[:1], a1, c1, 128, split_keys=64)
     assert torch.equal(together[:1], alone)
 
 
@@ -380,24 +385,24 @@ def test_fused_launch_gives_the_split_launch_bits(dtype, group, split_keys):
     vis, depth = _tree(WIDE)
     start = torch.tensor([20, 60, 150])
     pos = start[:, None] + depth[None]
-    anc, chain = bi.ancestor_map(start, pos, vis.expand(3, t, t).contiguous())
+    anc, chain = tables.ancestor_map(start, pos, vis.expand(3, t, t).contiguous())
     args = (q, kc, vc, torch.tensor([2, 0, 3]), start, pos, anc, chain, 256)
-    split = bi.attention(*args, split_keys=split_keys, fused=False)
-    fused = bi.attention(*args, split_keys=split_keys, fused=True)
+    split = bia.attention(*args, split_keys=split_keys, fused=False)
+    fused = bia.attention(*args, split_keys=split_keys, fused=True)
     assert torch.equal(fused, split)
     if not triton_runtime.INTERPRETED:  # the interpreter ignores pipeline stages: the same run as the line above
-        assert torch.equal(bi.attention(*args, split_keys=split_keys, fused=True, num_stages=3), split)
+        assert torch.equal(bia.attention(*args, split_keys=split_keys, fused=True, num_stages=3), split)
     causal = torch.tril(torch.ones(1, 9, 9, dtype=torch.bool))
     cstart = torch.tensor([60])
     cpos = cstart[:, None] + torch.arange(9)[None]
-    canc, cchain = bi.ancestor_map(cstart, cpos, causal)
+    canc, cchain = tables.ancestor_map(cstart, cpos, causal)
     cargs = (q[:1, :, :9], kc, vc, torch.tensor([1]), cstart, cpos, canc, cchain, 192)
-    assert torch.equal(bi.attention(*cargs, split_keys=split_keys, fused=True),
-                       bi.attention(*cargs, split_keys=split_keys, fused=False))
+    assert torch.equal(bia.attention(*cargs, split_keys=split_keys, fused=True),
+                       bia.attention(*cargs, split_keys=split_keys, fused=False))
 
 
 def _wide_tree_call(seed: int, starts: tuple[int, int], slots: tuple[int, int]) -> tuple:
-    """bi.attention's arguments for two rows of the 20-node tree WIDE at 4 query heads per KV head (80 folded rows),
+    """bia.attention's arguments for two rows of the 20-node tree WIDE at 4 query heads per KV head (80 folded rows),
     bf16, over random caches of 3 slots x 256 positions."""
     gen = torch.Generator().manual_seed(seed)
     t = len(WIDE)
@@ -407,7 +412,7 @@ def _wide_tree_call(seed: int, starts: tuple[int, int], slots: tuple[int, int]) 
     vis, depth = _tree(WIDE)
     start = torch.tensor(starts)
     pos = start[:, None] + depth[None]
-    anc, chain = bi.ancestor_map(start, pos, vis.expand(2, t, t).contiguous())
+    anc, chain = tables.ancestor_map(start, pos, vis.expand(2, t, t).contiguous())
     return (q, kc, vc, torch.tensor(slots), start, pos, anc, chain, 256)
 
 
@@ -419,18 +424,18 @@ def test_large_tree_programs_give_the_bits_of_small_ones(monkeypatch, large_bloc
     t = len(WIDE)
     args = _wide_tree_call(13, starts=(60, 130), slots=(2, 0))
     q = args[0]
-    assert bi.attention_block_m(t, 4, 2 * KV) == bi.ATTN_BLOCK_M  # 80 folded rows: their 64-row grid is small
-    small = bi.attention(*args, fused=False)
-    small_layout = bi.single_chunks(2, t, 4, q.device, KV)
-    monkeypatch.setattr(bi, "ATTN_LARGE_BLOCK_M", large_block_m)
-    monkeypatch.setattr(bi, "ATTN_LARGE_MIN_FOLDED", 64)
-    monkeypatch.setattr(bi, "ATTN_FUSED_MIN_PROGRAMS", 1)
-    assert bi.attention_block_m(t, 4, 2 * KV) == large_block_m
+    assert rules.attention_block_m(t, 4, 2 * KV) == rules.ATTN_BLOCK_M  # 80 folded rows: their 64-row grid is small
+    small = bia.attention(*args, fused=False)
+    small_layout = tables.single_chunks(2, t, 4, q.device, KV)
+    monkeypatch.setattr(rules, "ATTN_LARGE_BLOCK_M", large_block_m)
+    monkeypatch.setattr(rules, "ATTN_LARGE_MIN_FOLDED", 64)
+    monkeypatch.setattr(rules, "ATTN_FUSED_MIN_PROGRAMS", 1)
+    assert rules.attention_block_m(t, 4, 2 * KV) == large_block_m
     for fused in (False, True):
-        assert torch.equal(bi.attention(*args, fused=fused), small), f"fused={fused}"
+        assert torch.equal(bia.attention(*args, fused=fused), small), f"fused={fused}"
     # the table must be laid out for the call's programs: one made for 32-row programs is refused
     with pytest.raises(ShapeError, match="tail"):
-        bi.attention(*args, tail=small_layout)
+        bia.attention(*args, tail=small_layout)
 
 
 def test_wide_programs_give_the_bits_of_small_ones(monkeypatch):
@@ -438,17 +443,17 @@ def test_wide_programs_give_the_bits_of_small_ones(monkeypatch):
     wide range) launches fused when ATTN_WIDE_FUSED, else split, and gives the bits of 32-row programs."""
     t = len(WIDE)
     args = _wide_tree_call(17, starts=(70, 140), slots=(1, 2))
-    small = bi.attention(*args)
-    assert bi.attention_block_m(t, 4, 2 * KV) == bi.ATTN_BLOCK_M and not bi.launches_fused(t, 4, 2 * KV)
-    monkeypatch.setattr(bi, "ATTN_WIDE_MIN_PER_TILE", 2 * KV)
-    monkeypatch.setattr(bi, "ATTN_WIDE_MAX_PER_TILE", 2 * KV)
-    assert bi.attention_block_m(t, 4, 2 * KV) == bi.ATTN_WIDE_BLOCK_M == 128
-    assert bi.attention_block_m(t, 4, 4 * KV) == bi.ATTN_BLOCK_M  # past the range: as before
-    assert bi.attention_warps(128) == bi.ATTN_WIDE_WARPS and bi.attention_warps(64) == bi.ATTN_NUM_WARPS
+    small = bia.attention(*args)
+    assert rules.attention_block_m(t, 4, 2 * KV) == rules.ATTN_BLOCK_M and not rules.launches_fused(t, 4, 2 * KV)
+    monkeypatch.setattr(rules, "ATTN_WIDE_MIN_PER_TILE", 2 * KV)
+    monkeypatch.setattr(rules, "ATTN_WIDE_MAX_PER_TILE", 2 * KV)
+    assert rules.attention_block_m(t, 4, 2 * KV) == rules.ATTN_WIDE_BLOCK_M == 128
+    assert rules.attention_block_m(t, 4, 4 * KV) == rules.ATTN_BLOCK_M  # past the range: as before
+    assert rules.attention_warps(128) == rules.ATTN_WIDE_WARPS and rules.attention_warps(64) == rules.ATTN_NUM_WARPS
     for wide_fused in (True, False):
-        monkeypatch.setattr(bi, "ATTN_WIDE_FUSED", wide_fused)
-        assert bi.launches_fused(t, 4, 2 * KV) == wide_fused == bi.groups_tails(2, t, 4, KV)
-        assert torch.equal(bi.attention(*args), small), f"wide fused={wide_fused}"
+        monkeypatch.setattr(rules, "ATTN_WIDE_FUSED", wide_fused)
+        assert rules.launches_fused(t, 4, 2 * KV) == wide_fused == rules.groups_tails(2, t, 4, KV)
+        assert torch.equal(bia.attention(*args), small), f"wide fused={wide_fused}"
 
 
 @pytest.mark.parametrize("nodes", [17, 20, 33])
@@ -464,19 +469,19 @@ def test_small_last_tiles_give_the_bits_of_full_ones(monkeypatch, nodes):
     vis, depth = _tree(parents[:nodes])
     start = torch.tensor((60, 130))
     pos = start[:, None] + depth[None]
-    anc, chain = bi.ancestor_map(start, pos, vis.expand(2, nodes, nodes).contiguous())
+    anc, chain = tables.ancestor_map(start, pos, vis.expand(2, nodes, nodes).contiguous())
     args = (q, kc, vc, torch.tensor((2, 0)), start, pos, anc, chain, 256)
     if nodes > 17:
-        monkeypatch.setattr(bi, "ATTN_LARGE_MIN_FOLDED", 64)
-        monkeypatch.setattr(bi, "ATTN_FUSED_MIN_PROGRAMS", 1)
-    monkeypatch.setattr(bi, "ATTN_SMALL_TAIL_ROWS", 0)
-    full = bi.attention(*args, fused=False)
-    monkeypatch.setattr(bi, "ATTN_SMALL_TAIL_ROWS", 16)
-    assert bi.attention_small_tail(nodes, 4, 2 * KV)
-    assert bi.attention_block_m(nodes, 4, 2 * KV) == (32 if nodes == 17 else 64)
+        monkeypatch.setattr(rules, "ATTN_LARGE_MIN_FOLDED", 64)
+        monkeypatch.setattr(rules, "ATTN_FUSED_MIN_PROGRAMS", 1)
+    monkeypatch.setattr(rules, "ATTN_SMALL_TAIL_ROWS", 0)
+    full = bia.attention(*args, fused=False)
+    monkeypatch.setattr(rules, "ATTN_SMALL_TAIL_ROWS", 16)
+    assert rules.attention_small_tail(nodes, 4, 2 * KV)
+    assert rules.attention_block_m(nodes, 4, 2 * KV) == (32 if nodes == 17 else 64)
     for fused in (False, True):
-        for tail in (bi.tail_chunks(anc, pos, start, 4, KV), bi.single_chunks(2, nodes, 4, pos.device, KV)):
-            assert torch.equal(bi.attention(*args, fused=fused, tail=tail), full), f"fused={fused}"
+        for tail in (tables.tail_chunks(anc, pos, start, 4, KV), tables.single_chunks(2, nodes, 4, pos.device, KV)):
+            assert torch.equal(bia.attention(*args, fused=fused, tail=tail), full), f"fused={fused}"
 
 
 def test_forward_tail_is_the_forwards_choice_of_table():
@@ -485,33 +490,33 @@ def test_forward_tail_is_the_forwards_choice_of_table():
     for rows in (1, 64):
         start = torch.arange(rows) * 7 + 100
         pos = start[:, None] + depth[None]
-        anc, _ = bi.ancestor_map(start, pos, vis.expand(rows, 17, 17).contiguous())
-        grouped = bi.tail_chunks(anc, pos, start, 4, 8)
-        single = bi.single_chunks(rows, 17, 4, pos.device, 8)
-        fused = bi.groups_tails(rows, 17, 4, 8)
+        anc, _ = tables.ancestor_map(start, pos, vis.expand(rows, 17, 17).contiguous())
+        grouped = tables.tail_chunks(anc, pos, start, 4, 8)
+        single = tables.single_chunks(rows, 17, 4, pos.device, 8)
+        fused = rules.groups_tails(rows, 17, 4, 8)
         assert fused == (rows == 64)
-        assert torch.equal(bi.forward_tail(anc, pos, start, 4, 8), grouped if fused else single)
-        assert torch.equal(bi.forward_tail(anc, pos, start, 4, 8, branches=False), single)
+        assert torch.equal(tables.forward_tail(anc, pos, start, 4, 8), grouped if fused else single)
+        assert torch.equal(tables.forward_tail(anc, pos, start, 4, 8, branches=False), single)
     assert not torch.equal(grouped, single)  # the two tables differ here, so the choice is seen
 
 
 def test_large_tree_rule():
     # a served 64-node tree at G = 4: 64-row programs where that grid launches fused (C = 8, 8 KV heads), else 32
-    assert bi.attention_block_m(64, 4, 8 * 8) == bi.ATTN_LARGE_BLOCK_M == 64
-    assert bi.attention_block_m(64, 4, 1 * 8) == bi.ATTN_BLOCK_M
-    assert bi.attention_block_m(32, 4, 8 * 8) == bi.ATTN_BLOCK_M  # 128 folded rows at C = 8: the grid is small
+    assert rules.attention_block_m(64, 4, 8 * 8) == rules.ATTN_LARGE_BLOCK_M == 64
+    assert rules.attention_block_m(64, 4, 1 * 8) == rules.ATTN_BLOCK_M
+    assert rules.attention_block_m(32, 4, 8 * 8) == rules.ATTN_BLOCK_M  # 128 folded rows at C = 8: the grid is small
     # a served 17-node tree (68 folded rows) at C = 64: 64-row programs, two a row and KV head; at C = 8: 32 rows;
     # either way the last program (one query, 4 rows) a 16-row one
-    assert bi.attention_block_m(17, 4, 64 * 8) == bi.ATTN_LARGE_BLOCK_M
-    assert bi.attention_block_m(17, 4, 8 * 8) == bi.ATTN_BLOCK_M
-    assert all(bi.attention_small_tail(17, 4, per_tile) for per_tile in (1 * 8, 8 * 8, 64 * 8))
-    assert not bi.attention_small_tail(16, 4, 64 * 8) and not bi.attention_small_tail(1, 4, 64 * 8)  # one tile
-    assert bi.attention_small_tail(33, 4, 64 * 8) and not bi.attention_small_tail(21, 4, 64 * 8)  # 4 and 20 rows left
-    assert bi.tail_layout(64, 4, 64)[0] == 16 and bi.tail_layout(64, 4, 8)[0] == 8
+    assert rules.attention_block_m(17, 4, 64 * 8) == rules.ATTN_LARGE_BLOCK_M
+    assert rules.attention_block_m(17, 4, 8 * 8) == rules.ATTN_BLOCK_M
+    assert all(rules.attention_small_tail(17, 4, per_tile) for per_tile in (1 * 8, 8 * 8, 64 * 8))
+    assert not rules.attention_small_tail(16, 4, 64 * 8) and not rules.attention_small_tail(1, 4, 64 * 8)  # one tile
+    assert rules.attention_small_tail(33, 4, 64 * 8) and not rules.attention_small_tail(21, 4, 64 * 8)  # 4 and 20 rows left
+    assert rules.tail_layout(64, 4, 64)[0] == 16 and rules.tail_layout(64, 4, 8)[0] == 8
     # tails grouped where the calls launch fused (chunks one after another in a program), not in the split launch
-    assert bi.groups_tails(8, 64, 4, 8) and bi.groups_tails(64, 17, 4, 8)
-    assert not bi.groups_tails(1, 64, 4, 8) and not bi.groups_tails(1, 17, 4, 8)
-    assert all(bi.groups_tails(r, t, 4, 8) == bi.attention_fused(-(-t // bi.tail_layout(t, 4, r * 8)[0]) * r * 8)
+    assert rules.groups_tails(8, 64, 4, 8) and rules.groups_tails(64, 17, 4, 8)
+    assert not rules.groups_tails(1, 64, 4, 8) and not rules.groups_tails(1, 17, 4, 8)
+    assert all(rules.groups_tails(r, t, 4, 8) == rules.attention_fused(-(-t // rules.tail_layout(t, 4, r * 8)[0]) * r * 8)
                for r in (1, 2, 4, 8, 16, 64) for t in (1, 5, 9, 17, 33, 64))
 
 
@@ -530,9 +535,9 @@ def test_tail_chunks_of_equal_paths_and_of_nothing():
     vis, depth = _same_depth_sight()
     start = torch.tensor([100])
     pos = start[:, None] + depth[None]
-    anc, chain = bi.ancestor_map(start, pos, vis)
-    row = bi.tail_chunks(anc, pos, start, 4)[0, 0].tolist()
-    per = bi.tail_layout(5, 4)[1]
+    anc, chain = tables.ancestor_map(start, pos, vis)
+    row = tables.tail_chunks(anc, pos, start, 4)[0, 0].tolist()
+    per = rules.tail_layout(5, 4)[1]
     chunks = [row[1 + c * (1 + per):1 + (c + 1) * (1 + per)] for c in range(row[0])]
     paths = anc[0].tolist()
     for lead, *members in chunks:
@@ -541,11 +546,11 @@ def test_tail_chunks_of_equal_paths_and_of_nothing():
             assert paths[m][:d + 1] == paths[lead][:d + 1], (lead, m)
     assert sorted(m for _, *ms in chunks for m in ms if m >= 0) == [0, 1, 2, 3, 4]
     q = torch.randn(0, 4, 3, D)
-    empty = bi.attention(q, torch.randn(1, 1, 64, D), torch.randn(1, 1, 64, D), torch.zeros(0, dtype=torch.long),
+    empty = bia.attention(q, torch.randn(1, 1, 64, D), torch.randn(1, 1, 64, D), torch.zeros(0, dtype=torch.long),
                          torch.zeros(0, dtype=torch.long), torch.zeros(0, 3, dtype=torch.long),
                          torch.zeros(0, 3, 3, dtype=torch.int32), torch.zeros(0, 3, dtype=torch.int32), 64)
     assert empty.shape == (0, 4, 3, D)
-    assert bi.tail_chunks(torch.zeros(0, 3, 3, dtype=torch.int32), torch.zeros(0, 3, dtype=torch.long),
+    assert tables.tail_chunks(torch.zeros(0, 3, 3, dtype=torch.int32), torch.zeros(0, 3, dtype=torch.long),
                           torch.zeros(0, dtype=torch.long), 4).shape[0] == 0
 
 
@@ -563,26 +568,26 @@ def test_grouped_tail_gives_the_bits_of_a_query_alone(fused):
         q = torch.randn(2, KV * group, t, D, generator=gen)
         start = torch.tensor([60, 150])
         pos = start[:, None] + depth[None]
-        anc, chain = bi.ancestor_map(start, pos, vis.expand(2, t, t).contiguous())
+        anc, chain = tables.ancestor_map(start, pos, vis.expand(2, t, t).contiguous())
         args = (q, kc, vc, torch.tensor([2, 0]), start, pos, anc, chain, 256)
-        grouped = bi.attention(*args, split_keys=64, fused=fused)
-        alone = bi.attention(*args, split_keys=64, fused=fused, tail=bi.single_chunks(2, t, group, q.device))
+        grouped = bia.attention(*args, split_keys=64, fused=fused)
+        alone = bia.attention(*args, split_keys=64, fused=fused, tail=tables.single_chunks(2, t, group, q.device))
         assert torch.equal(grouped, alone), (t, group)
 
 
 def test_attention_fused_by_grid_size():
-    assert not bi.attention_fused(bi.ATTN_FUSED_MIN_PROGRAMS - 1)
-    assert bi.attention_fused(bi.ATTN_FUSED_MIN_PROGRAMS)
-    assert bi.attention_fused(64 * 8)  # AR at C = 64 with 8 KV heads
+    assert not rules.attention_fused(rules.ATTN_FUSED_MIN_PROGRAMS - 1)
+    assert rules.attention_fused(rules.ATTN_FUSED_MIN_PROGRAMS)
+    assert rules.attention_fused(64 * 8)  # AR at C = 64 with 8 KV heads
 
 
 def test_ancestor_map_of_a_tree_and_a_chunk():
     vis, depth = _tree((-1, 0, 0, 1))
-    anc, chain = bi.ancestor_map(torch.tensor([5]), 5 + depth[None], vis)
+    anc, chain = tables.ancestor_map(torch.tensor([5]), 5 + depth[None], vis)
     assert anc[0].tolist() == [[0, -1, -1, -1], [0, 1, -1, -1], [0, 2, -1, -1], [0, 1, 3, -1]]
     assert chain[0].tolist() == [1, 1, 0, 0]
     causal = torch.tril(torch.ones(1, 3, 3, dtype=torch.bool))
-    _, chain = bi.ancestor_map(torch.tensor([9]), 9 + torch.arange(3)[None], causal)
+    _, chain = tables.ancestor_map(torch.tensor([9]), 9 + torch.arange(3)[None], causal)
     assert chain[0].tolist() == [1, 1, 1]
 
 
@@ -602,9 +607,9 @@ def test_tail_chunks_cover_every_query_once_on_one_path(group, tokens):
     depth = torch.stack([_tree(p)[1] for p in trees])
     start = torch.tensor([0, 70, 300])
     pos = start[:, None] + depth
-    anc, _ = bi.ancestor_map(start, pos, vis)
-    table = bi.tail_chunks(anc, pos, start, group)
-    qt, per = bi.tail_layout(tokens, group)
+    anc, _ = tables.ancestor_map(start, pos, vis)
+    table = tables.tail_chunks(anc, pos, start, group)
+    qt, per = rules.tail_layout(tokens, group)
     assert table.shape == (3, -(-tokens // qt), 1 + qt * (1 + per))
     for r, parents in enumerate(trees):
         paths = [_path(parents, node) for node in range(tokens)]
@@ -634,29 +639,29 @@ def test_gpu_linear_rows_bit_identical(shape):
     n, k = shape
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     x = torch.randn(2048, k, device="cuda", dtype=torch.bfloat16)
-    alone = bi.linear(x[:1], w)
-    full = bi.linear(x, w)  # the wide launch (128-row fused tiles); every row count below launches differently
+    alone = bim.linear(x[:1], w)
+    full = bim.linear(x, w)  # the wide launch (128-row fused tiles); every row count below launches differently
     assert torch.equal(full[:1], alone)
     for m in (1, 2, 8, 16, 17, 32, 64, 65, 128, 129, 257, 512, 767, 768, 1024, 2048):
-        assert torch.equal(bi.linear(x[:m], w), full[:m]), f"rows change at {m} rows"
+        assert torch.equal(bim.linear(x[:m], w), full[:m]), f"rows change at {m} rows"
 
 
 def test_wide_tree_node_equals_its_ar_decode():
     """A tree whose programs fold 64 rows (T x G = 40) against AR steps folded in 32 (the interpreter)."""
     gen = torch.Generator().manual_seed(5)
     t = len(WIDE)
-    assert bi.attention_block_m(t, G) == 64 and bi.attention_block_m(1, G) == bi.ATTN_BLOCK_M
+    assert rules.attention_block_m(t, G) == 64 and rules.attention_block_m(1, G) == rules.ATTN_BLOCK_M
     kc = torch.randn(3, KV, 256, D, generator=gen).to(torch.bfloat16)
     vc = torch.randn(3, KV, 256, D, generator=gen).to(torch.bfloat16)
     q = torch.randn(1, KV * G, t, D, generator=gen).to(torch.bfloat16)
     vis, depth = _tree(WIDE)
     s0 = torch.tensor([60])
-    out = _run(bi.attention, q, kc, vc, torch.tensor([0]), s0, s0[:, None] + depth[None], vis, kv_len=60 + t)
+    out = _run(bia.attention, q, kc, vc, torch.tensor([0]), s0, s0[:, None] + depth[None], vis, kv_len=60 + t)
     for node in range(t):
         path = _path(WIDE, node)
         _ar_layout(kc, vc, 0, 1, 60, path)
         p = 60 + len(path) - 1
-        ar = _run(bi.attention, q[:, :, node:node + 1], kc, vc, torch.tensor([1]), torch.tensor([p]),
+        ar = _run(bia.attention, q[:, :, node:node + 1], kc, vc, torch.tensor([1]), torch.tensor([p]),
                   torch.tensor([[p]]), torch.ones(1, 1, 1, dtype=torch.bool), p + 1)
         assert torch.equal(ar[0, :, 0], out[0, :, node]), f"node {node}"
 
@@ -676,17 +681,17 @@ def test_gpu_tree_node_equals_its_ar_decode(start, parents):
     vis, depth = _tree(PARENTS)
     s0 = torch.tensor([start], device="cuda")
     pos = s0[:, None] + depth[None].cuda()
-    anc, chain = bi.ancestor_map(s0, pos, vis.cuda())
-    out = bi.attention(q, kc, vc, torch.tensor([0], device="cuda"), s0, pos, anc, chain, start + 64)
+    anc, chain = tables.ancestor_map(s0, pos, vis.cuda())
+    out = bia.attention(q, kc, vc, torch.tensor([0], device="cuda"), s0, pos, anc, chain, start + 64)
     one = torch.ones(1, 1, 1, dtype=torch.bool, device="cuda")
     for node in range(t):
         path = _path(PARENTS, node)
         _ar_layout(kc, vc, 0, 1, start, path)
         p = start + len(path) - 1
         pt = torch.tensor([p], device="cuda")
-        a1, c1 = bi.ancestor_map(pt, pt[:, None], one)
+        a1, c1 = tables.ancestor_map(pt, pt[:, None], one)
         for kv_len in (p + 1, 1024 * (p // 1024 + 1), 4096):
-            ar = bi.attention(q[:, :, node:node + 1], kc, vc, torch.tensor([1], device="cuda"), pt, pt[:, None],
+            ar = bia.attention(q[:, :, node:node + 1], kc, vc, torch.tensor([1], device="cuda"), pt, pt[:, None],
                               a1, c1, kv_len)
             assert torch.equal(ar[0, :, 0], out[0, :, node]), f"node {node} at kv_len {kv_len}"
 
@@ -700,19 +705,19 @@ def test_gpu_chain_row_equals_its_ar_decode(tokens):
     kv, g, d = 8, 4, 128
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     one = torch.ones(1, 1, 1, dtype=torch.bool, device="cuda")
-    # 250, 500, 1020: the chain crosses a split edge at a multiple of 256 or of bi.ATTN_SPLIT_KEYS
+    # 250, 500, 1020: the chain crosses a split edge at a multiple of 256 or of rules.ATTN_SPLIT_KEYS
     for start in (63, 64, 100, 200, 250, 500, 1000, 1020, 3000):
         kc = torch.randn(2, kv, 4096, d, device="cuda", dtype=torch.bfloat16, generator=gen)
         vc = torch.randn(2, kv, 4096, d, device="cuda", dtype=torch.bfloat16, generator=gen)
         q = torch.randn(1, kv * g, tokens, d, device="cuda", dtype=torch.bfloat16, generator=gen)
         s0 = torch.tensor([start], device="cuda")
         pos = s0[:, None] + torch.arange(tokens, device="cuda")[None]
-        anc, chain = bi.ancestor_map(s0, pos, torch.tril(one.expand(1, tokens, tokens)))
-        out = bi.attention(q, kc, vc, torch.tensor([1], device="cuda"), s0, pos, anc, chain, start + 64)
+        anc, chain = tables.ancestor_map(s0, pos, torch.tril(one.expand(1, tokens, tokens)))
+        out = bia.attention(q, kc, vc, torch.tensor([1], device="cuda"), s0, pos, anc, chain, start + 64)
         for t in range(tokens):
             pt = pos[0, t:t + 1]
-            a1, c1 = bi.ancestor_map(pt, pt[:, None], one)
-            ar = bi.attention(q[:, :, t:t + 1], kc, vc, torch.tensor([1], device="cuda"), pt, pt[:, None], a1, c1,
+            a1, c1 = tables.ancestor_map(pt, pt[:, None], one)
+            ar = bia.attention(q[:, :, t:t + 1], kc, vc, torch.tensor([1], device="cuda"), pt, pt[:, None], a1, c1,
                               start + t + 1)
             assert torch.equal(ar[0, :, 0], out[0, :, t]), f"row {t} of a chain at {start}"
 
@@ -726,18 +731,18 @@ def test_gpu_split_and_fused_launches_agree_at_every_row_count(shape):
     n, k = shape
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     x = torch.randn(2048, k, device="cuda", dtype=torch.bfloat16)
-    ref = bi.linear(x, w, launch=bi.MATMUL_POINTER_WIDE_LAUNCH)
-    launches = [launch for _, launch in bi.MATMUL_POINTER_LAUNCHES + bi.MATMUL_LAUNCHES] + [
-        bi.MATMUL_WIDE_LAUNCH, bi.MATMUL_POINTER_WIDE_LAUNCH, bi.MATMUL_POINTER_WIDE_LAUNCH._replace(flat=False),
-        bi.MATMUL_POINTER_WIDE_LAUNCH._replace(tma=True), bi.MATMUL_LAUNCHES[0][1]._replace(tma=True),
-        bi.MatmulLaunch(128, 256, 8, 3, fused=True, flat=True)]
+    ref = bim.linear(x, w, launch=bim.MATMUL_POINTER_WIDE_LAUNCH)
+    launches = [launch for _, launch in bim.MATMUL_POINTER_LAUNCHES + bim.MATMUL_LAUNCHES] + [
+        bim.MATMUL_WIDE_LAUNCH, bim.MATMUL_POINTER_WIDE_LAUNCH, bim.MATMUL_POINTER_WIDE_LAUNCH._replace(flat=False),
+        bim.MATMUL_POINTER_WIDE_LAUNCH._replace(tma=True), bim.MATMUL_LAUNCHES[0][1]._replace(tma=True),
+        bim.MatmulLaunch(128, 256, 8, 3, fused=True, flat=True)]
     assert {launch.fused for launch in launches} == {True, False}
     assert {(launch.tma, launch.fused) for launch in launches} == {(True, True), (True, False), (False, True),
                                                                   (False, False)}
-    assert bi.tma_loads(x) and bi._descriptors_fit(x, w, ref)  # an H200: the descriptor launches run, no fallback
+    assert bim.tma_loads(x) and bim._descriptors_fit(x, w, ref)  # an H200: the descriptor launches run, no fallback
     for m in range(1, 2049):
         for launch in launches:
-            assert torch.equal(bi.linear(x[:m], w, launch=launch), ref[:m]), f"{launch} at {m} rows"
+            assert torch.equal(bim.linear(x[:m], w, launch=launch), ref[:m]), f"{launch} at {m} rows"
 
 
 @pytest.mark.gpu
@@ -749,12 +754,12 @@ def test_gpu_default_launches_with_whole_waves_keep_every_row(shape):
     n, k = shape
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     x = torch.randn(2048, k, device="cuda", dtype=torch.bfloat16)
-    ref = bi.linear(x, w, launch=bi.MATMUL_POINTER_WIDE_LAUNCH)
-    wave = bi.matmul_wave_rows(n, k, x.device)
+    ref = bim.linear(x, w, launch=bim.MATMUL_POINTER_WIDE_LAUNCH)
+    wave = bim.matmul_wave_rows(n, k, x.device)
     assert wave > 0
-    assert any(bi._whole_waves(n, k, m, True, wave) for m in range(1, 2049))  # the split runs somewhere
+    assert any(bim._whole_waves(n, k, m, True, wave) for m in range(1, 2049))  # the split runs somewhere
     for m in range(1, 2049):
-        assert torch.equal(bi.linear(x[:m], w), ref[:m]), f"default launch at {m} rows"
+        assert torch.equal(bim.linear(x[:m], w), ref[:m]), f"default launch at {m} rows"
 
 
 @pytest.mark.gpu
@@ -766,12 +771,12 @@ def test_gpu_descriptor_launches_with_a_bias_and_a_masked_k_tile():
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(2048, k, device="cuda", dtype=torch.bfloat16)
-    assert bi.matmul_tiles(n, k).split_k == 4
-    ref = bi.linear(x, w, b, launch=bi.MATMUL_POINTER_WIDE_LAUNCH)
-    launches = [launch for _, launch in bi.MATMUL_POINTER_LAUNCHES + bi.MATMUL_LAUNCHES] + [bi.MATMUL_WIDE_LAUNCH]
+    assert bim.matmul_tiles(n, k).split_k == 4
+    ref = bim.linear(x, w, b, launch=bim.MATMUL_POINTER_WIDE_LAUNCH)
+    launches = [launch for _, launch in bim.MATMUL_POINTER_LAUNCHES + bim.MATMUL_LAUNCHES] + [bim.MATMUL_WIDE_LAUNCH]
     for m in (1, 16, 17, 128, 129, 192, 193, 640, 641, 1024, 2048):
         for launch in launches:
-            assert torch.equal(bi.linear(x[:m], w, b, launch=launch), ref[:m]), f"{launch} at {m} rows"
+            assert torch.equal(bim.linear(x[:m], w, b, launch=launch), ref[:m]), f"{launch} at {m} rows"
 
 
 @pytest.mark.gpu
@@ -797,11 +802,11 @@ def test_gpu_fused_launch_gives_the_split_launch_bits(parents):
     start = torch.randint(0, 3000, (rows,), device="cuda", generator=gen)
     start[:4] = torch.tensor([250, 255, 1020, 0], device="cuda")
     pos = start[:, None] + depth[None].cuda()
-    anc, chain = bi.ancestor_map(start, pos, vis.cuda().expand(rows, t, t).contiguous())
+    anc, chain = tables.ancestor_map(start, pos, vis.cuda().expand(rows, t, t).contiguous())
     args = (q, kc, vc, torch.arange(rows, device="cuda"), start, pos, anc, chain, 4096)
-    split = bi.attention(*args, fused=False)
-    assert torch.equal(bi.attention(*args, fused=True), split)
-    assert torch.equal(bi.attention(*args, fused=True, num_stages=3), split)
+    split = bia.attention(*args, fused=False)
+    assert torch.equal(bia.attention(*args, fused=True), split)
+    assert torch.equal(bia.attention(*args, fused=True, num_stages=3), split)
 
 
 @pytest.mark.gpu
@@ -819,12 +824,12 @@ def test_gpu_small_last_tiles_give_the_bits_of_full_ones(monkeypatch, rows, node
     start = torch.randint(0, 3000, (rows,), device="cuda", generator=gen)
     start[0] = 250
     pos = start[:, None] + depth[None].cuda()
-    anc, chain = bi.ancestor_map(start, pos, vis.cuda().expand(rows, nodes, nodes).contiguous())
+    anc, chain = tables.ancestor_map(start, pos, vis.cuda().expand(rows, nodes, nodes).contiguous())
     args = (q, kc, vc, torch.arange(rows, device="cuda"), start, pos, anc, chain, 4096)
-    monkeypatch.setattr(bi, "ATTN_SMALL_TAIL_ROWS", 0)
-    ref = bi.attention(*args, fused=False)
-    monkeypatch.setattr(bi, "ATTN_SMALL_TAIL_ROWS", 16)
-    assert bi.attention_small_tail(nodes, g, rows * kv)
-    for tail in (bi.tail_chunks(anc, pos, start, g, kv), bi.single_chunks(rows, nodes, g, q.device, kv)):
+    monkeypatch.setattr(rules, "ATTN_SMALL_TAIL_ROWS", 0)
+    ref = bia.attention(*args, fused=False)
+    monkeypatch.setattr(rules, "ATTN_SMALL_TAIL_ROWS", 16)
+    assert rules.attention_small_tail(nodes, g, rows * kv)
+    for tail in (tables.tail_chunks(anc, pos, start, g, kv), tables.single_chunks(rows, nodes, g, q.device, kv)):
         for fused in (False, True):
-            assert torch.equal(bi.attention(*args, fused=fused, tail=tail), ref), f"fused={fused}"
+            assert torch.equal(bia.attention(*args, fused=fused, tail=tail), ref), f"fused={fused}"

@@ -29,6 +29,7 @@ from torch import Tensor
 from ddtree.errors import ConfigError
 from ddtree.models import batch_invariant as bi
 from ddtree.models import exact_blas, fused_ops, tree_attention
+from ddtree.models.batch_invariant import attention_rules
 from ddtree.models.kv_cache import KVCache
 from ddtree.models.layers import DecoderLayer, RMSNorm, apply_rope
 from ddtree.speculative.attention import TreeVisibility
@@ -123,7 +124,7 @@ class _Ops:
 def supports(target, triton: bool) -> bool:
     """Whether the Triton path takes this target (head dim, query heads per KV head); the torch path takes any."""
     c = target.config
-    return not triton or (bi.supports_head_dim(c.head_dim) and c.num_heads // c.num_kv_heads <= bi.ATTN_BLOCK_M)
+    return not triton or (bi.supports_head_dim(c.head_dim) and c.num_heads // c.num_kv_heads <= attention_rules.ATTN_BLOCK_M)
 
 
 def _layer(layer: DecoderLayer, h: Tensor, cos: Tensor, sin: Tensor, ops: _Ops, attend) -> Tensor:
@@ -162,7 +163,7 @@ def attender(target, cache: KVCache, slots: Tensor, write_pos: Tensor, positions
                           "pass the tree visibility (the engine does when KernelSet.exact is on)")
     if not supports(target, triton):
         raise ConfigError(f"exact mode's Triton attention takes head_dim in {bi.SUPPORTED_HEAD_DIMS} and at most "
-                          f"{bi.ATTN_BLOCK_M} query heads per KV head; this target has head_dim "
+                          f"{attention_rules.ATTN_BLOCK_M} query heads per KV head; this target has head_dim "
                           f"{target.config.head_dim}, {target.config.num_heads // target.config.num_kv_heads}")
     if not triton and slots.is_cuda:
         raise ConfigError("exact mode on CUDA needs Triton (its one-row-at-a-time torch path reads indices on the "
