@@ -149,3 +149,12 @@ def test_the_engine_commands_declare_no_engine_field_by_hand():
         source = inspect.getsource(inspect.unwrap(fn))
         declared = set(re.findall(r"^\s+(\w+): [^=]+= typer\.Option\(", source, flags=re.M))
         assert declared & fields <= own, (fn.__name__, sorted(declared & fields))
+
+
+@pytest.mark.parametrize("argv", [["generate", "--prompt", "x"], ["serve"]], ids=["generate", "serve"])
+def test_a_wrong_budget_is_a_usage_error_naming_the_flag(argv):
+    """--budget takes a count or ``auto`` (options.tree_settings, shared by both commands): anything else exits 2
+    with the flag and the value named, before a model loads."""
+    res = CliRunner().invoke(app, [*argv, "--budget", "lots", "--device", "cpu"], env={"COLUMNS": "240"})
+    assert res.exit_code == 2, res.output
+    assert "Invalid value for --budget" in res.output and "'lots'" in res.output

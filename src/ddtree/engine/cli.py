@@ -7,9 +7,9 @@ from dataclasses import replace
 
 import typer
 
-from ddtree.engine.api import METHODS, GenerationRequest, SamplingParams, TreeSettings, parse_budget
+from ddtree.engine.api import METHODS, GenerationRequest, SamplingParams
 from ddtree.engine.config import EngineConfig
-from ddtree.engine.options import engine_options
+from ddtree.engine.options import engine_options, tree_settings
 
 
 def _parse_window(value: str | None) -> int | None:
@@ -44,14 +44,9 @@ def generate(
     engine_config: EngineConfig,
 ) -> None:
     """Generate a completion for one prompt with AR, the DFlash chain or a DDTree tree."""
-    try:
-        budget = parse_budget(budget)  # type: ignore[assignment]
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--budget") from None
-    tree = TreeSettings(method=method, budget=budget, topk=topk, block_size=block_size,  # type: ignore[arg-type]
-                        draft_window=_parse_window(draft_window))
-    config = replace(engine_config, max_batch=1, max_budget=engine_config.max_budget if budget == "auto" else max(budget, 1), max_block_size=block_size,
-                     default_tree=tree)
+    tree = tree_settings(method, budget, topk, block_size, _parse_window(draft_window))
+    max_budget = engine_config.max_budget if tree.budget == "auto" else max(tree.budget, 1)  # type: ignore[call-overload]
+    config = replace(engine_config, max_batch=1, max_budget=max_budget, max_block_size=block_size, default_tree=tree)
     from ddtree.engine.engine import Engine
 
     engine = Engine.from_config(config)

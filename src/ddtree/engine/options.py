@@ -24,6 +24,7 @@ import typing
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from ddtree.engine.api import TreeSettings, parse_budget
 from ddtree.engine.config import EngineConfig
 from ddtree.errors import ConfigError
 
@@ -147,6 +148,21 @@ def _check(config: EngineConfig, flags: Mapping[str, str]) -> None:
     except ConfigError as exc:
         field = str(exc).split(" ", 1)[0]  # EngineConfig.validated's messages open with the field's name
         raise typer.BadParameter(str(exc), param_hint=f"'{flags[field]}'" if field in flags else None) from None
+
+
+def tree_settings(method: str, budget: str, topk: int | None, block_size: int | None,
+                  draft_window: int | None) -> TreeSettings:
+    """The :class:`~ddtree.engine.api.TreeSettings` of a command's ``--method``, ``--budget``, ``--topk``,
+    ``--block-size`` and ``--draft-window`` (``ddtree generate``'s request, ``ddtree serve``'s default); a budget
+    that is neither a count nor ``auto`` is a usage error naming ``--budget``."""
+    import typer
+
+    try:
+        parsed = parse_budget(budget)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--budget") from None
+    return TreeSettings(method=method, budget=parsed, topk=topk, block_size=block_size,  # type: ignore[arg-type]
+                        draft_window=draft_window)
 
 
 @typing.overload

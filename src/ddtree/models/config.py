@@ -44,6 +44,19 @@ def _positive(name: str, value: Any) -> None:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")
 
 
+def _check_shape(config: Any, names: tuple[str, ...]) -> None:
+    """A model config's sizes: each of ``names`` a positive integer, whole query heads per KV head, an even head
+    dim (RoPE rotates pairs). Shared by the target's and the drafter's configs."""
+    for name in names:
+        _positive(name, getattr(config, name))
+    if config.num_heads % config.num_kv_heads:
+        raise ConfigError(
+            f"num_heads ({config.num_heads}) must be a multiple of num_kv_heads ({config.num_kv_heads})"
+        )
+    if config.head_dim % 2:
+        raise ConfigError(f"head_dim must be even for RoPE, got {config.head_dim}")
+
+
 def _check_rope(theta: float, scaling: dict[str, Any] | None) -> None:
     if not isinstance(theta, (int, float)) or theta <= 0:
         raise ConfigError(f"rope_theta must be a positive number, got {theta!r}")
@@ -124,15 +137,8 @@ class TargetConfig:
     def __post_init__(self) -> None:
         if self.family not in _MODEL_TYPES:
             raise ConfigError(f"family must be one of {sorted(_MODEL_TYPES)}, got {self.family!r}")
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                     "intermediate_size", "max_position_embeddings"):
-            _positive(name, getattr(self, name))
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
-            )
-        if self.head_dim % 2:
-            raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        _check_shape(self, ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                            "intermediate_size", "max_position_embeddings"))
         if not self.rms_norm_eps > 0:
             raise ConfigError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
         _check_rope(self.rope_theta, self.rope_scaling)
@@ -276,15 +282,8 @@ class DrafterConfig:
     trained_block_size: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
-                     "vocab_size", "max_position_embeddings"):
-            _positive(name, getattr(self, name))
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
-            )
-        if self.head_dim % 2:
-            raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        _check_shape(self, ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+                            "vocab_size", "max_position_embeddings"))
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 2:
             raise ConfigError(f"block_size must be an integer >= 2, got {self.block_size!r}")
         if not isinstance(self.mask_token_id, int) or not 0 <= self.mask_token_id < self.vocab_size:

@@ -29,9 +29,8 @@ from typing import TYPE_CHECKING
 import typer
 import uvicorn
 
-from ddtree.engine.api import TreeSettings, parse_budget
 from ddtree.engine.config import EngineConfig
-from ddtree.engine.options import engine_options
+from ddtree.engine.options import engine_options, tree_settings
 from ddtree.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -144,12 +143,7 @@ def serve(
     from ddtree.server.auth import AccessPolicy, is_loopback
     from ddtree.server.limits import ServerLimits
 
-    try:
-        budget = parse_budget(budget)  # type: ignore[assignment]
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--budget") from None
-    tree = TreeSettings(method=method, budget=budget, topk=topk, block_size=block_size,  # type: ignore[arg-type]
-                        draft_window=draft_window)
+    tree = tree_settings(method, budget, topk, block_size, draft_window)
     config = replace(engine_config, default_tree=tree).validated()
     access = AccessPolicy(api_key=api_key, admin_api_key=admin_api_key, loopback_only=is_loopback(host)).validated()
     limits = ServerLimits(max_body_bytes=max_body_bytes, max_queued_tokens=max_queued_tokens,
