@@ -40,7 +40,7 @@ from ddtree.lab.bench.matrix import CompileLog, MatrixPlan, cell_prompts, run_ma
 from ddtree.lab.bench.workload import held_out_token_stream
 from ddtree.lab.replay.auto import auto_anchors
 from ddtree.lab.replay.predict import predict
-from ddtree.lab.replay.throughput import cell_sequences, predict_cells
+from ddtree.lab.replay.throughput import cell_sequences, curve_overlap, curve_prefill_every, predict_cells
 from ddtree.lab.replay.trace import record_trace
 from ddtree.models import load_tokenizer
 from ddtree.models.standin import load_demo_benchmark_pair
@@ -169,7 +169,11 @@ def main() -> None:
                          "extrapolated": p.extrapolated,
                          "measured_auto_budgets": m.get("auto_budgets") or None,
                          "replayed_auto_budgets": p.auto_budgets})
-    doc = {**report, "trace": {**trace.metadata(), "record_s": round(trace_s, 1)}, "comparison": rows,
+    # the loop's schedule rules as the engine ran (its defaults on this device; git log of replay.throughput: the
+    # model has placed steps and rows as the engine's scheduler does since 2026-12-08)
+    loop = {"prefill_every": curve_prefill_every(curve, config.prefill_every),
+            "overlap_rounds": curve_overlap(curve, config.overlap_rounds)}
+    doc = {**report, "trace": {**trace.metadata(), "record_s": round(trace_s, 1)}, "comparison": rows, "loop": loop,
            "curve": curve.to_json(), "curve_eager_prefill": curve_eager.to_json() if curve_eager else None,
            "total_s": round(time.perf_counter() - t_start, 1)}
     for cell in doc["cells"]:

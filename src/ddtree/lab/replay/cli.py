@@ -124,6 +124,12 @@ def predict_cmd(
     prefill_chunk: int = typer.Option(512, help="With --cost-curve and no --run: the engine's prefill chunk."),
     prefill_step_tokens: int | None = typer.Option(None, help="With --cost-curve and no --run: the engine's "
                                                    "prefill step size (default: the engine's on the curve's device)."),
+    prefill_every: int | None = typer.Option(None, min=1, help="With --cost-curve and no --run: the engine's "
+                                             "prefill_every (default: the engine's on the curve's device: 3 on CUDA, "
+                                             "1 on the CPU)."),
+    overlap_rounds: bool | None = typer.Option(None, "--overlap-rounds/--no-overlap-rounds", help="With --cost-curve "
+                                               "and no --run: whether the engine queued each round before reading "
+                                               "the last (default: the engine's on the curve's device: on with CUDA)."),
     max_budget: int | None = typer.Option(None, help="With budget auto: the engine's max_budget, which bounds "
                                           "auto's sizes (default: the run's engine, else 64)."),
 ) -> None:
@@ -182,13 +188,13 @@ def predict_cmd(
         sequences = cell_sequences([loaded.sequence(s)[0] for s in range(loaded.num_sequences)],
                                    cells.prompts(load_tokenizer(cells.tokenizer)[0]))
         ctxs, concs, reqs, chunk = cells.contexts, cells.concurrency, cells.num_requests, cells.prefill_chunk
-        step = cells.prefill_step_tokens
+        step, every, overlap = cells.prefill_step_tokens, cells.prefill_every, cells.overlap_rounds
         max_budget = cells.max_budget if max_budget is None else max_budget
     else:
         ctxs = tuple(c for c in _list(contexts, what="contexts", optional=False) if c is not None)
         concs = tuple(c for c in _list(concurrency, what="concurrency", optional=False) if c is not None)
         reqs = {c: num_requests or loaded.num_sequences for c in concs}
-        chunk, step = prefill_chunk, prefill_step_tokens
+        chunk, step, every, overlap = prefill_chunk, prefill_step_tokens, prefill_every, overlap_rounds
     auto = None
     if "auto" in parsed:
         from ddtree.lab.replay.auto import auto_anchors
@@ -200,7 +206,8 @@ def predict_cmd(
         auto = auto_anchors(loaded, EngineConfig.max_budget if max_budget is None else max_budget, topks[0])
     cells_out = predict_cells(predictions, curve, depth=loaded.depth, contexts=ctxs, concurrency=concs,
                               num_requests=reqs, max_tokens=loaded.max_tokens, sequences=sequences,
-                              prefill_chunk=chunk, step_tokens=step, auto=auto)
+                              prefill_chunk=chunk, step_tokens=step, prefill_every=every, overlap_rounds=overlap,
+                              auto=auto)
     tok = Table(title=f"predicted tok/s (cost curve {curve.device}, {curve.model}"
                       f"{'' if curve.prefill_tokens else '; prefill not modelled'})")
     keys = [(c, n) for c in ctxs for n in concs]
@@ -217,7 +224,7 @@ def predict_cmd(
         typer.echo("budget auto: (its replayed accept length per cell); the sizes it chose are in the JSON "
                    "(auto_budgets: row-rounds per size)")
     doc = predicted_document(cells_out, curve=curve, curve_path=str(cost_curve), trace=loaded.metadata(),
-                             prefill_chunk=chunk, step_tokens=step)
+                             prefill_chunk=chunk, step_tokens=step, prefill_every=every, overlap_rounds=overlap)
     if run is not None:
         atomic_write_json(run / PREDICTED_FILE, doc)
         typer.echo(f"{run / PREDICTED_FILE} (* = outside the curve's grid: extrapolated)")
