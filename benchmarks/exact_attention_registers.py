@@ -105,7 +105,7 @@ def usage(kernels: ModuleType, rules: ModuleType, fused: bool, block_m: int, qt:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--file", default=None, help="another copy of batch_invariant.py to compile instead")
+    ap.add_argument("--file", default=None, help="a single-file batch_invariant.py (before the package) to compile instead")
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=2)
     args = ap.parse_args()
