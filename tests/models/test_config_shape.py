@@ -31,7 +31,7 @@ def test_config_refuses_a_broken_shape_naming_the_field(cls, base, change, messa
 
 
 def test_the_two_configs_check_the_same_fields():
-    """What both configs hold is checked alike (one rule, ``config._check_shape``)."""
+    """What both configs hold is checked alike (one rule, ``config._check_shape`` over ``config._SIZES``)."""
     shared = {f.name for f in dataclasses.fields(TargetConfig)} & {f.name for f in dataclasses.fields(DrafterConfig)}
     for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
                  "vocab_size", "max_position_embeddings"):

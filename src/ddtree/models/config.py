@@ -44,10 +44,15 @@ def _positive(name: str, value: Any) -> None:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")
 
 
-def _check_shape(config: Any, names: tuple[str, ...]) -> None:
-    """A model config's sizes: each of ``names`` a positive integer, whole query heads per KV head, an even head
-    dim (RoPE rotates pairs). Shared by the target's and the drafter's configs."""
-    for name in names:
+# the sizes both model configs hold, each a positive integer (_check_shape)
+_SIZES = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+          "max_position_embeddings")
+
+
+def _check_shape(config: Any) -> None:
+    """A model config's sizes: each of :data:`_SIZES` a positive integer, whole query heads per KV head, an even
+    head dim (RoPE rotates pairs). Shared by the target's and the drafter's configs."""
+    for name in _SIZES:
         _positive(name, getattr(config, name))
     if config.num_heads % config.num_kv_heads:
         raise ConfigError(
@@ -137,8 +142,7 @@ class TargetConfig:
     def __post_init__(self) -> None:
         if self.family not in _MODEL_TYPES:
             raise ConfigError(f"family must be one of {sorted(_MODEL_TYPES)}, got {self.family!r}")
-        _check_shape(self, ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                            "intermediate_size", "max_position_embeddings"))
+        _check_shape(self)
         if not self.rms_norm_eps > 0:
             raise ConfigError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
         _check_rope(self.rope_theta, self.rope_scaling)
@@ -282,8 +286,7 @@ class DrafterConfig:
     trained_block_size: int | None = None
 
     def __post_init__(self) -> None:
-        _check_shape(self, ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
-                            "vocab_size", "max_position_embeddings"))
+        _check_shape(self)
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 2:
             raise ConfigError(f"block_size must be an integer >= 2, got {self.block_size!r}")
         if not isinstance(self.mask_token_id, int) or not 0 <= self.mask_token_id < self.vocab_size:

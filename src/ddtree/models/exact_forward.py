@@ -124,7 +124,8 @@ class _Ops:
 def supports(target, triton: bool) -> bool:
     """Whether the Triton path takes this target (head dim, query heads per KV head); the torch path takes any."""
     c = target.config
-    return not triton or (bi.supports_head_dim(c.head_dim) and c.num_heads // c.num_kv_heads <= attention_rules.ATTN_BLOCK_M)
+    return not triton or (bi.supports_head_dim(c.head_dim)
+                          and c.num_heads // c.num_kv_heads <= attention_rules.ATTN_BLOCK_M)
 
 
 def _layer(layer: DecoderLayer, h: Tensor, cos: Tensor, sin: Tensor, ops: _Ops, attend) -> Tensor:

@@ -91,21 +91,26 @@ def round_budget(setting: Setting, depth: int) -> int:
     return int(setting.budget)
 
 
+def _device_type(curve: CostCurve) -> str:
+    """The engine's device type for a curve measured on ``curve.device`` ("cpu", else a CUDA device's name)."""
+    return "cpu" if curve.device == "cpu" else "cuda"
+
+
 def curve_step_tokens(curve: CostCurve, prefill_chunk: int, step_tokens: int | None) -> int:
     """The step size an engine on the curve's device used: ``step_tokens``, or the engine's default there."""
-    return resolve_step_tokens(step_tokens, prefill_chunk, "cpu" if curve.device == "cpu" else "cuda")
+    return resolve_step_tokens(step_tokens, prefill_chunk, _device_type(curve))
 
 
 def curve_overlap(curve: CostCurve, overlap_rounds: bool | None) -> bool:
     """Whether an engine on the curve's device queued each round before reading the one in flight:
     ``overlap_rounds``, or the engine's default there (``EngineConfig.overlap_rounds``: on with CUDA)."""
-    return curve.device != "cpu" if overlap_rounds is None else overlap_rounds
+    return _device_type(curve) == "cuda" if overlap_rounds is None else overlap_rounds
 
 
 def curve_prefill_every(curve: CostCurve, prefill_every: int | None) -> int:
     """How often an engine on the curve's device started arrivals' prefill while others decoded:
     ``prefill_every``, or the engine's default there (``EngineConfig.prefill_every``: 3 on CUDA, 1 on the CPU)."""
-    return resolve_prefill_every(prefill_every, "cpu" if curve.device == "cpu" else "cuda")
+    return resolve_prefill_every(prefill_every, _device_type(curve))
 
 
 class RoundModel(Protocol):
